@@ -1,0 +1,28 @@
+# Two commands set everything up on a fresh machine: `make train` and `make test`.
+# Each creates .venv when it is missing and installs the project (torch is pinned in pyproject.toml only).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: train test install bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/python -m functitan.train --config configs/debug.toml $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,86 @@
+"""Run a function on N local processes over gloo (loopback): the harness for distributed tests and benchmarks.
+
+Every distributed test in functitan compares N processes against a single-process reference computed in the
+same test; this module starts the N processes. Processes come from a forkserver that has imported torch once,
+so each start costs a fork, not a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, queue, threads: int):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(*args, **kwargs)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - the parent re-raises with the worker's traceback
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, threads: int = 1, **kwargs: Any
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo processes; return the per-rank results in rank order.
+
+    ``fn`` must be importable (a module-level function) and its result picklable. A failure on any rank raises
+    RuntimeError carrying that rank's traceback; a hang past ``timeout`` seconds kills every process.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, queue, threads), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, value = queue.get(timeout=timeout)
+            except Exception as exc:  # queue.Empty
+                raise RuntimeError(f"distributed run of {fn.__name__} timed out after {timeout}s") from exc
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError(f"distributed run of {fn.__name__} failed on " + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
