@@ -1,0 +1,122 @@
+"""Where documents come from: the default corpus, path expansion, and reading text / JSONL files.
+
+A *document* is the unit that the loader shuffles and ends with EOS: a whole text file, or one line of a
+JSONL file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from pathlib import Path
+from typing import Iterable
+
+__all__ = ["DEFAULT_CORPUS_BYTES", "default_corpus", "expand_paths", "read_documents", "is_jsonl"]
+
+DEFAULT_CORPUS_BYTES = 16 * 2**20
+"""16 MiB: the whole Python 3.11 stdlib (about 12 MB of .py/.txt without tests) fits."""
+
+_JSONL_SUFFIXES = (".jsonl", ".ndjson")
+# Directories whose content is not good prose or code for a language model, or is not the stdlib.
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+
+
+def default_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
+    """The ``*.py`` and ``*.txt`` files of the running interpreter's stdlib: a corpus with no download.
+
+    Files are taken in sorted order of their path relative to the stdlib directory (so the list is the same
+    on every rank and every run of the same Python) while their total size stays within ``max_bytes``;
+    site-packages, test directories and ``__pycache__`` are left out. A different Python version gives a
+    different corpus.
+
+    Args:
+        max_bytes: the cap on the total size of the returned files, in bytes.
+
+    Returns:
+        Absolute paths, sorted; their sizes add up to at most ``max_bytes``.
+    """
+    if max_bytes <= 0:
+        raise ValueError(f"default_corpus: max_bytes must be positive, got {max_bytes}")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise ValueError(
+            f"default_corpus: the stdlib directory {root} of this interpreter does not exist (an embedded or "
+            "zipped Python?); pass the training files explicitly"
+        )
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
+        found += [Path(dirpath, f) for f in filenames if f.endswith((".py", ".txt"))]
+    found.sort(key=lambda p: p.relative_to(root).as_posix())
+    out, total = [], 0
+    for p in found:
+        size = p.stat().st_size
+        if total + size > max_bytes:
+            break
+        out.append(p)
+        total += size
+    return out
+
+
+def is_jsonl(path: Path) -> bool:
+    """Whether ``path`` is read as JSONL (one document per line) rather than as one text document."""
+    return path.suffix.lower() in _JSONL_SUFFIXES
+
+
+def expand_paths(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """Files from files and directories: a directory gives every non-hidden file under it, sorted.
+
+    The order of ``paths`` is kept (it does not matter to the loader, which shuffles, but it makes the
+    file list, and so the shuffle, the same on every rank).
+    """
+    out: list[Path] = []
+    for item in paths:
+        p = Path(item)
+        if p.is_dir():
+            files = [f for f in p.rglob("*") if f.is_file() and not any(s.startswith(".") for s in f.relative_to(p).parts)]
+            out += sorted(files, key=lambda f: f.relative_to(p).as_posix())
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise FileNotFoundError(f"data path {p} does not exist (neither a file nor a directory)")
+    return out
+
+
+def read_documents(path: str | os.PathLike, *, text_key: str = "text") -> list[str]:
+    """The documents of one file: the whole text of a text file, or one per line of a ``.jsonl`` file.
+
+    Text is read as UTF-8 with undecodable bytes replaced. In JSONL, blank lines are skipped and every
+    other line must be a JSON object with a string under ``text_key``.
+
+    Raises:
+        ValueError: a JSONL line that is not JSON, not an object, or lacks a string ``text_key``; the
+            message names the file and the line number.
+    """
+    path = Path(path)
+    if not is_jsonl(path):
+        return [path.read_text(encoding="utf-8", errors="replace")]
+    docs = []
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                docs.append(_jsonl_text(line, path, lineno, text_key))
+    return docs
+
+
+def _jsonl_text(line: str, path: Path, lineno: int, text_key: str) -> str:
+    where = f"{path}, line {lineno}"
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"{where}: not valid JSON ({e}); each line of a JSONL file must be one JSON object") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+    if text_key not in obj:
+        raise ValueError(
+            f"{where}: no key {text_key!r} (keys: {sorted(obj)[:10]}); pass text_key= naming the field with the text"
+        )
+    text = obj[text_key]
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: {text_key!r} holds {type(text).__name__}, expected a string")
+    return text

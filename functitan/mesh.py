@@ -1,0 +1,93 @@
+"""The named device mesh: one DeviceMesh whose axes are named after the parallelism they carry.
+
+Axis order is fixed, outermost first: ``pp, dp_replicate, dp_shard, tp`` (tensor parallel innermost, so its
+ranks are neighbours and its collectives stay on the fastest links; pipeline outermost, it only sends P2P).
+Every axis is always present, possibly of size 1, so code can name any axis without checking whether it
+exists; a size-1 axis means "replicated" everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["AXES", "DP_AXES", "make_mesh", "resolve_degrees", "default_device_type", "axis_size"]
+
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+DP_AXES = ("dp_replicate", "dp_shard")
+
+
+def default_device_type() -> str:
+    """``cuda`` when a GPU is visible, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_degrees(world_size: int, **degrees: int) -> dict[str, int]:
+    """Fill the one ``-1`` degree with the remaining ranks and check that the product equals ``world_size``.
+
+    >>> resolve_degrees(8, pp=1, dp_replicate=2, dp_shard=-1, tp=2)
+    {'pp': 1, 'dp_replicate': 2, 'dp_shard': 2, 'tp': 2}
+    """
+    unknown = set(degrees) - set(AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; the axes are {list(AXES)}")
+    out = {a: int(degrees.get(a, 1)) for a in AXES}
+    for a, d in out.items():
+        if d == 0 or d < -1:
+            raise ValueError(f"parallelism.{a}={d}: a degree is a positive integer, or -1 for 'the remaining ranks'")
+    fill = [a for a, d in out.items() if d == -1]
+    if len(fill) > 1:
+        raise ValueError(f"parallelism: only one degree may be -1, got -1 for {fill}; set all but one explicitly")
+    fixed = math.prod(d for d in out.values() if d != -1)
+    if fill:
+        if world_size % fixed:
+            raise ValueError(
+                f"parallelism.{fill[0]}=-1: the other degrees multiply to {fixed}, which does not divide the world "
+                f"size {world_size}; choose degrees whose product divides {world_size}"
+            )
+        out[fill[0]] = world_size // fixed
+    product = math.prod(out.values())
+    if product != world_size:
+        shown = " x ".join(f"{a}={d}" for a, d in out.items())
+        raise ValueError(
+            f"parallelism: {shown} = {product} ranks, but the world size is {world_size}; make the product "
+            f"{world_size} (for example set dp_shard=-1 to take the remaining ranks)"
+        )
+    return out
+
+
+def make_mesh(
+    dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1, *, device: str | None = None
+) -> DeviceMesh:
+    """A DeviceMesh with axes ``("pp", "dp_replicate", "dp_shard", "tp")`` over the current process group.
+
+    Args:
+        dp_replicate: data-parallel replicas (DDP; with dp_shard > 1, HSDP).
+        dp_shard: data-parallel shards (FSDP). -1 takes the remaining ranks.
+        tp: tensor-parallel degree.
+        pp: pipeline-parallel degree.
+        device: ``"cpu"`` or ``"cuda"``; defaults to cuda when available.
+
+    Without an initialised process group the mesh has one rank (world size 1).
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    degrees = resolve_degrees(world, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+    device = device or default_device_type()
+    if not dist.is_initialized():
+        _init_single_process(device)
+    return init_device_mesh(device, tuple(degrees[a] for a in AXES), mesh_dim_names=AXES)
+
+
+def _init_single_process(device: str) -> None:
+    """A one-rank process group in memory, so a single process runs the same code path as N."""
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def axis_size(mesh: DeviceMesh, axis: str) -> int:
+    """The size of a named mesh axis (1 for an axis the mesh does not have)."""
+    names = mesh.mesh_dim_names or ()
+    return mesh.size(names.index(axis)) if axis in names else 1

@@ -1,0 +1,109 @@
+"""Local views of pytrees whose leaves may be DTensors.
+
+The optimizer's math is elementwise, and an elementwise op keeps a DTensor's placement, so it can run on the
+local shards alone: ``torch._foreach_*`` over every leaf's local tensor, then wrap each result back into a
+DTensor with the leaf's own spec. Eager DTensor dispatch costs 15-60 us per op per leaf and
+``DTensor.from_local`` about 75 us per leaf (it recomputes the global shape through an autograd Function), so
+the hot path wraps through the DTensor constructor with the leaf's existing spec instead (about 6 us).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from functitan.tree import check_same_structure, flatten_with_names
+
+
+class Flat(NamedTuple):
+    """A flattened tree: the original leaves, their local shards and their specs (None for plain tensors)."""
+
+    tree: Any
+    treedef: optree.PyTreeSpec
+    locals: list[Tensor]
+    specs: list[DTensorSpec | None]
+
+
+def _split(leaves: list[Any], tree: Any, what: str) -> tuple[list[Tensor], list[DTensorSpec | None]]:
+    locals_, specs = [], []
+    for i, x in enumerate(leaves):
+        if isinstance(x, DTensor):
+            locals_.append(x._local_tensor)
+            specs.append(x._spec)
+        elif isinstance(x, Tensor):
+            locals_.append(x)
+            specs.append(None)
+        else:
+            name = flatten_with_names(tree)[0][i][0]
+            raise TypeError(
+                f"{what} leaf {name!r} is a {type(x).__name__}, not a tensor; optimizer trees hold only tensors "
+                f"(leave non-trainable values out of the tree, e.g. with functitan.tree.partition)"
+            )
+    return locals_, specs
+
+
+def flatten(tree: Any, what: str = "params") -> Flat:
+    """Flatten ``tree`` into local shards and specs; ``what`` names the tree in errors."""
+    leaves, treedef = optree.tree_flatten(tree)
+    locals_, specs = _split(leaves, tree, what)
+    return Flat(tree, treedef, locals_, specs)
+
+
+def flatten_like(ref: Flat, tree: Any, what: tuple[str, str]) -> Flat:
+    """Flatten ``tree``, which must mirror ``ref.tree`` leaf for leaf: same structure, mesh, placements and
+    local shape. ``what`` names (ref, tree) in the errors, which name the first offending key path."""
+    try:
+        leaves = ref.treedef.flatten_up_to(tree)
+    except (ValueError, TypeError):
+        check_same_structure(ref.tree, tree, *what)
+        raise
+    locals_, specs = _split(leaves, tree, what[1])
+    for i, (a, b) in enumerate(zip(ref.specs, specs)):
+        same_spec = a is b or (a is not None and b is not None and a.mesh == b.mesh and a.placements == b.placements)
+        if not same_spec or ref.locals[i].shape != locals_[i].shape:
+            _raise_layout(ref, i, b, locals_[i], what)
+    return Flat(tree, ref.treedef, locals_, specs)
+
+
+def _raise_layout(ref: Flat, i: int, spec: DTensorSpec | None, local: Tensor, what: tuple[str, str]) -> None:
+    name = flatten_with_names(ref.tree)[0][i][0]
+
+    def show(s: DTensorSpec | None, t: Tensor) -> str:
+        if s is None:
+            return f"a plain tensor of shape {tuple(t.shape)}"
+        return f"a DTensor {tuple(s.shape)} with placements {tuple(s.placements)} on {s.mesh}"
+
+    raise ValueError(
+        f"{what[1]} leaf {name!r} is {show(spec, local)}, but the {what[0]} leaf is "
+        f"{show(ref.specs[i], ref.locals[i])}; the optimizer works shard by shard, so both need the same layout. "
+        f"Fix: redistribute {what[1]} to the {what[0]} placements (x.redistribute(placements=p.placements))."
+    )
+
+
+def wrap(local: Tensor, spec: DTensorSpec | None, requires_grad: bool = False) -> Tensor:
+    """Wrap a local result back into a DTensor with ``spec`` (a plain tensor when ``spec`` is None).
+
+    The result is a leaf: call under ``torch.no_grad()``. A dtype change (fp32 updates of a bf16 param) gets
+    a spec with the new dtype; the global shape and stride are the leaf's own.
+    """
+    if spec is None:
+        return local.requires_grad_(requires_grad) if requires_grad else local
+    if spec.tensor_meta is not None and spec.tensor_meta.dtype != local.dtype:
+        meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, local.dtype)
+        spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def unflatten(ref: Flat, locals_: list[Tensor]) -> Any:
+    """The tree of ``ref`` with each local shard replaced by ``locals_[i]``, wrapped like the ref leaf."""
+    return optree.tree_unflatten(ref.treedef, [wrap(t, s) for t, s in zip(locals_, ref.specs)])
+
+
+def zeros_like(ref: Flat) -> Any:
+    """A tree of zeros with the layout (and dtype) of every ref leaf: the usual optimizer-state initialiser."""
+    return unflatten(ref, [torch.zeros_like(t) for t in ref.locals])

@@ -1,0 +1,1 @@
+"""Model families written as pure functions over parameter pytrees: ``init``, ``specs``, ``apply``."""
