@@ -1,0 +1,177 @@
+"""Frozen dataclass configs from TOML files and ``--section.key=value`` overrides.
+
+A job config is a frozen dataclass whose fields are section dataclasses (``training``, ``optimizer``, ...),
+each holding only its component's fields. ``parse_config(JobConfig, argv)`` reads ``--config FILE.toml``,
+then applies command-line overrides in order. Types come from the field annotations (int, float, bool, str,
+tuple[str, ...], and ``X | None``). Unknown keys are errors that suggest the nearest known key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+__all__ = ["parse_config", "config_help", "flat_keys", "apply_overrides", "to_dict", "ConfigError"]
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the key and the fix."""
+
+
+def _sections(cls: type) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def flat_keys(cls: type) -> dict[str, tuple[type, Any, str]]:
+    """``{"section.key": (type, default, help)}`` for every leaf field of a job config class."""
+    out: dict[str, tuple[type, Any, str]] = {}
+    for sec_name, sec_cls in _sections(cls).items():
+        hints = typing.get_type_hints(sec_cls)
+        for f in dataclasses.fields(sec_cls):
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
+            out[f"{sec_name}.{f.name}"] = (hints[f.name], default, f.metadata.get("help", ""))
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _convert(key: str, tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        return _convert(key, args[0], value)
+    if origin is tuple:
+        (inner, *_rest) = typing.get_args(tp) or (str,)
+        items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
+        return tuple(_convert(key, inner, v.strip() if isinstance(v, str) else v) for v in items)
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
+        return value
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if tp is float:
+            return float(value)
+        if tp is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={value!r} is not a valid {_type_name(tp)}") from None
+    return value
+
+
+def _suggest(key: str, known: Sequence[str]) -> str:
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    if not near and "." in key:
+        leaf = key.split(".", 1)[1]
+        near = [k for k in known if k.endswith("." + leaf)][:1]
+    return f"; did you mean {near[0]!r}?" if near else "; run with --help to list every key"
+
+
+def apply_overrides(cfg: T, overrides: dict[str, Any], *, source: str = "command line") -> T:
+    """A new config with ``{"section.key": value}`` applied (values as strings or TOML-typed)."""
+    keys = flat_keys(type(cfg))
+    by_section: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        if key not in keys:
+            raise ConfigError(f"unknown config key {key!r} ({source}){_suggest(key, list(keys))}")
+        sec, name = key.split(".", 1)
+        by_section.setdefault(sec, {})[name] = _convert(key, keys[key][0], value)
+    changes = {}
+    for sec, fields in by_section.items():
+        try:
+            changes[sec] = dataclasses.replace(getattr(cfg, sec), **fields)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return dataclasses.replace(cfg, **changes)
+
+
+def _toml_overrides(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    out: dict[str, Any] = {}
+    for sec, fields in data.items():
+        if not isinstance(fields, dict):
+            raise ConfigError(f"{path}: top-level key {sec!r} must be a [section] table")
+        for k, v in fields.items():
+            out[f"{sec}.{k}"] = v
+    return out
+
+
+def config_help(cls: type, prog: str = "functitan train") -> str:
+    """The ``--help`` text: every key with its type and default."""
+    lines = [f"usage: {prog} [--config FILE.toml] [--section.key=value ...]", ""]
+    current = None
+    for key, (tp, default, text) in flat_keys(cls).items():
+        sec = key.split(".")[0]
+        if sec != current:
+            lines.append(f"[{sec}]")
+            current = sec
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        lines.append(f"  --{key:<34} {_type_name(tp):<18} default: {shown!r}" + (f"  {text}" if text else ""))
+    return "\n".join(lines)
+
+
+def parse_config(cls: type[T], argv: Sequence[str] | None = None, *, prog: str = "functitan train") -> T:
+    """Build ``cls()`` then apply ``--config FILE`` and ``--section.key=value`` / ``--section.key value``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(config_help(cls, prog))
+        raise SystemExit(0)
+    cfg = cls()
+    cli: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; options look like --section.key=value")
+        body = arg[2:]
+        if "=" in body:
+            key, value = body.split("=", 1)
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            key, value = body, argv[i + 1]
+            i += 1
+        else:
+            key, value = body, "true"
+        if key == "config":
+            cfg = apply_overrides(cfg, _toml_overrides(Path(value)), source=value)
+        else:
+            cli[key] = value
+        i += 1
+    return apply_overrides(cfg, cli)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-ready nested dict of a config (for run records)."""
+    return dataclasses.asdict(cfg)

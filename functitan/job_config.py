@@ -1,0 +1,113 @@
+"""The trainer's config: one small frozen dataclass per component, grouped by section.
+
+``functitan train --help`` lists every key with its default; TOML files (configs/*.toml) and
+``--section.key=value`` overrides land on these dataclasses (see functitan.config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from . import optim
+from .data import DataConfig
+
+__all__ = [
+    "ModelConfig", "TrainingConfig", "OptimizerConfig", "ParallelismConfig", "MetricsConfig",
+    "CheckpointConfig", "JobConfig", "build_optimizer", "learning_rate_schedule",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    flavor: str = "debug"  # a key of models.llama.CONFIGS
+    n_layers: int | None = None  # overrides of the flavor's shape (None keeps the flavor's value)
+    dim: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    steps: int = 200
+    batch_size: int = 8  # global: sequences per step over all data-parallel ranks
+    seq_len: int = 256
+    microbatches: int = 1  # gradient accumulation steps per rank
+    seed: int = 0
+    remat: Literal["none", "full"] = "none"
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # CPU threads per process; 0 leaves torch's default
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 3e-3
+    schedule: Literal["warmup_cosine", "warmup_linear", "wsd", "constant"] = "warmup_cosine"
+    warmup_steps: int = 20
+    final_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    momentum: float = 0.9  # sgd only
+    max_norm: float = 1.0  # global gradient-norm clip; 0 disables
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelismConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: the remaining ranks
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    log_every: int = 10
+    run_dir: str = "runs"
+    run_name: str | None = None  # None: a timestamp
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    enable: bool = False
+    folder: str = "checkpoints"  # under the run directory, unless absolute
+    interval: int = 100
+    keep_last: int = 3
+    load_path: str | None = None  # an explicit checkpoint to start from
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optim.Schedule:
+    final = cfg.lr * cfg.final_lr_ratio
+    warmup = min(cfg.warmup_steps, total_steps)
+    if cfg.schedule == "constant":
+        return optim.constant(cfg.lr)
+    if cfg.schedule == "warmup_cosine":
+        return optim.warmup_cosine(cfg.lr, warmup, total_steps, final=final)
+    if cfg.schedule == "warmup_linear":
+        return optim.warmup_linear(cfg.lr, warmup, total_steps, final=final)
+    return optim.wsd(cfg.lr, warmup, total_steps, final=final)
+
+
+def build_optimizer(cfg: OptimizerConfig, total_steps: int) -> optim.GradientTransformation:
+    """The optimizer the config names, with gradient clipping first when ``max_norm > 0``."""
+    lr = learning_rate_schedule(cfg, total_steps)
+    if cfg.name == "adamw":
+        core = optim.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    else:
+        core = optim.sgd(lr, momentum=cfg.momentum)
+    return optim.chain(optim.clip_by_global_norm(cfg.max_norm), core) if cfg.max_norm > 0 else core

@@ -1,0 +1,88 @@
+"""The train step: ``train_step(state, batch) -> (state, metrics)``, built from a loss and an optimizer.
+
+    loss_fn(params, batch)          # pure: the model's mean loss over this rank's batch
+      -> value_and_grad             # grads keep the params' placements (DTensor)
+      -> accumulate(microbatches)   # mean over microbatches
+      -> global_norm                # of the full gradient, however it is sharded
+      -> non-finite guard           # stop with the step named, or skip the update
+      -> optimizer.update           # functional: new opt_state
+      -> apply_updates              # functional: new params
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import optim
+from .random import fold_in
+from .train_state import TrainState
+from .transforms import accumulate, value_and_grad
+
+__all__ = ["make_train_step", "NonFiniteLossError", "NONFINITE_POLICIES"]
+
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss or gradient norm was NaN or infinite; the message names the step."""
+
+
+def _mean_over_ranks(x: Tensor) -> Tensor:
+    # Every rank of a data-parallel group holds its own batch's mean; ranks that share a batch (tensor
+    # parallel) hold the same value, so the mean over all ranks is the mean over data-parallel ranks.
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= dist.get_world_size()
+    return x
+
+
+def make_train_step(
+    loss_fn: Callable[[Any, Any], Tensor],
+    optimizer: optim.GradientTransformation,
+    *,
+    microbatches: int = 1,
+    on_nonfinite: str = "stop",
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, float]]]:
+    """Build ``train_step(state, batch) -> (state, metrics)``.
+
+    Args:
+        loss_fn: ``(params, batch) -> scalar`` mean loss over this rank's batch.
+        optimizer: an optax-shaped transformation (clipping, if any, is part of it).
+        microbatches: gradient-accumulation steps per train step (the batch splits along dim 0).
+        on_nonfinite: "stop" raises NonFiniteLossError naming the step; "skip" leaves params and optimizer
+            state unchanged for that step and reports ``skipped=1``.
+
+    ``metrics`` holds ``loss`` (mean over data-parallel ranks), ``grad_norm`` (of the full gradient, before
+    clipping) and ``skipped``.
+    """
+    if on_nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"training.on_nonfinite={on_nonfinite!r}; choose one of {NONFINITE_POLICIES}")
+    grad_fn = accumulate(value_and_grad(loss_fn), microbatches)
+
+    def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, float]]:
+        loss, grads = grad_fn(state.params, batch)
+        with torch.no_grad():
+            gnorm = optim.global_norm(grads)
+            stats = _mean_over_ranks(torch.stack([loss.float(), gnorm.float().to(loss.device)]))
+        loss_v, gnorm_v = stats.tolist()
+        # the gradient norm is global and the loss is averaged: every rank takes the same branch
+        if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
+            if on_nonfinite == "stop":
+                raise NonFiniteLossError(
+                    f"non-finite loss {loss_v} (grad norm {gnorm_v}) at step {state.step + 1}; lower "
+                    f"optimizer.lr, enable clipping (optimizer.max_norm), or set training.on_nonfinite='skip'"
+                )
+            nxt = state._replace(step=state.step + 1, rng=fold_in(state.rng, state.step))
+            return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": 1}
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optim.apply_updates(state.params, updates)
+        nxt = state._replace(step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step))
+        return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": 0}
+
+    return train_step

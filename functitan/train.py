@@ -1,0 +1,156 @@
+"""``functitan train``: mesh -> init -> place -> step -> optimizer -> checkpoint -> metrics, top to bottom.
+
+Run it on one process (``python -m functitan.train --config configs/debug.toml``), on N through torchrun
+(``torchrun --nproc-per-node=N -m functitan.train ...``), or let ``--nproc N`` start torchrun for you.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import metrics as M
+from .config import parse_config, to_dict
+from .data import build_loader
+from .job_config import JobConfig, ModelConfig, build_optimizer, learning_rate_schedule
+from .mesh import make_mesh
+from .random import fold_in, key
+from .sharding import Layout, default_rules, place
+from .step import make_train_step
+from .train_state import TrainState
+
+__all__ = ["main", "run"]
+
+
+def run(cfg: JobConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says; returns a summary (first/last loss, steps, run directory)."""
+    from models import llama
+
+    device = _init_process(cfg.training)
+    # 1. mesh: every layout is a choice of degrees
+    mesh = make_mesh(**dataclasses.asdict(cfg.parallelism), device=device.type)
+    rules = default_rules()
+    layout = Layout(mesh, rules, remat=cfg.training.remat)
+    local_batch = _local_batch(cfg.training, layout.dp_size)
+    loader = build_loader(cfg.data, batch_size=local_batch, seq_len=cfg.training.seq_len,
+                          dp_rank=layout.dp_rank, dp_size=layout.dp_size, device=device)
+
+    # 2. init, identical on every rank and mesh; 3. place: each rank keeps its shards
+    model_cfg = _model_config(cfg.model, vocab_size=loader.tokenizer.vocab_size)
+    rng = key(cfg.training.seed)
+    params = place(llama.init(model_cfg, fold_in(rng, "params"), device=device), llama.specs(model_cfg), rules, mesh)
+
+    # 4. optimizer and step
+    optimizer = build_optimizer(cfg.optimizer, cfg.training.steps)
+    lr_at = learning_rate_schedule(cfg.optimizer, cfg.training.steps)
+    state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=loader.init_state(), rng=rng)
+    train_step = make_train_step(partial(llama.loss, cfg=model_cfg, layout=layout), optimizer,
+                                 microbatches=cfg.training.microbatches, on_nonfinite=cfg.training.on_nonfinite)
+
+    # 5. metrics
+    run_dir = _run_dir(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
+    n_matmul = llama.num_params(model_cfg) - (0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.dim)
+    fpt = M.transformer_flops_per_token(n_params=n_matmul, n_layers=model_cfg.n_layers, n_heads=model_cfg.n_heads,
+                                        head_dim=model_cfg.head_dim, seq_len=cfg.training.seq_len)
+    meter = M.Meter(world_size=world, flops_per_token=fpt, peak=M.peak_flops(device, torch.float32))
+    sinks = M.make_sinks(run_dir, cfg.training.steps, rank=rank)
+    tokens_per_step = cfg.training.batch_size * cfg.training.seq_len
+
+    first_loss = last_loss = float("nan")
+    try:
+        M.reset_peak_memory(device)
+        while state.step < cfg.training.steps:
+            t0 = time.perf_counter()
+            batch, data_state = loader.next(state.data_state)
+            t_data = time.perf_counter() - t0
+            state, out = train_step(state._replace(data_state=data_state), batch)
+            meter.update(wall_s=time.perf_counter() - t0, data_s=t_data, tokens=tokens_per_step)
+            first_loss = out["loss"] if state.step == 1 else first_loss
+            last_loss = out["loss"]
+            if state.step % cfg.metrics.log_every == 0 or state.step in (1, cfg.training.steps):
+                record = {**out, "lr": lr_at(state.step - 1), **meter.flush(), **M.peak_memory(device)}
+                sinks.write(state.step, record)
+                M.reset_peak_memory(device)
+    finally:
+        sinks.close()
+    if rank == 0:
+        print(f"functitan: {state.step} steps, first loss {first_loss:.4f} -> last loss {last_loss:.4f}; logs in {run_dir}")
+    return {"steps": state.step, "first_loss": first_loss, "last_loss": last_loss, "run_dir": str(run_dir), "state": state}
+
+
+def _init_process(tcfg: Any) -> torch.device:
+    use_cuda = tcfg.device == "cuda" or (tcfg.device == "auto" and torch.cuda.is_available())
+    if tcfg.threads > 0:
+        torch.set_num_threads(tcfg.threads)
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+
+def _local_batch(tcfg: Any, dp_size: int) -> int:
+    per_rank, rest = divmod(tcfg.batch_size, dp_size)
+    if rest or per_rank % tcfg.microbatches:
+        raise ValueError(
+            f"training.batch_size={tcfg.batch_size} must split evenly over {dp_size} data-parallel ranks x "
+            f"{tcfg.microbatches} microbatches; use a multiple of {dp_size * tcfg.microbatches}"
+        )
+    return per_rank
+
+
+def _model_config(mcfg: ModelConfig, *, vocab_size: int):
+    from models import llama
+
+    overrides = {k: v for k, v in dataclasses.asdict(mcfg).items() if k != "flavor" and v is not None}
+    if mcfg.flavor not in llama.CONFIGS:
+        raise ValueError(f"model.flavor={mcfg.flavor!r} is unknown; choose one of {sorted(llama.CONFIGS)}")
+    return llama.config(mcfg.flavor, vocab_size=vocab_size, **overrides)
+
+
+def _run_dir(cfg: JobConfig) -> Path:
+    name = cfg.metrics.run_name
+    if name is None:  # one timestamp for all ranks
+        stamp = torch.tensor([int(time.time())], dtype=torch.int64)
+        if dist.get_world_size() > 1:
+            dist.broadcast(stamp, src=0)
+        name = f"{cfg.model.flavor}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(int(stamp.item())))}"
+    return Path(cfg.metrics.run_dir) / name
+
+
+def _launch(nproc: int, argv: Sequence[str]) -> int:
+    """Re-run this command under torchrun with ``nproc`` processes on this machine."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "functitan.train", *argv]
+    return subprocess.call(cmd)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    for i, a in enumerate(args):
+        if a == "--nproc" or a.startswith("--nproc="):
+            value = a.split("=", 1)[1] if "=" in a else args[i + 1]
+            rest = args[:i] + args[i + (1 if "=" in a else 2):]
+            return _launch(int(value), rest)
+    run(parse_config(JobConfig, args))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
