@@ -8,6 +8,7 @@ so each start costs a fork, not a fresh interpreter.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -35,8 +36,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(*args, **kwargs)
-        queue.put((rank, "ok", result))
+        # plain pickle: torch's queue reducer would pass tensors as shared-memory fds, which die with the worker
+        queue.put((rank, "ok", pickle.dumps(fn(*args, **kwargs))))
     except BaseException:  # noqa: BLE001 - the parent re-raises with the worker's traceback
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -71,7 +72,7 @@ def run_distributed(
             except Exception as exc:  # queue.Empty
                 raise RuntimeError(f"distributed run of {fn.__name__} timed out after {timeout}s") from exc
             if status == "ok":
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 break

@@ -1,0 +1,41 @@
+"""The ``functitan`` command: ``train``, ``pipeline show``, ``export hf``, ``import hf``."""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+USAGE = """usage: functitan <command> [args]
+
+commands:
+  train [--config FILE.toml] [--section.key=value ...] [--nproc N]   train a model (--help lists every key)
+  pipeline show --schedule zbv --pp 4 --microbatches 8 [--out t.png]   draw a pipeline schedule
+  export hf CHECKPOINT OUT_DIR                                          write a Hugging Face model directory
+  import hf HF_DIR OUT_CHECKPOINT                                       make a functitan checkpoint from HF
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "train":
+        from .train import main as train_main
+
+        return train_main(rest)
+    if command == "pipeline":
+        from .pipeline._cli import main as pipeline_main
+
+        return pipeline_main(rest)
+    if command in ("export", "import"):
+        from .checkpoint._hf_cli import main as hf_main
+
+        return hf_main(command, rest)
+    print(f"functitan: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

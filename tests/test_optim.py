@@ -1,0 +1,347 @@
+import math
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from functitan import optim
+from functitan.mesh import make_mesh
+from functitan.testing import run_distributed
+
+# --------------------------------------------------------------------------------------------------------
+# A small multi-leaf model: embedding, two residual layers (matrix + norm scale), output with bias.
+
+
+def _init_params(dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g, dtype=dtype) * 0.5).requires_grad_()
+
+    return {
+        "tok_embeddings": r(11, 6),
+        "layers": [{"attn": {"wq": r(6, 6)}, "norm": r(6)} for _ in range(2)],
+        "out": {"weight": r(6, 11), "bias": r(11)},
+    }
+
+
+def _loss(p, tokens, targets):
+    x = p["tok_embeddings"][tokens]  # (batch, embed)
+    for layer in p["layers"]:
+        x = x + torch.tanh(x @ layer["attn"]["wq"]) * layer["norm"]
+    logits = x @ p["out"]["weight"] + p["out"]["bias"]  # (batch, vocab)
+    return torch.nn.functional.cross_entropy(logits, targets)
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, 11, (8,), generator=g), torch.randint(0, 11, (8,), generator=g)
+
+
+def _named(params):
+    return [(".".join(map(str, path)), leaf) for path, leaf in zip(optree.tree_paths(params), optree.tree_leaves(params))]
+
+
+def _run_functional(opt, steps):
+    params = _init_params()
+    state = opt.init(params)
+    for step in range(steps):
+        leaves, treedef = optree.tree_flatten(params)
+        grads = treedef.unflatten(torch.autograd.grad(_loss(params, *_batch(step)), leaves))
+        updates, state = opt.update(grads, state, params)
+        params = optim.apply_updates(params, updates)
+    return params, state
+
+
+def _run_torch(make_opt, steps, make_sched=None):
+    params = _init_params()
+    named = _named(params)
+    opt = make_opt(named)
+    sched = make_sched(opt) if make_sched else None
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(params, *_batch(step)).backward()
+        opt.step()
+        if sched:
+            sched.step()
+    return dict(named)
+
+
+def test_adamw_matches_torch_adamw_over_20_steps_fp64():
+    peak, wd = 1e-2, 0.1
+    schedule = optim.warmup_cosine(peak, warmup_steps=3, total_steps=20, final=1e-3)
+    params, state = _run_functional(optim.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=wd), 20)
+
+    def make_opt(named):
+        decay = [p for n, p in named if optim.default_decay_mask(n, p)]
+        no_decay = [p for n, p in named if not optim.default_decay_mask(n, p)]
+        assert [n for n, p in named if optim.default_decay_mask(n, p)] == [
+            "layers.0.attn.wq", "layers.1.attn.wq", "out.weight"
+        ]
+        groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=peak, betas=(0.9, 0.95), eps=1e-8)
+
+    def make_sched(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s) / peak)
+
+    expected = _run_torch(make_opt, 20, make_sched)
+    start = dict(_named(_init_params()))
+    for name, leaf in _named(params):
+        # fp64: the two differ only in rounding order; the params moved by ~1e-1 over 20 steps
+        torch.testing.assert_close(leaf, expected[name].detach(), rtol=0, atol=1e-12)
+        assert (leaf - start[name]).abs().max() > 1e-3, name
+        assert leaf.requires_grad and leaf.is_leaf
+    adam_state = state[0]
+    assert adam_state.count.dtype == torch.int64 and adam_state.count.shape == () and int(adam_state.count) == 20
+    assert int(state[2].count) == 20
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+def test_sgd_matches_torch_sgd_over_10_steps(momentum, nesterov):
+    params, _ = _run_functional(optim.sgd(0.1, momentum=momentum, nesterov=nesterov), 10)
+    expected = _run_torch(
+        lambda named: torch.optim.SGD([p for _, p in named], lr=0.1, momentum=momentum, nesterov=nesterov), 10
+    )
+    for name, leaf in _named(params):
+        torch.testing.assert_close(leaf, expected[name].detach(), rtol=0, atol=1e-13)
+
+
+def test_sgd_nesterov_without_momentum_says_what_to_pass():
+    with pytest.raises(ValueError, match=r"nesterov=True\) needs momentum > 0.*momentum=0.9"):
+        optim.sgd(0.1, nesterov=True)
+
+
+def test_apply_updates_is_functional_and_keeps_dtype_and_requires_grad():
+    params = {"w": torch.ones(3, dtype=torch.bfloat16, requires_grad=True), "frozen": torch.zeros(2)}
+    updates = {"w": torch.full((3,), 1e-3), "frozen": torch.ones(2)}  # fp32 updates on a bf16 param
+    new = optim.apply_updates(params, updates)
+    assert new["w"].dtype == torch.bfloat16 and new["w"].requires_grad and new["w"].is_leaf
+    assert not new["frozen"].requires_grad
+    torch.testing.assert_close(new["frozen"], torch.ones(2))
+    torch.testing.assert_close(params["w"].detach(), torch.ones(3, dtype=torch.bfloat16))  # input untouched
+    assert new["w"] is not params["w"]
+
+
+def test_clip_by_global_norm_scales_only_above_max_norm():
+    clip = optim.clip_by_global_norm(1.0)
+    big = {"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])}
+    out, _ = clip.update(big, clip.init(big))
+    torch.testing.assert_close(out["a"], torch.tensor([0.6]))
+    torch.testing.assert_close(out["b"], torch.tensor([[0.8]]))
+    assert float(optim.global_norm(out)) == pytest.approx(1.0)
+    small = {"a": torch.tensor([0.3]), "b": torch.tensor([[0.4]])}
+    out, _ = clip.update(small, ())
+    torch.testing.assert_close(out["a"], small["a"])
+    zeros = {"a": torch.zeros(2)}
+    torch.testing.assert_close(clip.update(zeros, ())[0]["a"], torch.zeros(2))
+    with pytest.raises(ValueError, match="max_norm=0: pass a positive norm"):
+        optim.clip_by_global_norm(0)
+
+
+def test_default_decay_mask_decays_matrices_but_not_embeddings_or_vectors():
+    m = torch.zeros(4, 4)
+    assert optim.default_decay_mask("layers.0.attn.wq", m)
+    assert optim.default_decay_mask("lm_head.weight", m)
+    assert optim.default_decay_mask("embedding_proj", m)  # a segment must *be* an embedding name
+    for name in ["tok_embeddings", "model.embed_tokens.weight", "transformer.wte.weight", "wpe", "embed"]:
+        assert not optim.default_decay_mask(name, m), name
+    assert not optim.default_decay_mask("layers.0.norm", torch.zeros(4))
+
+
+def test_decay_mask_tree_with_wrong_structure_names_the_key_path():
+    params = {"layers": [{"wq": torch.ones(2, 2), "norm": torch.ones(2)}]}
+    opt = optim.add_decayed_weights(0.1, mask={"layers": [{"wq": True, "nrm": False}]})
+    with pytest.raises(ValueError, match=r"params and mask differ at 'layers\.0'.*only in the first: \['norm'\]"):
+        opt.init(params)
+    bad = optim.add_decayed_weights(0.1, mask={"layers": [{"wq": True, "norm": 1}]})
+    with pytest.raises(TypeError, match=r"mask for 'layers\.0\.norm' is 1 \(int\)"):
+        bad.init(params)
+
+
+def test_decay_mask_tree_selects_leaves():
+    params = {"a": torch.ones(2), "b": torch.ones(2)}
+    opt = optim.add_decayed_weights(0.5, mask={"a": True, "b": False})
+    updates, _ = opt.update({"a": torch.zeros(2), "b": torch.zeros(2)}, opt.init(params), params)
+    torch.testing.assert_close(updates["a"], torch.full((2,), 0.5))
+    torch.testing.assert_close(updates["b"], torch.zeros(2))
+    with pytest.raises(ValueError, match="needs the params"):
+        opt.update(updates, ())
+
+
+def test_grads_with_another_layout_than_params_raise_with_the_fix():
+    mesh = make_mesh(device="cpu")["dp_shard"]
+    params = {"w": distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])}
+    opt = optim.adamw(1e-3)
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=r"grads leaf 'w' is a plain tensor.*Fix: redistribute grads"):
+        opt.update({"w": torch.ones(4, 2)}, state, params)
+    with pytest.raises(ValueError, match=r"optimizer state and grads differ at '<root>'.*only in the second: \['v'\]"):
+        opt.update({"v": torch.ones(4, 2)}, state, params)
+
+
+def test_global_norm_refuses_partial_leaves():
+    mesh = make_mesh(device="cpu")["dp_shard"]
+    g = {"w": DTensor.from_local(torch.ones(2), mesh, [Partial()])}
+    with pytest.raises(ValueError, match=r"leaf 'w' has placements \(Partial\(sum\),\).*redistribute"):
+        optim.global_norm(g)
+
+
+def test_schedules_values_at_chosen_steps():
+    cos = optim.warmup_cosine(1.0, warmup_steps=10, total_steps=110, final=0.1)
+    assert cos(0) == pytest.approx(0.1)  # warmup start: step 0 already trains
+    assert cos(9) == pytest.approx(1.0) and cos(10) == pytest.approx(1.0)  # warmup end
+    assert cos(60) == pytest.approx(0.55)  # cosine midpoint: (peak + final) / 2
+    assert cos(110) == pytest.approx(0.1) and cos(500) == pytest.approx(0.1)  # end, and after
+    lin = optim.warmup_linear(2.0, warmup_steps=4, total_steps=14)
+    assert [lin(s) for s in (0, 3, 4, 9, 14)] == pytest.approx([0.5, 2.0, 2.0, 1.0, 0.0])
+    w = optim.wsd(1.0, warmup_steps=10, total_steps=100, decay_fraction=0.2)
+    assert [w(s) for s in (0, 9, 50, 80, 90, 100)] == pytest.approx([0.1, 1.0, 1.0, 1.0, 0.5, 0.0])
+    assert optim.constant(3e-4)(12345) == 3e-4
+    no_warmup = optim.warmup_cosine(1.0, warmup_steps=0, total_steps=10)
+    assert no_warmup(0) == 1.0 and no_warmup(5) == pytest.approx(0.5)
+
+
+def test_schedule_errors_say_what_to_pass():
+    with pytest.raises(ValueError, match=r"warmup_steps=200 exceeds total_steps=100; pass warmup_steps <= total"):
+        optim.warmup_cosine(1e-3, warmup_steps=200, total_steps=100)
+    with pytest.raises(ValueError, match=r"peak=-1.*non-negative"):
+        optim.warmup_linear(-1, 0, 10)
+    with pytest.raises(ValueError, match=r"warmup_steps=-1.*pass warmup_steps >= 0"):
+        optim.wsd(1.0, -1, 10)
+    with pytest.raises(ValueError, match=r"decay_fraction=1.5.*\[0, 1\]"):
+        optim.wsd(1.0, 0, 10, decay_fraction=1.5)
+    with pytest.raises(ValueError, match=r"would start at step 50, inside the 60-step warmup"):
+        optim.wsd(1.0, 60, 100, decay_fraction=0.5)
+    with pytest.raises(ValueError, match=r"final=2.0 is above peak=1.0"):
+        optim.warmup_cosine(1.0, 1, 10, final=2.0)
+    with pytest.raises(ValueError, match=r"schedule returned -1.0 at step 0"):
+        opt = optim.scale_by_learning_rate(lambda step: -1.0)
+        opt.update({"a": torch.ones(1)}, opt.init({"a": torch.ones(1)}))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Sharded params: N gloo processes vs the unsharded reference computed here.
+
+
+def _full_tree(seed, shapes):
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(*s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+
+
+def _reference(grads_per_step, params, max_norm, opt_factory):
+    norm = math.sqrt(sum(float(g.square().sum()) for g in grads_per_step[0].values()))
+    clip = optim.clip_by_global_norm(max_norm)
+    clipped, _ = clip.update(grads_per_step[0], ())
+    opt = opt_factory()
+    state = opt.init(params)
+    for grads in grads_per_step:
+        updates, state = opt.update(grads, state, params)
+        params = optim.apply_updates(params, updates)
+    return norm, clipped, params
+
+
+def _shard_tree(tree, layout):
+    return {k: distribute_tensor(v, layout[k][0], layout[k][1]) if k in layout else v for k, v in tree.items()}
+
+
+def _check_sharded_run(grads_per_step, params, layout, max_norm, opt_factory):
+    grads_per_step = [_shard_tree(g, layout) for g in grads_per_step]
+    params = {k: v.requires_grad_() for k, v in _shard_tree(params, layout).items()}
+    norm = optim.global_norm(grads_per_step[0])
+    clipped, _ = optim.clip_by_global_norm(max_norm).update(grads_per_step[0], ())
+    opt = opt_factory()
+    state = opt.init(params)
+    for grads in grads_per_step:
+        updates, state = opt.update(grads, state, params)
+        params = optim.apply_updates(params, updates)
+    placements = {}
+    for k, p in params.items():
+        layouts = [p, clipped[k], state[1][0].mu[k], state[1][0].nu[k]]
+        placements[k] = [str(getattr(x, "placements", "plain")) for x in layouts]
+        assert p.requires_grad and p.is_leaf, k
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t.detach()
+
+    return float(norm), {k: full(v) for k, v in clipped.items()}, {k: full(v) for k, v in params.items()}, placements
+
+
+def _adamw_with_clip():
+    return optim.chain(optim.clip_by_global_norm(2.0), optim.adamw(1e-2, weight_decay=0.1, mask=None))
+
+
+_SHAPES_2 = {"w": (6, 4), "uneven": (5, 3), "tiny": (1, 3), "rep": (4,), "col": (3, 5), "plain": (2,)}
+
+
+def _fsdp_worker(grads_per_step, params, max_norm):
+    fsdp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    named = make_mesh(dp_shard=2, device="cpu")  # (pp, dp_replicate, dp_shard, tp) = (1, 1, 2, 1)
+    layout = {
+        "w": (fsdp, [Shard(0)]),
+        "uneven": (fsdp, [Shard(0)]),  # 5 rows over 2 ranks: 3 + 2
+        "tiny": (fsdp, [Shard(0)]),  # 1 row: rank 1 holds an empty shard
+        "rep": (fsdp, [Replicate()]),  # counted once, not once per rank
+        "col": (named, [Replicate(), Replicate(), Shard(1), Replicate()]),  # another mesh: another group
+    }  # "plain" stays a plain tensor, the same on every rank
+    return _check_sharded_run(grads_per_step, params, layout, max_norm, _adamw_with_clip)
+
+
+def _assert_ranks_match_reference(results, reference):
+    ref_norm, ref_clipped, ref_params = reference
+    for norm, clipped, params, placements in results:
+        assert norm == pytest.approx(ref_norm, rel=1e-12)
+        for k in ref_clipped:
+            torch.testing.assert_close(clipped[k], ref_clipped[k], rtol=0, atol=1e-12)
+            torch.testing.assert_close(params[k], ref_params[k].detach(), rtol=0, atol=1e-12)
+    return results[0][3]
+
+
+def test_clip_and_adamw_on_fsdp_shards_equal_the_unsharded_run():
+    grads = [_full_tree(s, _SHAPES_2) for s in range(3)]
+    params = _full_tree(10, _SHAPES_2)
+    reference = _reference(grads, params, 2.0, _adamw_with_clip)
+    assert reference[0] > 2.0  # the clip is active
+    results = run_distributed(_fsdp_worker, 2, grads, params, 2.0)
+    placements = _assert_ranks_match_reference(results, reference)
+    # param, clipped grad, adam mu, adam nu all keep the param's placements
+    assert placements["w"] == ["(Shard(dim=0),)"] * 4
+    assert placements["rep"] == ["(Replicate(),)"] * 4
+    assert placements["col"] == ["(Replicate(), Replicate(), Shard(dim=1), Replicate())"] * 4
+    assert placements["plain"] == ["plain"] * 4
+
+
+_SHAPES_4 = {"w1": (6, 8), "w2": (8, 6), "norm": (5,), "tp_only": (7, 3), "rep": (3,), "sub": (4, 6)}
+
+
+def _fsdp_tp_worker(grads_per_step, params, max_norm):
+    from functitan.optim._norm import _all_reduce_sum
+
+    mesh = make_mesh(dp_shard=2, tp=2, device="cpu")  # (pp, dp_replicate, dp_shard, tp) = (1, 1, 2, 2)
+    R = Replicate()
+    layout = {
+        "w1": (mesh, [R, R, Shard(0), Shard(1)]),  # FSDP + column TP: reduced over all 4 ranks at once
+        "w2": (mesh, [R, R, Shard(1), Shard(0)]),  # FSDP + row TP: same group as w1
+        "norm": (mesh, [R, R, Shard(0), R]),  # uneven, sharded on dp_shard only: not reduced over tp
+        "tp_only": (mesh, [R, R, R, Shard(0)]),  # 7 rows over tp=2
+        "rep": (mesh, [R, R, R, R]),
+        "sub": (mesh["dp_shard", "tp"], [Shard(0), Shard(1)]),  # a 2-D sub-mesh
+    }
+    out = _check_sharded_run(grads_per_step, params, layout, max_norm, _adamw_with_clip)
+    one = torch.tensor(float(dist.get_rank() + 1), dtype=torch.float64)
+    sums = [float(_all_reduce_sum(one.clone(), mesh, (2, 3), allow_world=w)) for w in (True, False)]
+    sums.append(float(_all_reduce_sum(one.clone(), mesh, (2,))))  # dp_shard pairs: ranks {0,2} and {1,3}
+    return (*out, sums)
+
+
+def test_clip_and_adamw_on_2d_fsdp_tp_shards_equal_the_unsharded_run():
+    grads = [_full_tree(s, _SHAPES_4) for s in range(2)]
+    params = _full_tree(20, _SHAPES_4)
+    reference = _reference(grads, params, 2.0, _adamw_with_clip)
+    results = run_distributed(_fsdp_tp_worker, 4, grads, params, 2.0)
+    placements = _assert_ranks_match_reference([r[:4] for r in results], reference)
+    assert placements["w2"] == ["(Replicate(), Replicate(), Shard(dim=1), Shard(dim=0))"] * 4
+    assert placements["sub"] == ["(Shard(dim=0), Shard(dim=1))"] * 4
+    assert [r[4] for r in results] == [[10.0, 10.0, 4.0], [10.0, 10.0, 6.0], [10.0, 10.0, 4.0], [10.0, 10.0, 6.0]]

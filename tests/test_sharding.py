@@ -1,0 +1,96 @@
+"""Rules -> placements (precedence, size-1 axes), place(), and the Layout's explicit collectives."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from functitan.mesh import make_mesh, resolve_degrees
+from functitan.sharding import Layout, default_rules, logical_to_mesh_axes, place, spec_placements
+from functitan.testing import run_distributed
+
+FLAX_EXAMPLE = (("mlp", "tp"), ("embed", "dp_shard"), ("mlp", "dp_shard"))
+
+
+def test_precedence_first_unused_rule_wins():
+    assert logical_to_mesh_axes(("mlp", "embed"), FLAX_EXAMPLE) == (("tp",), ("dp_shard",))
+    assert logical_to_mesh_axes(("embed", "mlp"), FLAX_EXAMPLE) == (("dp_shard",), ("tp",))
+    # dim 1 cannot reuse tp, so the later ("mlp", "dp_shard") rule wins
+    assert logical_to_mesh_axes(("mlp", "mlp"), FLAX_EXAMPLE) == (("tp",), ("dp_shard",))
+    # an unknown name, or None, is replicated
+    assert logical_to_mesh_axes((None, "unknown"), FLAX_EXAMPLE) == ((), ())
+    # a rule may map to several axes: batch over both data-parallel axes
+    assert logical_to_mesh_axes(("batch", "seq"), default_rules()) == (("dp_replicate", "dp_shard"), ())
+    assert logical_to_mesh_axes(("batch", "seq"), default_rules(sequence_parallel=True)) == (("dp_replicate", "dp_shard"), ("tp",))
+
+
+def test_degrees_fill_and_errors():
+    assert resolve_degrees(8, dp_replicate=2, dp_shard=-1, tp=2) == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    with pytest.raises(ValueError, match=r"parallelism.dp_shard=-1: the other degrees multiply to 3, which does not divide the world size 4"):
+        resolve_degrees(4, dp_shard=-1, tp=3)
+    with pytest.raises(ValueError, match=r"dp_shard=3 x tp=1 = 3 ranks, but the world size is 2"):
+        resolve_degrees(2, dp_shard=3)
+    with pytest.raises(ValueError, match="only one degree may be -1"):
+        resolve_degrees(4, dp_shard=-1, tp=-1)
+
+
+def _placements_on_2x2():
+    mesh = make_mesh(dp_shard=2, tp=2)
+    rules = default_rules()
+    got = {
+        "wq": spec_placements(("heads", "embed"), rules, mesh),
+        "wo": spec_placements(("embed", "heads"), rules, mesh),
+        "norm": spec_placements(("embed",), rules, mesh),
+        "flax": spec_placements(("mlp", "mlp"), FLAX_EXAMPLE, mesh),
+    }
+    tp1 = make_mesh(dp_shard=4, tp=1)  # size-1 tp: the "heads" rule shards nothing
+    got["wq_tp1"] = spec_placements(("heads", "embed"), rules, tp1)
+    return got
+
+
+def test_rules_to_placements_on_a_real_mesh():
+    got = run_distributed(_placements_on_2x2, 4)[0]
+    R = Replicate()
+    # mesh axes are (pp, dp_replicate, dp_shard, tp)
+    assert got["wq"] == (R, R, Shard(1), Shard(0))  # FSDP on embed, TP column-parallel on heads
+    assert got["wo"] == (R, R, Shard(0), Shard(1))  # TP row-parallel
+    assert got["norm"] == (R, R, Shard(0), R)
+    assert got["flax"] == (R, R, Shard(1), Shard(0))
+    assert got["wq_tp1"] == (R, R, Shard(1), R)  # size-1 axes mean Replicate
+
+
+def test_spec_errors_name_the_key_path():
+    mesh = make_mesh()
+    with pytest.raises(ValueError, match=r"layers.0.attn.wq: spec \('heads',\) names 1 dims but the tensor has 2"):
+        place({"layers": [{"attn": {"wq": torch.ones(2, 2)}}]}, {"layers": [{"attn": {"wq": ("heads",)}}]}, default_rules(), mesh)
+    with pytest.raises(ValueError, match=r"names mesh axis 'fsdp', which the mesh does not have"):
+        spec_placements(("embed",), (("embed", "fsdp"),), mesh)
+    with pytest.raises(ValueError, match=r"params and specs differ at '<root>': keys only in the first: \['b'\]"):
+        place({"a": torch.ones(2), "b": torch.ones(2)}, {"a": ("embed",)}, default_rules(), mesh)
+
+
+def _fsdp_gather_and_grad(degrees):
+    torch.manual_seed(0)
+    w = torch.randn(6, 5, dtype=torch.float64)
+    x = torch.randn(8, 5, dtype=torch.float64)
+    mesh = make_mesh(**degrees)
+    layout = Layout(mesh, default_rules())
+    p = place({"w": w}, {"w": ("mlp", "embed")}, layout.rules, mesh)["w"]
+    rows = x.chunk(layout.dp_size)[layout.dp_rank]
+    loss = (rows @ layout.param(p).T).square().mean()
+    (g,) = torch.autograd.grad(loss, [p])
+    return tuple(p.placements), tuple(g.placements), g.full_tensor()
+
+
+@pytest.mark.parametrize("degrees", [dict(dp_shard=2), dict(dp_replicate=2, dp_shard=1), dict(dp_shard=4), dict(dp_replicate=2, dp_shard=2)])
+def test_layout_param_grads_equal_single_process(degrees):
+    torch.manual_seed(0)
+    w = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(8, 5, dtype=torch.float64)
+    (ref,) = torch.autograd.grad((x @ w.T).square().mean(), [w])
+    world = degrees.get("dp_shard", 1) * degrees.get("dp_replicate", 1)
+    for placements, grad_placements, g in run_distributed(_fsdp_gather_and_grad, world, degrees):
+        assert placements == grad_placements  # grads keep the storage placement
+        torch.testing.assert_close(g, ref, rtol=0, atol=1e-14)
+    if degrees.get("dp_shard", 1) == 4:  # 5 columns over 4 shards: uneven, still exact
+        assert placements[2] == Shard(1)

@@ -1,0 +1,74 @@
+"""The trainer end to end: FSDP and DDP on 2 gloo processes equal one process, step for step."""
+
+import json
+
+import pytest
+import torch
+
+from functitan.config import apply_overrides
+from functitan.job_config import JobConfig
+from functitan.testing import run_distributed
+from functitan.train import run
+from functitan.tree import flatten_with_names
+
+SMALL = {
+    "model.n_layers": 2, "model.dim": 64, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_dim": 128,
+    "training.steps": 5, "training.batch_size": 8, "training.seq_len": 32, "optimizer.lr": 1e-2,
+    "optimizer.warmup_steps": 2, "metrics.log_every": 1, "data.max_corpus_bytes": 400_000,
+}
+
+
+def _train(overrides: dict):
+    cfg = apply_overrides(JobConfig(), {**SMALL, **overrides})
+    out = run(cfg)
+    losses = [json.loads(line)["loss"] for line in open(f"{out['run_dir']}/metrics.jsonl")] if torch.distributed.get_rank() == 0 else None
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in flatten_with_names(out["state"].params)[0]}
+    return losses, params, out["state"].data_state
+
+
+def _reference(tmp_path):
+    return run_distributed(_train, 1, {"metrics.run_dir": str(tmp_path / "ref"), "metrics.run_name": "ref"})[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _reference(tmp_path_factory.mktemp("ref"))
+
+
+# fp32, same global batch: the only difference is the order of floating-point sums in the collectives
+TOL = dict(atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", [{"parallelism.dp_shard": 2}, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}])
+def test_fsdp_and_ddp_equal_one_process(layout, reference, tmp_path):
+    ref_losses, ref_params, ref_data = reference
+    assert len(ref_losses) == 5 and ref_losses[-1] < ref_losses[0]
+    results = run_distributed(_train, 2, {**layout, "metrics.run_dir": str(tmp_path), "metrics.run_name": "dist"})
+    losses, params, data_state = results[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+    assert params.keys() == ref_params.keys()
+    for name, p in params.items():
+        torch.testing.assert_close(p, ref_params[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    assert data_state == ref_data  # the iterator state is global: identical on every layout
+    torch.testing.assert_close(results[1][1]["layers.1.mlp.w_down"], params["layers.1.mlp.w_down"], atol=0, rtol=0)
+
+
+def test_microbatches_and_remat_equal_one_batch(reference, tmp_path):
+    ref_losses, ref_params, _ = reference
+    losses, params, _ = run_distributed(_train, 1, {"training.microbatches": 4, "training.remat": "full",
+                                                    "metrics.run_dir": str(tmp_path), "metrics.run_name": "acc"})[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+    # microbatch sums round differently; after 5 AdamW steps (m / sqrt(v) amplifies rounding on tiny
+    # gradients) the params agree to 1e-4
+    for name, p in params.items():
+        torch.testing.assert_close(p, ref_params[name], atol=1e-4, rtol=1e-3)
+
+
+def _bad_batch():
+    cfg = apply_overrides(JobConfig(), {**SMALL, "training.batch_size": 3, "parallelism.dp_shard": 2})
+    run(cfg)
+
+
+def test_batch_not_dividing_the_data_parallel_ranks_is_an_error():
+    with pytest.raises(RuntimeError, match=r"training.batch_size=3 must split evenly over 2 data-parallel ranks"):
+        run_distributed(_bad_batch, 2, timeout=120)
