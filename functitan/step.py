@@ -1,8 +1,7 @@
 """The train step: ``train_step(state, batch) -> (state, metrics)``, built from a loss and an optimizer.
 
-    loss_fn(params, batch)          # pure: the model's mean loss over this rank's batch
-      -> value_and_grad             # grads keep the params' placements (DTensor)
-      -> accumulate(microbatches)   # mean over microbatches
+    grad_fn(params, batch)          # accumulate(value_and_grad(loss_fn), microbatches), or a pipeline
+                                    # executor: (mean loss, grads in the params' placements)
       -> global_norm                # of the full gradient, however it is sharded
       -> non-finite guard           # stop with the step named, or skip the update
       -> optimizer.update           # functional: new opt_state
@@ -21,7 +20,6 @@ from torch import Tensor
 from . import optim
 from .random import fold_in
 from .train_state import TrainState
-from .transforms import accumulate, value_and_grad
 
 __all__ = ["make_train_step", "NonFiniteLossError", "NONFINITE_POLICIES"]
 
@@ -43,18 +41,17 @@ def _mean_over_ranks(x: Tensor) -> Tensor:
 
 
 def make_train_step(
-    loss_fn: Callable[[Any, Any], Tensor],
+    grad_fn: Callable[[Any, Any], tuple[Tensor, Any]],
     optimizer: optim.GradientTransformation,
     *,
-    microbatches: int = 1,
     on_nonfinite: str = "stop",
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, float]]]:
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
     Args:
-        loss_fn: ``(params, batch) -> scalar`` mean loss over this rank's batch.
+        grad_fn: ``(params, batch) -> (loss, grads)``: ``accumulate(value_and_grad(loss_fn), microbatches)``,
+            or a pipeline schedule's executor; ``loss`` is the mean over this rank's batch.
         optimizer: an optax-shaped transformation (clipping, if any, is part of it).
-        microbatches: gradient-accumulation steps per train step (the batch splits along dim 0).
         on_nonfinite: "stop" raises NonFiniteLossError naming the step; "skip" leaves params and optimizer
             state unchanged for that step and reports ``skipped=1``.
 
@@ -63,7 +60,6 @@ def make_train_step(
     """
     if on_nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"training.on_nonfinite={on_nonfinite!r}; choose one of {NONFINITE_POLICIES}")
-    grad_fn = accumulate(value_and_grad(loss_fn), microbatches)
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, float]]:
         loss, grads = grad_fn(state.params, batch)

@@ -28,6 +28,7 @@ from .random import fold_in, key
 from .sharding import Layout, default_rules, place
 from .step import make_train_step
 from .train_state import TrainState
+from .transforms import accumulate, value_and_grad
 
 __all__ = ["main", "run"]
 
@@ -54,8 +55,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     optimizer = build_optimizer(cfg.optimizer, cfg.training.steps)
     lr_at = learning_rate_schedule(cfg.optimizer, cfg.training.steps)
     state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=loader.init_state(), rng=rng)
-    train_step = make_train_step(partial(llama.loss, cfg=model_cfg, layout=layout), optimizer,
-                                 microbatches=cfg.training.microbatches, on_nonfinite=cfg.training.on_nonfinite)
+    grad_fn = accumulate(value_and_grad(partial(llama.loss, cfg=model_cfg, layout=layout)), cfg.training.microbatches)
+    train_step = make_train_step(grad_fn, optimizer, on_nonfinite=cfg.training.on_nonfinite)
 
     # 5. metrics
     run_dir = _run_dir(cfg)
@@ -63,8 +64,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
-    n_matmul = llama.num_params(model_cfg) - (0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.dim)
-    fpt = M.transformer_flops_per_token(n_params=n_matmul, n_layers=model_cfg.n_layers, n_heads=model_cfg.n_heads,
+    fpt = M.transformer_flops_per_token(n_params=llama.num_params(model_cfg, embedding=False), n_layers=model_cfg.n_layers, n_heads=model_cfg.n_heads,
                                         head_dim=model_cfg.head_dim, seq_len=cfg.training.seq_len)
     meter = M.Meter(world_size=world, flops_per_token=fpt, peak=M.peak_flops(device, torch.float32))
     sinks = M.make_sinks(run_dir, cfg.training.steps, rank=rank)

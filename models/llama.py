@@ -29,7 +29,7 @@ from torch import Tensor
 
 from functitan.random import PRNGKey, fold_in, generator
 from functitan.sharding import Layout
-from functitan.tree import map_with_names
+from functitan.tree import flatten_with_names, map_with_names
 
 __all__ = [
     "LlamaConfig",
@@ -42,7 +42,11 @@ __all__ = [
     "loss",
     "param_shapes",
     "num_params",
-    "flops_per_token",
+    "embed",
+    "blocks",
+    "head",
+    "block",
+    "rope_tables",
 ]
 
 
@@ -211,17 +215,10 @@ def init(cfg: LlamaConfig, key: PRNGKey, *, device: str | torch.device = "cpu", 
 
 
 def num_params(cfg: LlamaConfig, *, embedding: bool = True) -> int:
-    """Parameter count; ``embedding=False`` leaves out the embedding table (it does no matmul)."""
-    leaves = map_with_names(lambda n, i: (n, math.prod(i.shape)), param_shapes(cfg), is_leaf=lambda x: isinstance(x, ParamInfo))
-    from functitan.tree import tree_leaves
-
-    pairs = tree_leaves(leaves, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str))
-    return sum(n for name, n in pairs if embedding or name != "embed.weight" or cfg.tie_embeddings)
-
-
-def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul params + 12 x layers x heads x head_dim x seq (attention)."""
-    return 6.0 * num_params(cfg, embedding=False) + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    """Parameter count; ``embedding=False`` leaves out an untied embedding table (a lookup, not a matmul)."""
+    named, _ = flatten_with_names(param_shapes(cfg), is_leaf=lambda x: isinstance(x, ParamInfo))
+    skip = "" if embedding or cfg.tie_embeddings else "embed.weight"
+    return sum(math.prod(info.shape) for name, info in named if name != skip)
 
 
 # ----------------------------------------------------------------------------------------------- compute
@@ -296,19 +293,31 @@ def block(p: dict[str, Any], x: Tensor, cos: Tensor, sin: Tensor, cfg: LlamaConf
     return x + mlp(p["mlp"], rms_norm(x, p["mlp_norm"]["weight"], cfg.norm_eps, layout), layout)
 
 
+def embed(params: dict[str, Any], tokens: Tensor, cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
+    """The first pipeline piece: token embeddings ``(batch, seq, embed)``."""
+    if tokens.shape[1] > cfg.max_seq_len:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len}; raise max_seq_len or shorten training.seq_len")
+    return layout.embed(tokens, layout.param(params["embed"]["weight"]))
+
+
+def blocks(layers: list[dict[str, Any]], x: Tensor, cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
+    """A run of transformer blocks (all of them, or one pipeline stage's)."""
+    cos, sin = rope_tables(cfg, x.shape[1], device=x.device, dtype=x.dtype)
+    for p in layers:
+        x = layout.block(block, p, x, cos, sin, cfg, layout)
+    return x
+
+
+def head(params: dict[str, Any], x: Tensor, cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
+    """The last pipeline piece: final norm and output projection -> logits ``(batch, seq, vocab)``."""
+    x = rms_norm(x, layout.param(params["norm"]["weight"]), cfg.norm_eps, layout)
+    w = params["embed"]["weight"] if cfg.tie_embeddings else params["output"]["weight"]
+    return layout.einsum("batch seq embed, vocab embed -> batch seq vocab", x, layout.param(w))
+
+
 def apply(params: dict[str, Any], tokens: Tensor, cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
     """Logits ``(batch, seq, vocab)`` for ``tokens (batch, seq)``."""
-    seq = tokens.shape[1]
-    if seq > cfg.max_seq_len:
-        raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={cfg.max_seq_len}; raise max_seq_len or shorten data.seq_len")
-    table = layout.param(params["embed"]["weight"])
-    x = layout.embed(tokens, table)  # (batch, seq, embed)
-    cos, sin = rope_tables(cfg, seq, device=x.device, dtype=x.dtype)
-    for p in params["layers"]:
-        x = layout.block(block, p, x, cos, sin, cfg, layout)
-    x = rms_norm(x, layout.param(params["norm"]["weight"]), cfg.norm_eps, layout)
-    head = table if cfg.tie_embeddings else layout.param(params["output"]["weight"])
-    return layout.einsum("batch seq embed, vocab embed -> batch seq vocab", x, head)
+    return head(params, blocks(params["layers"], embed(params, tokens, cfg, layout), cfg, layout), cfg, layout)
 
 
 def loss(params: dict[str, Any], batch: dict[str, Tensor], cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:

@@ -64,18 +64,18 @@ def _state(opt):
 
 def test_nonfinite_loss_stops_with_the_step_named():
     opt = optim.sgd(0.1)
-    step = make_train_step(lambda p, b: (p["w"] * b).sum() * float("nan"), opt)
+    step = make_train_step(value_and_grad(lambda p, b: (p["w"] * b).sum() * float("nan")), opt)
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss nan .* at step 5; lower optimizer.lr"):
         step(_state(opt), torch.ones(3))
 
 
 def test_nonfinite_loss_skip_keeps_params():
     opt = optim.sgd(0.1)
-    step = make_train_step(lambda p, b: (p["w"] * b).sum() * float("inf"), opt, on_nonfinite="skip")
+    step = make_train_step(value_and_grad(lambda p, b: (p["w"] * b).sum() * float("inf")), opt, on_nonfinite="skip")
     state, out = step(_state(opt), torch.ones(3))
     assert out["skipped"] == 1 and state.step == 5
     assert torch.equal(state.params["w"], torch.ones(3))
-    good = make_train_step(lambda p, b: (p["w"] * b).sum(), opt)
+    good = make_train_step(value_and_grad(lambda p, b: (p["w"] * b).sum()), opt)
     state, out = good(state, torch.ones(3))
     assert out["skipped"] == 0 and out["loss"] == 3.0
     torch.testing.assert_close(state.params["w"], torch.full((3,), 0.9))
