@@ -1,14 +1,20 @@
 """Differentiable collectives on local tensors: the explicit-communication path (as in FSDP2 and Megatron).
 
-Each op is an autograd.Function whose backward is the dual collective:
+Each op is an autograd.Function whose backward is the dual collective. Two reductions occur:
 
-- ``all_gather(x, dim)``: forward all-gathers shards along ``dim`` (padding uneven shards the way DTensor's
-  ``Shard`` does: torch.chunk sizes); backward reduce-scatters the gradient, averaged over the group.
-- ``grad_all_reduce(x)``: forward is the identity; backward all-reduces the gradient, averaged. This is DDP
-  (and HSDP's replicate axis) for a replicated parameter.
+- ``"mean"`` over data-parallel ranks: each rank's loss is the mean over its own batch slice, so the gradient
+  of the global mean loss is the mean of the per-rank gradients (FSDP's reduce-scatter, DDP's all-reduce).
+- ``"sum"`` over tensor-parallel ranks: they share one batch and one loss, and each holds a part of a sum
+  (Megatron's f/g operators, sequence parallel's all-gather/reduce-scatter pairs).
 
-"Averaged" because every data-parallel rank's loss is the mean over its own batch slice, so the gradient of
-the global mean loss is the mean of the per-rank gradients.
+| op                | forward                          | backward                          |
+|-------------------|----------------------------------|-----------------------------------|
+| all_gather        | all-gather along ``dim``         | reduce-scatter (mean or sum)      |
+| reduce_scatter    | reduce-scatter (sum) along dim   | all-gather                        |
+| all_reduce        | all-reduce (sum)                 | identity                          |
+| grad_all_reduce   | identity                         | all-reduce (mean or sum)          |
+
+Uneven shards follow DTensor's ``Shard`` split (torch.chunk sizes), padded for the collective.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather", "grad_all_reduce", "chunk_sizes"]
+__all__ = ["all_gather", "reduce_scatter", "all_reduce", "grad_all_reduce", "chunk_sizes"]
 
 
 def chunk_sizes(full: int, n: int) -> list[int]:
@@ -26,63 +32,111 @@ def chunk_sizes(full: int, n: int) -> list[int]:
     return [max(0, min(c, full - i * c)) for i in range(n)]
 
 
+def _pad_to(x: Tensor, size: int) -> Tensor:
+    if x.shape[0] == size:
+        return x
+    return torch.cat([x, x.new_zeros((size - x.shape[0], *x.shape[1:]))])
+
+
 def _gather(x: Tensor, dim: int, full: int, group: dist.ProcessGroup) -> Tensor:
     n = dist.get_world_size(group)
     c = -(-full // n)
-    moved = x.movedim(dim, 0)
-    if moved.shape[0] != c:  # uneven: pad to the common chunk size
-        pad = moved.new_zeros((c - moved.shape[0], *moved.shape[1:]))
-        moved = torch.cat([moved, pad])
-    moved = moved.contiguous()
+    moved = _pad_to(x.movedim(dim, 0), c).contiguous()
     out = moved.new_empty((c * n, *moved.shape[1:]))
     dist.all_gather_into_tensor(out, moved, group=group)
     return out[:full].movedim(0, dim)
 
 
-def _reduce_scatter_mean(g: Tensor, dim: int, full: int, group: dist.ProcessGroup) -> Tensor:
+def _scatter(g: Tensor, dim: int, group: dist.ProcessGroup, scale: float) -> Tensor:
     n = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    full = g.shape[dim]
     c = -(-full // n)
-    moved = g.movedim(dim, 0)
-    if moved.shape[0] != c * n:
-        pad = moved.new_zeros((c * n - moved.shape[0], *moved.shape[1:]))
-        moved = torch.cat([moved, pad])
-    moved = (moved / n).contiguous()
+    moved = _pad_to(g.movedim(dim, 0), c * n)
+    moved = (moved * scale if scale != 1.0 else moved).contiguous()
     out = moved.new_empty((c, *moved.shape[1:]))
     dist.reduce_scatter_tensor(out, moved, op=dist.ReduceOp.SUM, group=group)
-    mine = chunk_sizes(full, n)[rank]
-    return out[:mine].movedim(0, dim)
+    return out[: chunk_sizes(full, n)[dist.get_rank(group)]].movedim(0, dim)
+
+
+def _scale(reduce: str, group: dist.ProcessGroup) -> float:
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"reduce={reduce!r}: choose 'mean' or 'sum'")
+    return 1.0 / dist.get_world_size(group) if reduce == "mean" else 1.0
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, full: int, group: dist.ProcessGroup) -> Tensor:
-        ctx.dim, ctx.full, ctx.group = dim, full, group
+    def forward(ctx, x, dim, full, group, reduce, compute_dtype, reduce_dtype):
+        ctx.dim, ctx.group, ctx.scale, ctx.reduce_dtype = dim, group, _scale(reduce, group), reduce_dtype
+        if compute_dtype is not None:  # mixed precision: cast the shard, then gather (half the bytes)
+            x = x.to(compute_dtype)
         return _gather(x, dim, full, group)
 
     @staticmethod
-    def backward(ctx, g: Tensor):
-        return _reduce_scatter_mean(g, ctx.dim, ctx.full, ctx.group), None, None, None
+    def backward(ctx, g):
+        if ctx.reduce_dtype is not None:
+            g = g.to(ctx.reduce_dtype)
+        return _scatter(g, ctx.dim, ctx.group, ctx.scale), None, None, None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group, ctx.full = dim, group, x.shape[dim]
+        return _scatter(x, dim, group, 1.0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.dim, ctx.full, ctx.group), None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
 
 
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
+    def forward(ctx, x, group, reduce, reduce_dtype):
+        ctx.group, ctx.scale, ctx.reduce_dtype = group, _scale(reduce, group), reduce_dtype
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, g: Tensor):
-        g = g / dist.get_world_size(ctx.group)
+    def backward(ctx, g):
+        g = g.to(ctx.reduce_dtype) if ctx.reduce_dtype is not None else g.clone()
+        if ctx.scale != 1.0:
+            g = g * ctx.scale
         dist.all_reduce(g, group=ctx.group)
-        return g, None
+        return g, None, None, None
 
 
-def all_gather(x: Tensor, dim: int, full: int, group: dist.ProcessGroup) -> Tensor:
-    """Gather ``x``'s shards along ``dim`` into the full size ``full``; backward reduce-scatters (mean)."""
-    return _AllGather.apply(x, dim, full, group)
+def all_gather(x: Tensor, dim: int, full: int, group: dist.ProcessGroup, *, reduce: str = "mean",
+               compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> Tensor:
+    """Gather shards along ``dim`` into size ``full``; backward reduce-scatters (``reduce``: mean or sum).
+
+    With ``compute_dtype`` the shard is cast before the gather; with ``reduce_dtype`` the gradient is
+    reduced in that dtype (fp32 gradients for bf16 params) and returned in it.
+    """
+    return _AllGather.apply(x, dim, full, group, reduce, compute_dtype, reduce_dtype)
 
 
-def grad_all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """Identity forward; backward all-reduces (mean) the gradient over ``group``."""
-    return _GradAllReduce.apply(x, group)
+def reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """Sum partial values over ``group`` and keep this rank's chunk along ``dim``; backward all-gathers."""
+    return _ReduceScatter.apply(x, dim, group)
+
+
+def all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Sum partial values over ``group`` (Megatron's g); backward is the identity."""
+    return _AllReduce.apply(x, group)
+
+
+def grad_all_reduce(x: Tensor, group: dist.ProcessGroup, *, reduce: str = "mean", reduce_dtype: torch.dtype | None = None) -> Tensor:
+    """Identity forward; backward all-reduces the gradient (DDP for ``mean``, Megatron's f for ``sum``)."""
+    return _GradAllReduce.apply(x, group, reduce, reduce_dtype)

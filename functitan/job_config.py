@@ -35,7 +35,10 @@ class TrainingConfig:
     seq_len: int = 256
     microbatches: int = 1  # gradient accumulation steps per rank
     seed: int = 0
-    remat: Literal["none", "full"] = "none"
+    remat: Literal["none", "full", "selective"] = "none"  # activation checkpointing per block
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype (master weights stay fp32)
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # gradient reduction dtype
+    compile: bool = False  # torch.compile each block
     on_nonfinite: Literal["stop", "skip"] = "stop"
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # CPU threads per process; 0 leaves torch's default
@@ -62,6 +65,7 @@ class ParallelismConfig:
     dp_shard: int = -1  # -1: the remaining ranks
     tp: int = 1
     pp: int = 1
+    sequence_parallel: bool = True  # with tp > 1: shard norms and the residual stream along the sequence
 
 
 @dataclass(frozen=True, kw_only=True)

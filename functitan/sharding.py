@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -24,9 +23,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from . import _collectives
+from ._tp import TPContext, parse_einsum
 from ._rules import Rules, Spec, compute_placements, default_rules, is_spec, logical_to_mesh_axes, spec_placements
 from .mesh import DP_AXES
 from .tree import map_with_names, tree_map
@@ -44,8 +44,6 @@ __all__ = [
     "constrain",
     "is_spec",
 ]
-
-REMAT_POLICIES = ("none", "full")
 
 
 def place(params: Any, specs: Any, rules: Rules, mesh: DeviceMesh, *, requires_grad: bool = True) -> Any:
@@ -84,76 +82,142 @@ def constrain(x: Tensor, spec: Spec, rules: Rules, mesh: DeviceMesh) -> DTensor:
 
 # ----------------------------------------------------------------------------------------------- Layout
 
+REMAT_POLICIES = ("none", "full", "selective")
+
+_aten = torch.ops.aten
+# Selective activation checkpointing saves what is expensive to recompute (matmuls, attention) and recomputes
+# the cheap elementwise ops between them (torchtitan's "op" policy, without its every-second-matmul rule).
+_SAVE_OPS = {
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
 
 @dataclass(frozen=True)
 class Layout:
-    """How a model computes on a mesh: the mesh, the rules, and the block-level remat policy.
+    """How a model computes on a mesh: the mesh, the rules, remat, precision and compilation.
 
-    A model takes a Layout as an argument and routes four things through it: parameters (``param``), blocks
-    (``block``, which gathers a block's params inside its remat region: FSDP's reshard-after-forward),
-    contractions with parameters (``einsum``, named by logical axes) and the token embedding / loss. With
-    ``Layout()`` (no mesh) every one of them is the plain single-device op.
+    A model takes a Layout as an argument and routes five things through it: parameters (``param``), blocks
+    (``block``: a block's params are gathered inside its remat region, FSDP's reshard-after-forward),
+    contractions with parameters (``einsum``, named by logical axes: the names decide the tensor-parallel
+    collectives), the token embedding and the loss. With ``Layout()`` (no mesh) each is the plain
+    single-device op, so the model reads as single-device code.
+
+    Args:
+        mesh: the named mesh (``functitan.mesh.make_mesh``); None for one device without a process group.
+        rules: the rules table (``default_rules(sequence_parallel=...)``).
+        remat: activation checkpointing per block: "none", "full", or "selective" (save matmul and
+            attention outputs, recompute elementwise ops).
+        param_dtype: compute dtype of params (e.g. bfloat16); shards are cast before the all-gather.
+        reduce_dtype: dtype in which gradients are reduced (float32 keeps fp32 master gradients).
+        compile: ``torch.compile`` each block function (once per function).
     """
 
     mesh: DeviceMesh | None = None
     rules: Rules = field(default_factory=default_rules)
     remat: str = "none"
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat={self.remat!r} is not a policy; choose one of {REMAT_POLICIES}")
+            raise ValueError(f"training.remat={self.remat!r} is not a policy; choose one of {REMAT_POLICIES}")
+        tp = None
+        if self.mesh is not None and "tp" in (self.mesh.mesh_dim_names or ()) and self.mesh["tp"].size() > 1:
+            tp = TPContext(self.mesh, self.rules)
+        object.__setattr__(self, "_tp", tp)
+        object.__setattr__(self, "_compiled", {})
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self._tp is not None and self._tp.sequence_parallel
 
     # -- parameters
     def param(self, p: Tensor) -> Tensor:
-        """Storage -> compute: a differentiable local tensor, gathered over the data-parallel axes."""
+        """Storage -> compute: a differentiable local tensor, gathered over the data-parallel axes.
+
+        Tensor-parallel shards stay local. Replicated data-parallel axes get DDP's gradient all-reduce;
+        sharded ones FSDP's all-gather / reduce-scatter, in ``param_dtype`` / ``reduce_dtype``.
+        """
+        cast = self.param_dtype is not None and p.dtype != self.param_dtype
         if not isinstance(p, DTensor):
-            return p
+            return p.to(self.param_dtype) if cast else p
         mesh = p.device_mesh
         names = mesh.mesh_dim_names or ()
         local = p.to_local()
-        for mi, pl in enumerate(p.placements):
-            if names[mi] not in DP_AXES or mesh.size(mi) == 1:
-                continue
-            group = mesh.get_group(mi)
+        dp = [(mi, pl) for mi, pl in enumerate(p.placements) if names[mi] in DP_AXES and mesh.size(mi) > 1]
+        for mi, pl in dp:  # replicated axes first: their backward then runs after the reduce-scatter
+            if isinstance(pl, Replicate):
+                local = _collectives.grad_all_reduce(local, mesh.get_group(mi), reduce_dtype=self.reduce_dtype if cast else None)
+            elif not isinstance(pl, Shard):
+                raise ValueError(f"parameter placement {pl} on mesh axis {names[mi]!r} is not supported; use Shard or Replicate")
+        for mi, pl in dp:
             if isinstance(pl, Shard):
                 _check_only_dp_on_dim(p, pl.dim)
-                local = _collectives.all_gather(local, pl.dim, p.shape[pl.dim], group)
-            elif isinstance(pl, Replicate):
-                local = _collectives.grad_all_reduce(local, group)
-            else:
-                raise ValueError(f"parameter placement {pl} on mesh axis {names[mi]!r} is not supported")
-        return local
+                local = _collectives.all_gather(
+                    local, pl.dim, p.shape[pl.dim], mesh.get_group(mi),
+                    compute_dtype=self.param_dtype if cast else None, reduce_dtype=self.reduce_dtype if cast else None,
+                )
+                cast = False
+        return local.to(self.param_dtype) if cast else local
 
     def params(self, tree: Any) -> Any:
         return tree_map(self.param, tree)
 
     # -- blocks
     def block(self, fn: Callable[..., Tensor], params: Any, *args: Any) -> Tensor:
-        """``fn(compute_params, *args)`` with the params gathered inside the (optional) remat region."""
+        """``fn(compute_params, *args)`` with the params gathered inside the block's remat region."""
+        if self.compile:
+            if fn not in self._compiled:
+                self._compiled[fn] = torch.compile(fn)
+            fn = self._compiled[fn]
 
         def run(p: Any, *a: Any) -> Tensor:
             return fn(self.params(p), *a)
 
-        if self.remat == "full" and torch.is_grad_enabled():
+        if self.remat == "none" or not torch.is_grad_enabled():
+            return run(params, *args)
+        if self.remat == "full":
             return checkpoint(run, params, *args, use_reentrant=False)
-        return run(params, *args)
+        return checkpoint(run, params, *args, use_reentrant=False,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, _selective_policy))
 
     # -- activations
     def einsum(self, pattern: str, *operands: Tensor) -> Tensor:
         """A contraction written with logical axis names, e.g. ``"batch seq embed, heads embed -> batch seq heads"``.
 
-        The names say which dims may be sharded, so a layout can insert the collectives a contraction needs;
-        on one device (and under pure data parallelism) it is the plain op: ``F.linear`` for a projection,
-        a broadcast multiply for a scale, ``torch.einsum`` otherwise.
+        The last operand is a (compute) parameter. The names decide the tensor-parallel collectives (see
+        functitan._tp); on one device or under pure data parallelism it is the plain op: ``F.linear`` for a
+        projection, a broadcast multiply for a scale, ``torch.einsum`` otherwise.
         """
-        return _plan(pattern, len(operands))(*operands)
+        if self._tp is not None and len(operands) == 2:
+            return self._tp.einsum(pattern, *operands)
+        return parse_einsum(pattern, len(operands))[2](*operands)
 
-    def embed(self, tokens: Tensor, table: Tensor) -> Tensor:
-        """Token embedding lookup: ``tokens (batch, seq)``, ``table (vocab, embed)`` -> ``(batch, seq, embed)``."""
+    def embed(self, tokens: Tensor, table: Tensor, vocab_size: int) -> Tensor:
+        """Token embedding: ``tokens (batch, seq)``, ``table (vocab, embed)`` -> ``(batch, seq, embed)``.
+
+        Vocab-parallel when the rules shard ``vocab`` over tp; the result is in the residual layout.
+        """
+        if self._tp is not None:
+            return self._tp.embed(tokens, table, vocab_size)
         return F.embedding(tokens, table)
 
-    def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy in fp32: ``logits (batch, seq, vocab)``, ``targets (batch, seq)``."""
+    def cross_entropy(self, logits: Tensor, targets: Tensor, vocab_size: int) -> Tensor:
+        """Mean next-token cross-entropy in fp32: ``logits (batch, seq, vocab)``, ``targets (batch, seq)``.
+
+        Loss parallel when the logits are vocab-sharded: the full logits are never gathered.
+        """
+        if self._tp is not None:
+            return self._tp.cross_entropy(logits, targets, vocab_size)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     # -- data parallel coordinates
@@ -180,42 +244,10 @@ class Layout:
 
 def _check_only_dp_on_dim(p: DTensor, dim: int) -> None:
     names = p.device_mesh.mesh_dim_names or ()
-    other = [names[i] for i, pl in enumerate(p.placements) if isinstance(pl, Shard) and pl.dim == dim and names[i] not in DP_AXES and p.device_mesh.size(i) > 1]
+    other = [names[i] for i, pl in enumerate(p.placements)
+             if isinstance(pl, Shard) and pl.dim == dim and names[i] not in DP_AXES and p.device_mesh.size(i) > 1]
     if other:
         raise ValueError(
             f"a parameter of shape {tuple(p.shape)} is sharded on dim {dim} by both a data-parallel axis and {other}; "
             f"give that dim's data-parallel rule a different logical name so FSDP shards another dim"
         )
-
-
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\.\.\.")
-
-
-@functools.lru_cache(maxsize=256)
-def _plan(pattern: str, n_operands: int) -> Callable[..., Tensor]:
-    if "->" not in pattern:
-        raise ValueError(f"einsum pattern {pattern!r} needs '->' (e.g. 'batch seq embed, heads embed -> batch seq heads')")
-    lhs, out = pattern.split("->")
-    inputs = [tuple(_NAME.findall(s)) for s in lhs.split(",")]
-    output = tuple(_NAME.findall(out))
-    if len(inputs) != n_operands:
-        raise ValueError(f"einsum pattern {pattern!r} names {len(inputs)} operands but {n_operands} were given")
-    if n_operands == 2:
-        x, w = inputs
-        # a projection: x (..., in) with w (out, in) -> (..., out)
-        if len(w) == 2 and x and x[-1] == w[1] and output == (*x[:-1], w[0]) and w[0] not in x:
-            return F.linear
-        # a scale: w's names are x's trailing names and the output is x
-        if output == x and len(w) <= len(x) and x[len(x) - len(w):] == w:
-            return torch.mul
-    letters: dict[str, str] = {}
-    for name in (n for names in (*inputs, output) for n in names):
-        if name == "...":
-            continue
-        if name not in letters:
-            if len(letters) >= 52:
-                raise ValueError(f"einsum pattern {pattern!r} uses more than 52 axis names")
-            letters[name] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[len(letters)]
-    to = lambda names: "".join("..." if n == "..." else letters[n] for n in names)  # noqa: E731
-    eq = ",".join(to(i) for i in inputs) + "->" + to(output)
-    return functools.partial(torch.einsum, eq)

@@ -39,15 +39,18 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
     device = _init_process(cfg.training)
     # 1. mesh: every layout is a choice of degrees
-    mesh = make_mesh(**dataclasses.asdict(cfg.parallelism), device=device.type)
-    rules = default_rules()
-    layout = Layout(mesh, rules, remat=cfg.training.remat)
+    par, tcfg = cfg.parallelism, cfg.training
+    mesh = make_mesh(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, device=device.type)
+    rules = default_rules(sequence_parallel=par.sequence_parallel and par.tp > 1)
+    layout = Layout(mesh, rules, remat=tcfg.remat, compile=tcfg.compile,
+                    param_dtype=getattr(torch, tcfg.param_dtype), reduce_dtype=getattr(torch, tcfg.reduce_dtype))
     local_batch = _local_batch(cfg.training, layout.dp_size)
     loader = build_loader(cfg.data, batch_size=local_batch, seq_len=cfg.training.seq_len,
                           dp_rank=layout.dp_rank, dp_size=layout.dp_size, device=device)
 
     # 2. init, identical on every rank and mesh; 3. place: each rank keeps its shards
     model_cfg = _model_config(cfg.model, vocab_size=loader.tokenizer.vocab_size)
+    llama.check_layout(model_cfg, tp=mesh["tp"].size(), seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel)
     rng = key(cfg.training.seed)
     params = place(llama.init(model_cfg, fold_in(rng, "params"), device=device), llama.specs(model_cfg), rules, mesh)
 

@@ -19,6 +19,7 @@ References: Llama 3 (arXiv 2407.21783); RoPE (arXiv 2104.09864); GQA (arXiv 2305
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -42,6 +43,7 @@ __all__ = [
     "loss",
     "param_shapes",
     "num_params",
+    "check_layout",
     "embed",
     "blocks",
     "head",
@@ -130,6 +132,22 @@ def config(name: str, **overrides: Any) -> LlamaConfig:
     from dataclasses import replace
 
     return replace(CONFIGS[name], **overrides)
+
+
+def check_layout(cfg: LlamaConfig, *, tp: int = 1, seq_len: int | None = None, sequence_parallel: bool = False) -> None:
+    """Fail before launch when a tensor-parallel layout cannot split this model; name a layout that can."""
+    problems = [f"model.{k}={v}" for k, v in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn_dim", cfg.ffn_dim)) if v % tp]
+    if problems:
+        ok = [d for d in _divisors(math.gcd(cfg.n_heads, cfg.kv_heads, cfg.ffn_dim)) if d <= max(tp, 1)]
+        raise ValueError(
+            f"parallelism.tp={tp} does not divide {', '.join(problems)}; tensor parallelism splits heads, kv heads and "
+            f"the MLP width evenly. A tp that works for this model: {ok[-1]} (any of {_divisors(math.gcd(cfg.n_heads, cfg.kv_heads, cfg.ffn_dim))})"
+        )
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        raise ValueError(
+            f"sequence parallelism with parallelism.tp={tp} needs training.seq_len divisible by {tp}, got {seq_len}; "
+            f"use seq_len={seq_len - seq_len % tp or tp} or set parallelism.sequence_parallel=false"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- params
@@ -248,6 +266,11 @@ def _llama3_scale(inv_freq: Tensor, s: RopeScaling) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+@functools.lru_cache(maxsize=16)
+def _cached_rope(cfg: LlamaConfig, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return rope_tables(cfg, seq_len, device=device, dtype=dtype)
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -265,13 +288,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, layout: Layout) -> Tensor:
     return layout.einsum("batch seq embed, embed -> batch seq embed", xn, weight)
 
 
-def attention(p: dict[str, Tensor], x: Tensor, cos: Tensor, sin: Tensor, cfg: LlamaConfig, layout: Layout) -> Tensor:
-    b, s, _ = x.shape  # x: (batch, seq, embed)
+def attention(p: dict[str, Tensor], x: Tensor, cfg: LlamaConfig, layout: Layout) -> Tensor:
+    # x: (batch, seq, embed), the residual layout (sequence shards under sequence parallelism)
     hd = cfg.head_dim
     q = layout.einsum("batch seq embed, heads embed -> batch seq heads", x, p["wq"])
     k = layout.einsum("batch seq embed, kv_heads embed -> batch seq kv_heads", x, p["wk"])
     v = layout.einsum("batch seq embed, kv_heads embed -> batch seq kv_heads", x, p["wv"])
-    # head counts come from the (possibly tensor-parallel) local shapes
+    # q, k, v hold the whole sequence; head counts come from the (possibly tensor-parallel) local shapes
+    b, s = q.shape[:2]
+    cos, sin = _cached_rope(cfg, s, q.device, q.dtype)
     q = q.view(b, s, -1, hd).transpose(1, 2)  # (batch, local_heads, seq, head_dim)
     k = k.view(b, s, -1, hd).transpose(1, 2)  # (batch, local_kv_heads, seq, head_dim)
     v = v.view(b, s, -1, hd).transpose(1, 2)
@@ -287,9 +312,9 @@ def mlp(p: dict[str, Tensor], x: Tensor, layout: Layout) -> Tensor:
     return layout.einsum("batch seq mlp, embed mlp -> batch seq embed", F.silu(gate) * up, p["w_down"])
 
 
-def block(p: dict[str, Any], x: Tensor, cos: Tensor, sin: Tensor, cfg: LlamaConfig, layout: Layout) -> Tensor:
+def block(p: dict[str, Any], x: Tensor, cfg: LlamaConfig, layout: Layout) -> Tensor:
     """One transformer block on compute params: pre-norm attention and SwiGLU MLP with residuals."""
-    x = x + attention(p["attn"], rms_norm(x, p["attn_norm"]["weight"], cfg.norm_eps, layout), cos, sin, cfg, layout)
+    x = x + attention(p["attn"], rms_norm(x, p["attn_norm"]["weight"], cfg.norm_eps, layout), cfg, layout)
     return x + mlp(p["mlp"], rms_norm(x, p["mlp_norm"]["weight"], cfg.norm_eps, layout), layout)
 
 
@@ -297,14 +322,13 @@ def embed(params: dict[str, Any], tokens: Tensor, cfg: LlamaConfig, layout: Layo
     """The first pipeline piece: token embeddings ``(batch, seq, embed)``."""
     if tokens.shape[1] > cfg.max_seq_len:
         raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len}; raise max_seq_len or shorten training.seq_len")
-    return layout.embed(tokens, layout.param(params["embed"]["weight"]))
+    return layout.embed(tokens, layout.param(params["embed"]["weight"]), cfg.vocab_size)
 
 
 def blocks(layers: list[dict[str, Any]], x: Tensor, cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
     """A run of transformer blocks (all of them, or one pipeline stage's)."""
-    cos, sin = rope_tables(cfg, x.shape[1], device=x.device, dtype=x.dtype)
     for p in layers:
-        x = layout.block(block, p, x, cos, sin, cfg, layout)
+        x = layout.block(block, p, x, cfg, layout)
     return x
 
 
@@ -322,4 +346,4 @@ def apply(params: dict[str, Any], tokens: Tensor, cfg: LlamaConfig, layout: Layo
 
 def loss(params: dict[str, Any], batch: dict[str, Tensor], cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
     """Mean next-token cross-entropy over this rank's batch (``batch["inputs"]``, ``batch["targets"]``)."""
-    return layout.cross_entropy(apply(params, batch["inputs"], cfg, layout), batch["targets"])
+    return layout.cross_entropy(apply(params, batch["inputs"], cfg, layout), batch["targets"], cfg.vocab_size)

@@ -42,7 +42,8 @@ def _batch(step):
 
 
 def _named(params):
-    return [(".".join(map(str, path)), leaf) for path, leaf in zip(optree.tree_paths(params), optree.tree_leaves(params))]
+    paths, leaves = optree.tree_paths(params), optree.tree_leaves(params)
+    return [(".".join(map(str, path)), leaf) for path, leaf in zip(paths, leaves)]
 
 
 def _run_functional(opt, steps):
@@ -123,6 +124,24 @@ def test_apply_updates_is_functional_and_keeps_dtype_and_requires_grad():
     torch.testing.assert_close(new["frozen"], torch.ones(2))
     torch.testing.assert_close(params["w"].detach(), torch.ones(3, dtype=torch.bfloat16))  # input untouched
     assert new["w"] is not params["w"]
+
+
+def test_init_runs_on_the_meta_device():
+    params = {"w": torch.empty(1024, 1024, device="meta"), "b": torch.empty(1024, device="meta")}
+    state = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3), optim.sgd(1e-3, momentum=0.9)).init(params)
+    adam = state[1][0]
+    assert adam.mu["w"].device.type == "meta" and adam.nu["b"].shape == (1024,)
+    assert state[2][0].trace["w"].device.type == "meta"
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from functitan.optim import _base, _norm, _transforms
+
+    for module in (_base, _norm, _transforms):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
 
 
 def test_clip_by_global_norm_scales_only_above_max_norm():
@@ -263,8 +282,8 @@ def _check_sharded_run(grads_per_step, params, layout, max_norm, opt_factory):
         placements[k] = [str(getattr(x, "placements", "plain")) for x in layouts]
         assert p.requires_grad and p.is_leaf, k
 
-    def full(t):
-        return t.full_tensor() if isinstance(t, DTensor) else t.detach()
+    def full(t):  # numpy pickles by value: a tensor would go back through shared memory of an exiting process
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().numpy()
 
     return float(norm), {k: full(v) for k, v in clipped.items()}, {k: full(v) for k, v in params.items()}, placements
 
@@ -294,8 +313,8 @@ def _assert_ranks_match_reference(results, reference):
     for norm, clipped, params, placements in results:
         assert norm == pytest.approx(ref_norm, rel=1e-12)
         for k in ref_clipped:
-            torch.testing.assert_close(clipped[k], ref_clipped[k], rtol=0, atol=1e-12)
-            torch.testing.assert_close(params[k], ref_params[k].detach(), rtol=0, atol=1e-12)
+            torch.testing.assert_close(torch.from_numpy(clipped[k]), ref_clipped[k], rtol=0, atol=1e-12)
+            torch.testing.assert_close(torch.from_numpy(params[k]), ref_params[k].detach(), rtol=0, atol=1e-12)
     return results[0][3]
 
 
@@ -304,7 +323,7 @@ def test_clip_and_adamw_on_fsdp_shards_equal_the_unsharded_run():
     params = _full_tree(10, _SHAPES_2)
     reference = _reference(grads, params, 2.0, _adamw_with_clip)
     assert reference[0] > 2.0  # the clip is active
-    results = run_distributed(_fsdp_worker, 2, grads, params, 2.0)
+    results = run_distributed(_fsdp_worker, 2, grads, params, 2.0, timeout=120)
     placements = _assert_ranks_match_reference(results, reference)
     # param, clipped grad, adam mu, adam nu all keep the param's placements
     assert placements["w"] == ["(Shard(dim=0),)"] * 4
@@ -340,7 +359,7 @@ def test_clip_and_adamw_on_2d_fsdp_tp_shards_equal_the_unsharded_run():
     grads = [_full_tree(s, _SHAPES_4) for s in range(2)]
     params = _full_tree(20, _SHAPES_4)
     reference = _reference(grads, params, 2.0, _adamw_with_clip)
-    results = run_distributed(_fsdp_tp_worker, 4, grads, params, 2.0)
+    results = run_distributed(_fsdp_tp_worker, 4, grads, params, 2.0, timeout=120)
     placements = _assert_ranks_match_reference([r[:4] for r in results], reference)
     assert placements["w2"] == ["(Replicate(), Replicate(), Shard(dim=1), Shard(dim=0))"] * 4
     assert placements["sub"] == ["(Shard(dim=0), Shard(dim=1))"] * 4

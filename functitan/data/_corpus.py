@@ -74,8 +74,8 @@ def expand_paths(paths: Iterable[str | os.PathLike]) -> list[Path]:
     for item in paths:
         p = Path(item)
         if p.is_dir():
-            files = [f for f in p.rglob("*") if f.is_file() and not any(s.startswith(".") for s in f.relative_to(p).parts)]
-            out += sorted(files, key=lambda f: f.relative_to(p).as_posix())
+            rel = sorted((f.relative_to(p) for f in p.rglob("*") if f.is_file()), key=lambda r: r.as_posix())
+            out += [p / r for r in rel if not any(part.startswith(".") for part in r.parts)]
         elif p.is_file():
             out.append(p)
         else:

@@ -1,0 +1,152 @@
+"""Tensor and sequence parallelism on local tensors: the collectives a named contraction needs.
+
+Megatron's scheme (arXiv 1909.08053, 2205.05198), derived from logical names instead of hand-placed ops. The
+``tp`` axis shards one dim of a weight (its spec's name mapped to ``tp`` by the rules). An einsum
+``x, w -> out`` then falls in one of three cases:
+
+- column parallel (``w`` is sharded on a dim that the output keeps, e.g. ``heads`` of ``wq``): ``x`` must be
+  whole on every tp rank. Under sequence parallelism the residual ``x`` is sharded along ``seq``, so it is
+  all-gathered (backward: reduce-scatter); otherwise ``x`` is replicated and its gradient is a partial sum,
+  so the backward all-reduces it (Megatron's f). The output is sharded like ``w``.
+- row parallel (``w`` is sharded on a contracted dim, e.g. ``heads`` of ``wo``): the local product is a
+  partial sum, reduced into the residual layout: reduce-scatter along ``seq`` under sequence parallelism,
+  else all-reduce (Megatron's g).
+- ``w`` replicated on tp (norm weights): when ``x`` is sharded along ``seq``, each rank sees other tokens, so
+  ``w``'s gradient is partial: its backward all-reduces over tp.
+
+Convention for models: activations between contractions are either the residual stream
+``(batch, seq, embed)`` or the direct output of a column-parallel contraction (heads, mlp, vocab shards).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _collectives as C
+from ._rules import Rules, logical_to_mesh_axes
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["TPContext", "parse_einsum"]
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+@functools.lru_cache(maxsize=512)
+def parse_einsum(pattern: str, n_operands: int) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...], Callable[..., Tensor]]:
+    """``(input names, output names, local op)`` of a named einsum; the op is F.linear, a multiply, or torch.einsum."""
+    if "->" not in pattern:
+        raise ValueError(f"einsum pattern {pattern!r} needs '->' (e.g. 'batch seq embed, heads embed -> batch seq heads')")
+    lhs, out = pattern.split("->")
+    inputs = tuple(tuple(s.split()) for s in lhs.split(","))
+    output = tuple(out.split())
+    if len(inputs) != n_operands:
+        raise ValueError(f"einsum pattern {pattern!r} names {len(inputs)} operands but {n_operands} were given")
+    if n_operands == 2:
+        x, w = inputs
+        if len(w) == 2 and x and x[-1] == w[1] and output == (*x[:-1], w[0]) and w[0] not in x:
+            return inputs, output, F.linear  # a projection: x (..., in) with w (out, in)
+        if output == x and len(w) <= len(x) and x[len(x) - len(w):] == w:
+            return inputs, output, torch.mul  # a scale along x's trailing dims
+    letters: dict[str, str] = {}
+    for name in (n for names in (*inputs, output) for n in names):
+        if name not in letters:
+            if len(letters) == len(_LETTERS):
+                raise ValueError(f"einsum pattern {pattern!r} uses more than {len(_LETTERS)} axis names")
+            letters[name] = _LETTERS[len(letters)]
+    eq = ",".join("".join(letters[n] for n in i) for i in inputs) + "->" + "".join(letters[n] for n in output)
+    return inputs, output, functools.partial(torch.einsum, eq)
+
+
+@functools.lru_cache(maxsize=512)
+def _axis_of(names: tuple[str, ...], rules: Rules, axis: str) -> str | None:
+    """The logical name of the dim that ``rules`` shard over mesh ``axis`` (None if no dim is)."""
+    for name, axes in zip(names, logical_to_mesh_axes(names, rules)):
+        if axis in axes:
+            return name
+    return None
+
+
+class TPContext:
+    """The tensor-parallel axis of a mesh and the rules: plans and runs the collectives of each op."""
+
+    def __init__(self, mesh: "DeviceMesh", rules: Rules, axis: str = "tp"):
+        self.rules = rules
+        self.axis = axis
+        self.group = mesh.get_group(axis)
+        self.size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.sequence_parallel = _axis_of(("seq",), rules, axis) == "seq"
+
+    # -- contractions
+    def einsum(self, pattern: str, x: Tensor, w: Tensor) -> Tensor:
+        (xn, wn), out, op = parse_einsum(pattern, 2)
+        sharded = _axis_of(wn, self.rules, self.axis)
+        x_seq = self.sequence_parallel and "seq" in xn and not (sharded in xn and sharded not in out)
+        if sharded is not None and sharded in out and sharded not in xn:  # column parallel
+            x = self.gather_seq(x, xn.index("seq")) if x_seq else C.grad_all_reduce(x, self.group, reduce="sum")
+            return op(x, w)
+        if sharded is not None and sharded in xn and sharded not in out:  # row parallel
+            return self.reduce(op(x, w), out)
+        if x_seq and "seq" not in wn:  # replicated w applied to sequence shards: partial gradient
+            w = C.grad_all_reduce(w, self.group, reduce="sum")
+        return op(x, w)
+
+    def gather_seq(self, x: Tensor, dim: int) -> Tensor:
+        return C.all_gather(x, dim, x.shape[dim] * self.size, self.group, reduce="sum")
+
+    def reduce(self, partial: Tensor, names: tuple[str, ...]) -> Tensor:
+        """Sum a tp-partial value into the residual layout (sequence shards under sequence parallelism)."""
+        if self.sequence_parallel and "seq" in names:
+            dim = names.index("seq")
+            if partial.shape[dim] % self.size:
+                raise ValueError(
+                    f"sequence parallelism over tp={self.size} needs the sequence length divisible by {self.size}, "
+                    f"got {partial.shape[dim]}; change training.seq_len or set parallelism.sequence_parallel=false"
+                )
+            return C.reduce_scatter(partial, dim, self.group)
+        return C.all_reduce(partial, self.group)
+
+    # -- embedding and loss
+    def _vocab_range(self, vocab_local: int, vocab: int) -> tuple[int, int]:
+        sizes = C.chunk_sizes(vocab, self.size)
+        lo = sum(sizes[: self.rank])
+        return lo, lo + vocab_local
+
+    def embed(self, tokens: Tensor, table: Tensor, vocab: int) -> Tensor:
+        """Token embedding, vocab-parallel when the table is sharded on the vocab dim."""
+        if _axis_of(("vocab", "embed"), self.rules, self.axis) == "vocab":
+            lo, hi = self._vocab_range(table.shape[0], vocab)
+            outside = (tokens < lo) | (tokens >= hi)
+            local = F.embedding((tokens - lo).masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0.0)
+            return self.reduce(local, ("batch", "seq", "embed"))
+        if self.sequence_parallel:
+            seq = tokens.shape[1] // self.size
+            tokens = tokens[:, self.rank * seq:(self.rank + 1) * seq]
+            table = C.grad_all_reduce(table, self.group, reduce="sum")
+        return F.embedding(tokens, table)
+
+    def cross_entropy(self, logits: Tensor, targets: Tensor, vocab: int) -> Tensor:
+        """Mean cross-entropy; with vocab-sharded logits, without ever gathering them (loss parallel)."""
+        # logits are vocab-sharded when the head weight (vocab, embed) is: a column-parallel output
+        if _axis_of(("vocab", "embed"), self.rules, self.axis) != "vocab":
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        z = logits.flatten(0, 1).float()  # (tokens, local_vocab)
+        t = targets.flatten()
+        with torch.no_grad():
+            m = z.max(dim=-1, keepdim=True).values
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+        z = z - m
+        sum_exp = C.all_reduce(z.exp().sum(-1), self.group)
+        lo, hi = self._vocab_range(z.shape[1], vocab)
+        inside = (t >= lo) & (t < hi)
+        picked = z.gather(1, (t - lo).clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1) * inside
+        target_logit = C.all_reduce(picked, self.group)
+        return (sum_exp.log() - target_logit).mean()

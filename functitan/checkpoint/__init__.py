@@ -1,0 +1,32 @@
+"""Sharded, asynchronous, atomic checkpoints in the Orbax layout (zarr3 via tensorstore); reshard on load.
+
+    ckpt = CheckpointManager("runs/x/ckpt", interval=500, keep_last=3)
+    state = ckpt.restore_latest(state) or state     # exemplar: the freshly initialised TrainState
+    for ...:
+        state = train_step(state, batch)
+        ckpt.maybe_save(state)                       # blocks only while staging
+    ckpt.close()
+
+See docs/checkpoints.md for the on-disk layout, the commit protocol and the Orbax interop.
+"""
+
+from ._manager import CheckpointManager
+from ._restore import CheckpointError, restore, verify
+from ._save import Checkpointer, SaveHandle, save, save_sync
+
+from ._hf import export_hf, import_hf, load_hf, save_hf
+
+__all__ = [
+    "save",
+    "save_sync",
+    "SaveHandle",
+    "Checkpointer",
+    "restore",
+    "verify",
+    "CheckpointError",
+    "CheckpointManager",
+    "export_hf",
+    "import_hf",
+    "save_hf",
+    "load_hf",
+]

@@ -1,0 +1,218 @@
+"""A directory of step checkpoints: save every ``interval`` steps, keep some, restore the newest good one.
+
+Layout (Orbax's CheckpointManager layout, single item named ``default``)::
+
+    <root>/100/default/{_METADATA,_COMMIT,<arrays>}
+    <root>/200/default/...
+    <root>/300.tmp-3f2a.../      a save in flight, or one cut short by a crash: never read, removed later
+
+A step directory appears by one atomic rename, after all of its files are written, so a listed step is a
+complete one; ``restore_latest`` still checks the files' sizes (and each chunk's crc32c while reading) and
+falls back to the previous step, with a warning, when the newest is damaged.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..tree import combine, partition
+from . import _layout as L
+from ._restore import CheckpointError, restore
+from ._save import Checkpointer, SaveHandle, _Group
+
+__all__ = ["CheckpointManager"]
+
+ITEM = "default"
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+class CheckpointManager:
+    """Periodic, asynchronous, atomic checkpoints of a train state under ``root``.
+
+    Args:
+        root: the run's checkpoint directory (created if missing).
+        interval: save when ``step % interval == 0``.
+        keep_last: keep the newest ``keep_last`` complete checkpoints ...
+        keep_every: ... and, for good, every step that is a multiple of ``keep_every``.
+        exclude: key paths not saved (e.g. ``("opt_state",)`` for a weights-only run); on restore they
+            come back from the exemplar unchanged.
+        async_save: return from ``maybe_save`` once staged (True) or once committed (False).
+        mesh: the mesh whose ranks take part (default: all ranks).
+
+    Every rank constructs the manager and calls ``maybe_save`` / ``restore_latest`` at the same points.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        interval: int,
+        keep_last: int,
+        keep_every: int | None = None,
+        exclude: tuple[str, ...] = (),
+        async_save: bool = True,
+        mesh: DeviceMesh | None = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        if interval < 1:
+            raise ValueError(f"interval={interval}: save every N >= 1 steps")
+        if keep_last < 1:
+            raise ValueError(f"keep_last={keep_last}: keep at least the newest checkpoint")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError(f"keep_every={keep_every}: a positive step multiple, or None")
+        if isinstance(exclude, str):
+            exclude = (exclude,)
+        self.root = os.path.abspath(os.fspath(root))
+        self.interval, self.keep_last, self.keep_every = interval, keep_last, keep_every
+        self.exclude = tuple(exclude)
+        self.async_save = async_save
+        self._group = _Group(mesh, timeout_s)
+        self._ck = Checkpointer(mesh=mesh, timeout_s=timeout_s, group=self._group)
+        self._last_saved: int | None = None
+        if self._group.leader:
+            os.makedirs(self.root, exist_ok=True)
+        self._group.barrier()
+
+    # ------------------------------------------------------------------------------------- listing
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.root, str(step))
+
+    def all_steps(self) -> list[int]:
+        """The complete checkpoints' steps, oldest first."""
+        if not os.path.isdir(self.root):
+            return []
+        steps = []
+        for entry in os.listdir(self.root):
+            if entry.isdigit() and os.path.isdir(os.path.join(self.root, entry, ITEM)):
+                steps.append(int(entry))
+        return sorted(steps)
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step (None when there is none). Its files are not checked."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------------------------- saving
+
+    def should_save(self, step: int) -> bool:
+        return step % self.interval == 0 and step != self._last_saved
+
+    def maybe_save(self, state: Any, *, step: int | None = None, force: bool = False) -> SaveHandle | None:
+        """Save ``state`` if ``step`` (default ``state.step``) is a multiple of ``interval`` (or ``force``).
+
+        Blocks only to wait for the previous save and to copy this rank's shards into staging buffers.
+        A step that already has a checkpoint (e.g. the one just resumed from) is not saved again.
+        """
+        step = int(state.step if step is None else step)
+        if not (force or self.should_save(step)) or step in self._existing(step):
+            return None
+        self._last_saved = step
+        tree = partition(state, lambda n, x: not _under(n, self.exclude))[0] if self.exclude else state
+        handle = self._ck.save(self.step_dir(step), tree, _item=ITEM, after_commit=self._retain)
+        if not self.async_save:
+            handle.wait()
+        return handle
+
+    def _existing(self, step: int) -> set[int]:
+        return {step} if os.path.isdir(self.step_dir(step)) else set()
+
+    def _retain(self) -> None:
+        """On the leader, after a commit: delete what the retention policy drops (and stale temp dirs)."""
+        steps = self.all_steps()
+        keep = set(steps[-self.keep_last :])
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        for s in steps:
+            if s not in keep:
+                self._delete(self.step_dir(s))
+
+    def _delete(self, path: str) -> None:
+        # rename first: a crash mid-delete must not leave a half-deleted directory under a step's name
+        doomed = f"{path}{L.TMP_MARK}deleting-{uuid.uuid4().hex[:8]}"
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed (re-raising its failure)."""
+        self._ck.wait()
+
+    def close(self) -> None:
+        """Finish the save in flight and release the staging buffers; call before destroying the process group."""
+        self._ck.close()
+
+    # ------------------------------------------------------------------------------------- restoring
+
+    def restore(self, step_or_path: int | str | os.PathLike, exemplar: Any, *, only: str | None = None) -> Any:
+        """Restore one checkpoint (a step of this root, or a path) into ``exemplar``.
+
+        ``only="params"`` reads just that subtree (``exemplar`` is then the params tree): a weights-only load
+        for fine-tuning. Excluded key paths come back from the exemplar.
+        """
+        if isinstance(step_or_path, int):
+            path = os.path.join(self.step_dir(step_or_path), ITEM)
+        else:
+            path = os.fspath(step_or_path)
+            if os.path.isdir(os.path.join(path, ITEM)):
+                path = os.path.join(path, ITEM)
+        if only is not None:
+            if _under(only, self.exclude):
+                raise ValueError(f"only={only!r}: that key path is excluded from these checkpoints ({self.exclude})")
+            return restore(path, exemplar, only=only)
+        if not self.exclude:
+            return restore(path, exemplar)
+        kept, rest = partition(exemplar, lambda n, x: not _under(n, self.exclude))
+        return combine(restore(path, kept), rest)
+
+    def restore_latest(self, exemplar: Any, *, only: str | None = None) -> Any | None:
+        """Restore the newest checkpoint that is intact; None when the root has none.
+
+        A damaged newest checkpoint (truncated or corrupted file) is skipped with a ``warnings.warn``, and
+        the previous one restored. Every rank takes the same decision (they agree after each attempt).
+        Errors in the exemplar (missing keys, shape mismatch) are raised, not skipped.
+        """
+        errors = []
+        for step in reversed(self.all_steps()):
+            value, error = None, None
+            try:
+                value = self.restore(step, exemplar, only=only)
+            except CheckpointError as exc:
+                error = exc
+            if self._all_ok(error is None):
+                if errors:
+                    warnings.warn(
+                        f"checkpoint step {errors[-1][0]} in {self.root} is damaged ({errors[-1][1]}); "
+                        f"restored step {step} instead",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                self._last_saved = step
+                return value
+            errors.append((step, error or "damaged on another rank"))
+        if errors:
+            raise CheckpointError(f"no intact checkpoint in {self.root}: " + "; ".join(f"step {s}: {e}" for s, e in errors))
+        return None
+
+    def _all_ok(self, ok: bool) -> bool:
+        if self._group.pg is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group.pg)
+        return bool(flag.item())
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

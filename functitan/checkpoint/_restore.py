@@ -1,0 +1,209 @@
+"""Restoring into an exemplar: each rank reads only its slice, so any writer mesh -> any reader mesh.
+
+The exemplar is a tree of the checkpoint's structure whose leaves say what to build:
+
+=====================  ======================================================================
+exemplar leaf          restored as
+=====================  ======================================================================
+DTensor                a DTensor on the same mesh and placements; this rank reads its block only
+torch.Tensor           the full value on the exemplar's device (a meta tensor: on the CPU)
+numpy array            the full value as a numpy array
+int / float / bool     a Python scalar of that type (numpy scalar: of that numpy type)
+=====================  ======================================================================
+
+Reads checkpoints written by ``save`` and by ``orbax.checkpoint`` (zarr2 or zarr3, with or without OCDBT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import optree
+import tensorstore as ts
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from . import _layout as L
+
+__all__ = ["restore", "verify", "CheckpointError"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is incomplete, truncated or corrupted."""
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: {os.path.dirname(path)} is not a complete checkpoint") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}): the checkpoint is corrupted") from None
+
+
+def verify(path: str | os.PathLike) -> None:
+    """Check that every file the commit marker lists exists with its recorded size.
+
+    Truncation and missing files are caught here (a stat per file); flipped bits are caught on read by
+    the crc32c each chunk carries. A checkpoint without ``_COMMIT`` (e.g. written by Orbax) passes.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is not a checkpoint directory")
+    commit_path = os.path.join(path, L.COMMIT)
+    if not os.path.exists(commit_path):
+        if os.path.exists(os.path.join(path, L.METADATA)):
+            return
+        raise CheckpointError(f"{path} has neither {L.COMMIT} nor {L.METADATA}: not a complete checkpoint")
+    commit = _read_json(commit_path)
+    for rel, size in commit.get("files", {}).items():
+        full = os.path.join(path, rel)
+        try:
+            found = os.path.getsize(full)
+        except FileNotFoundError:
+            raise CheckpointError(f"{full} is missing (listed in {commit_path}): the checkpoint is incomplete") from None
+        if found != size:
+            raise CheckpointError(
+                f"{full} has {found} bytes, the commit marker {commit_path} recorded {size}: the file is truncated "
+                f"or corrupted; restore an older checkpoint"
+            )
+
+
+def _with_prefix(exemplar: Any, only: str | None) -> list[tuple[str, Any]]:
+    named, _ = L.named_leaves(exemplar)
+    return [((f"{only}.{n}" if n else only) if only else n, x) for n, _, x in named]
+
+
+def restore(path: str | os.PathLike, exemplar: Any, *, only: str | None = None, check: bool = True) -> Any:
+    """Read the checkpoint at ``path`` into a tree shaped like ``exemplar`` (see the module docstring).
+
+    Args:
+        path: an item directory written by ``save`` or by Orbax.
+        exemplar: the target tree; its tensor leaves give shape, dtype, device, mesh and placements.
+        only: restore just the subtree at this key path (e.g. ``"params"``); ``exemplar`` is that subtree.
+        check: verify the files' sizes against the commit marker first.
+
+    Raises:
+        ValueError: a key missing from the checkpoint, one the exemplar lacks, a shape or dtype mismatch;
+            the message names the key path and the file.
+        CheckpointError: (a ValueError) the checkpoint is incomplete, truncated or corrupted.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if check:
+        verify(path)
+    meta_file = os.path.join(path, L.METADATA)
+    meta = _read_json(meta_file)
+    stored = L.names_in_metadata(meta)
+    named = _with_prefix(exemplar, only)
+    _check_keys(named, stored, meta_file, only)
+    ctx = ts.Context()
+    opened = [ts.open(L.array_spec(path, name, meta), open=True, read=True, context=ctx) for name, _ in named]
+    futures = []
+    for (name, x), fut in zip(named, opened):
+        try:
+            arr = fut.result()
+        except ValueError as exc:  # unreadable or unknown metadata (e.g. a dtype tensorstore does not know)
+            raise CheckpointError(f"{name}: cannot open the array {where_of(path, name)}: {_short(exc)}") from None
+        futures.append(_start_read(name, x, arr, where_of(path, name)))
+    out = []
+    for (name, x), (fut, finish) in zip(named, futures):
+        try:
+            value = fut.result() if fut is not None else None
+        except ValueError as exc:
+            raise CheckpointError(
+                f"{name}: reading {where_of(path, name)} failed: {_short(exc)}; the checkpoint is corrupted, "
+                f"restore an older one"
+            ) from None
+        out.append(finish(value))
+    return optree.tree_unflatten(optree.tree_structure(exemplar), out)
+
+
+def where_of(path: str, name: str) -> str:
+    return f"{path}/{name}"
+
+
+def _short(exc: BaseException, limit: int = 400) -> str:
+    s = str(exc)
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+def _check_keys(named: list[tuple[str, Any]], stored: dict[str, str], meta_file: str, only: str | None) -> None:
+    wanted = [n for n, _ in named]
+    missing = [n for n in wanted if n not in stored]
+    if missing:
+        raise ValueError(
+            f"{missing[0]}: not in the checkpoint ({meta_file}); missing keys: {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}. Fix: restore into an exemplar of the saved structure "
+            f"(or pass only=<subtree>)"
+        )
+    scope = [n for n in stored if only is None or n == only or n.startswith(only + ".")]
+    extra = sorted(set(scope) - set(wanted))
+    if extra:
+        raise ValueError(
+            f"{extra[0]}: in the checkpoint ({meta_file}) but not in the exemplar; extra keys: {extra[:8]}"
+            f"{' ...' if len(extra) > 8 else ''}. Fix: add them to the exemplar, or restore a subtree with only=..."
+        )
+
+
+def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str):
+    """Start reading what this rank needs of one leaf; return (future, finish(np_value) -> leaf)."""
+    shape = tuple(int(s) for s in arr.shape)
+    np_dt = np.dtype(arr.dtype.numpy_dtype)
+    if isinstance(x, torch.Tensor):
+        if tuple(x.shape) != shape:
+            raise ValueError(
+                f"{name}: the checkpoint holds shape {shape} ({where}), the exemplar {tuple(x.shape)}; "
+                f"fix the exemplar's shape (or the model config)"
+            )
+        dt = L.torch_dtype(np_dt, name, where)
+        if dt != x.dtype:
+            raise ValueError(
+                f"{name}: the checkpoint holds {dt} ({where}), the exemplar {x.dtype}; make the exemplar's "
+                f"dtype {dt} and cast after restoring"
+            )
+    if isinstance(x, DTensor):
+        return _start_dtensor(x, arr)
+    if isinstance(x, torch.Tensor):
+        device = torch.device("cpu") if x.device.type == "meta" else x.device
+        return arr.read(), lambda a: L.from_numpy(a).to(device)
+    if isinstance(x, np.ndarray):
+        if x.shape != shape:
+            raise ValueError(f"{name}: the checkpoint holds shape {shape} ({where}), the exemplar {x.shape}")
+        return arr.read(), lambda a: np.asarray(a, dtype=x.dtype) if x.dtype != a.dtype else a
+    if isinstance(x, (bool, int, float, np.generic)):
+        if shape != ():
+            raise ValueError(f"{name}: the exemplar is a scalar but the checkpoint holds shape {shape} ({where})")
+        kind = type(x)
+        return arr.read(), lambda a: kind(a.item()) if not isinstance(x, np.generic) else a[()].astype(x.dtype)
+    raise TypeError(f"{name}: cannot restore into a {type(x).__name__} exemplar leaf")
+
+
+def _start_dtensor(x: DTensor, arr: ts.TensorStore):
+    mesh = x.device_mesh
+    boxes = L.dtensor_boxes(x, "exemplar")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    off, shp = boxes.by_rank.get(rank, ((0,) * x.ndim, (0,) * x.ndim))
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    index = tuple(slice(o, o + s) for o, s in zip(off, shp))
+
+    def finish(a: np.ndarray) -> DTensor:
+        local = L.from_numpy(a).to(device)
+        out = DTensor.from_local(local, mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+        return out.requires_grad_(x.requires_grad) if x.is_floating_point() else out
+
+    if math_prod(shp) == 0:
+        empty = np.empty(shp, dtype=np.dtype(arr.dtype.numpy_dtype))
+        return None, lambda _: finish(empty)
+    return (arr[index].read() if index else arr.read()), finish
+
+
+def math_prod(xs) -> int:
+    p = 1
+    for v in xs:
+        p *= int(v)
+    return p

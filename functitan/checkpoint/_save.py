@@ -1,0 +1,404 @@
+"""Saving: stage into reused host buffers, return, write shards in a background thread, commit atomically.
+
+The caller is blocked only while this rank's shards are copied into staging buffers (pinned on CUDA,
+allocated on the first save and reused by every later one). Tensorstore reads its source lazily, so it is
+never given the live tensors: mutating a parameter right after ``save`` returns cannot reach the file.
+
+Commit protocol (a crash at any moment leaves the old set of checkpoints or the new one, never a mix):
+
+1. every rank writes its shards under ``<dir>.tmp-<uuid>`` (rank 0 also every ``zarr.json``), fsyncs its
+   files and writes their sizes to ``_sizes.<rank>``;
+2. barrier; rank 0 writes ``_METADATA`` and ``_COMMIT`` (all files with their sizes), fsyncs, renames
+   ``<dir>.tmp-<uuid>`` to ``<dir>`` and fsyncs the parent directory;
+3. barrier, so that ``wait()`` returns on every rank only once the checkpoint is visible.
+
+The barriers run on a private gloo group, so they never interleave with the training's collectives.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from . import _layout as L
+
+__all__ = ["SaveHandle", "Checkpointer", "save", "save_sync"]
+
+
+class SaveHandle:
+    """A save in flight. ``wait()`` blocks until the checkpoint is committed on every rank."""
+
+    def __init__(self, path: str, thread: threading.Thread | None, on_done=None) -> None:
+        self.path = path
+        self._thread = thread
+        self._error: BaseException | None = None
+        self._on_done = on_done
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until committed; re-raise a background failure; return the checkpoint directory."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"checkpoint {self.path} not committed after {timeout}s")
+        if self._on_done is not None:
+            cb, self._on_done = self._on_done, None
+            cb()
+        if self._error is not None:
+            raise RuntimeError(f"saving checkpoint {self.path} failed: {self._error}") from self._error
+        return self.path
+
+
+# ----------------------------------------------------------------------------------------------- plan
+
+
+@dataclass
+class _Piece:
+    box: L.Box  # global (offset, shape) this rank writes
+    local: tuple[slice, ...]  # the same block in this rank's local tensor
+    staging: Any = None  # torch.Tensor or np.ndarray, allocated once
+
+
+@dataclass
+class _Leaf:
+    name: str
+    keys: tuple[dict, ...]
+    vtype: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    metadata: dict
+    pieces: list[_Piece] = field(default_factory=list)
+
+
+def _signature(named: list, treedef: Any) -> tuple:
+    sig = []
+    for name, _, x in named:
+        if isinstance(x, DTensor):
+            sig.append((name, "dt", tuple(x.shape), x.dtype, tuple(x.placements), id(x.device_mesh), x.device.type))
+        elif isinstance(x, torch.Tensor):
+            sig.append((name, "t", tuple(x.shape), x.dtype, x.device.type))
+        elif isinstance(x, np.ndarray):
+            sig.append((name, "np", x.shape, x.dtype))
+        else:
+            sig.append((name, "s", type(x), np.asarray(x).dtype if isinstance(x, np.generic) else None))
+    return (treedef, tuple(sig))
+
+
+def _scalar_array(x: Any, name: str) -> np.ndarray:
+    if isinstance(x, bool):
+        return np.asarray(x, np.bool_)
+    if isinstance(x, int):
+        if not -(2**63) <= x < 2**63:
+            raise ValueError(f"{name}: the int {x} does not fit in int64; store it as two ints or a string-free array")
+        return np.asarray(x, np.int64)
+    if isinstance(x, float):
+        return np.asarray(x, np.float64)
+    return np.asarray(x)
+
+
+def _plan(named: list, rank: int, ranks: tuple[int, ...]) -> list[_Leaf]:
+    leaves = []
+    for name, keys, x in named:
+        vtype = L.value_type(x, name)
+        if isinstance(x, DTensor):
+            dtype = L.np_dtype(x.dtype, name)
+            boxes = L.dtensor_boxes(x, name)
+            mine = boxes.by_rank.get(rank)
+            my_off = mine[0] if mine else None
+        elif isinstance(x, torch.Tensor):
+            if x.device.type == "meta":
+                raise ValueError(f"{name}: a meta tensor has no values to save; materialise it first")
+            dtype = L.np_dtype(x.dtype, name)
+            boxes = L.full_boxes(tuple(x.shape), ranks)
+            my_off = (0,) * x.ndim
+        else:
+            a = x if isinstance(x, np.ndarray) else _scalar_array(x, name)
+            dtype = a.dtype
+            if dtype not in L._NP_TO_TORCH:
+                raise TypeError(f"{name}: numpy dtype {dtype} cannot be checkpointed; supported: {sorted(map(str, L._NP_TO_TORCH))}")
+            boxes = L.full_boxes(tuple(a.shape), ranks)
+            my_off = (0,) * a.ndim
+        leaf = L.zarr3_metadata(boxes.shape, dtype, L.chunk_grid(boxes))
+        item = _Leaf(name=name, keys=keys, vtype=vtype, shape=boxes.shape, dtype=dtype, metadata=leaf)
+        for box, writer in boxes.writers.items():
+            if writer == rank:
+                local = tuple(slice(o - m, o - m + s) for o, m, s in zip(box[0], my_off, box[1]))
+                item.pieces.append(_Piece(box=box, local=local))
+        leaves.append(item)
+    return leaves
+
+
+# ----------------------------------------------------------------------------------------------- staging
+
+
+def _local_tensor(x: Any) -> Any:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+@torch.no_grad()
+def _stage(plan: list[_Leaf], named: list) -> list[torch.cuda.Event]:
+    """Copy this rank's pieces into the staging buffers (allocating them on first use)."""
+    events = []
+    cuda_seen = False
+    for leaf, (_, _, x) in zip(plan, named):
+        src = _local_tensor(x)
+        for p in leaf.pieces:
+            if isinstance(src, torch.Tensor):
+                if p.staging is None:
+                    p.staging = torch.empty(p.box[1], dtype=src.dtype, pin_memory=src.is_cuda)
+                p.staging.copy_(src[p.local], non_blocking=src.is_cuda)
+                cuda_seen |= src.is_cuda
+            elif isinstance(src, np.ndarray):
+                if p.staging is None:
+                    p.staging = np.empty(src.shape, src.dtype)
+                np.copyto(p.staging, src[p.local])
+            else:
+                p.staging = _scalar_array(src, leaf.name)
+    if cuda_seen:
+        ev = torch.cuda.Event()
+        ev.record()
+        events.append(ev)
+    return events
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+
+def _fsync(path: str, *, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _chunk_keys(box: L.Box, grid: tuple[int, ...]) -> list[str]:
+    if not box[1]:
+        return ["c"]
+    ranges = [range(o // g, -(-(o + s) // g)) for o, s, g in zip(box[0], box[1], grid)]
+    keys = [[]]
+    for r in ranges:
+        keys = [k + [i] for k in keys for i in r]
+    return ["c/" + "/".join(map(str, k)) for k in keys]
+
+
+def _write_json(path: str, doc: dict) -> int:
+    data = json.dumps(doc, indent=1, sort_keys=True).encode()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(data)
+
+
+def _write_shards(item: str, plan: list[_Leaf], rank: int, leader: bool) -> dict[str, int]:
+    """Write this rank's pieces (and, on the leader, every zarr.json); return {relative file: size}."""
+    ctx = ts.Context({"file_io_sync": False})
+    futures, written = [], []
+    for leaf in plan:
+        spec = L.array_spec(item, leaf.name, {"use_zarr3": True}, metadata=leaf.metadata)
+        spec["store_data_equal_to_fill_value"] = True  # every chunk is a file: sizes verify completeness
+        if not leaf.pieces and not leader:
+            continue
+        # the leader creates zarr.json; the others assume it (no metadata I/O, no race)
+        opened = ts.open(spec, create=True, context=ctx) if leader else ts.open(spec, open=True, assume_metadata=True, context=ctx)
+        arr = opened.result()
+        grid = tuple(leaf.metadata["chunk_grid"]["configuration"]["chunk_shape"])
+        if leader:
+            written.append(f"{leaf.name}/zarr.json")
+        for p in leaf.pieces:
+            src = L.as_numpy(p.staging) if isinstance(p.staging, torch.Tensor) else p.staging
+            index = tuple(slice(o, o + s) for o, s in zip(*p.box))
+            futures.append(arr[index].write(src) if index else arr.write(src))
+            written += [f"{leaf.name}/{k}" for k in _chunk_keys(p.box, grid)]
+    for f in futures:
+        f.result()
+    sizes = {}
+    for rel in written:
+        full = os.path.join(item, rel)
+        _fsync(full)
+        sizes[rel] = os.path.getsize(full)
+    return sizes
+
+
+class _Group:
+    """The processes taking part in a save, with a private gloo group for the commit barriers."""
+
+    def __init__(self, mesh: DeviceMesh | None, timeout_s: float) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if not self.distributed:
+            self.rank, self.ranks, self.pg = 0, (0,), None
+            return
+        self.rank = dist.get_rank()
+        if mesh is None:
+            self.ranks = tuple(range(dist.get_world_size()))
+        else:
+            self.ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+        # every process calls new_group (a collective over the world), members or not
+        self.pg = dist.new_group(list(self.ranks), backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == self.ranks[0]
+
+    def barrier(self) -> None:
+        if self.pg is not None:
+            dist.barrier(group=self.pg)
+
+    def shared_token(self) -> str:
+        """A fresh uuid, the same on every rank (rank 0's, broadcast as 16 bytes)."""
+        token = torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8).clone()
+        if self.pg is not None:
+            dist.broadcast(token, src=self.ranks[0], group=self.pg)
+        return bytes(token.tolist()).hex()[:12]
+
+
+def _commit(final: str, item_rel: str, plan: list[_Leaf], group: _Group, events: list, after_commit=None) -> None:
+    for ev in events:
+        ev.synchronize()
+    tmp = f"{final}{L.TMP_MARK}{group.shared_token()}"
+    item = os.path.join(tmp, item_rel) if item_rel else tmp
+    os.makedirs(item, exist_ok=True)
+    sizes = _write_shards(item, plan, group.rank, group.leader)
+    _write_json(os.path.join(item, f"_sizes.{group.rank}"), sizes)
+    group.barrier()
+    if group.leader:
+        files: dict[str, int] = {}
+        for r in group.ranks:
+            part = os.path.join(item, f"_sizes.{r}")
+            with open(part) as f:
+                files.update(json.load(f))
+            os.remove(part)
+        meta = L.orbax_metadata([(leaf.name, leaf.keys, leaf.vtype) for leaf in plan])
+        files[L.METADATA] = _write_json(os.path.join(item, L.METADATA), meta)
+        commit = {"format": L.FORMAT, "files": files, "arrays": {leaf.name: leaf.metadata["shape"] for leaf in plan}}
+        _write_json(os.path.join(item, L.COMMIT), commit)
+        _fsync(item, directory=True)
+        if item != tmp:
+            _fsync(tmp, directory=True)
+        os.rename(tmp, final)
+        _fsync(os.path.dirname(os.path.abspath(final)), directory=True)
+        if after_commit is not None:
+            after_commit()
+    group.barrier()
+
+
+# ----------------------------------------------------------------------------------------------- API
+
+
+class Checkpointer:
+    """Asynchronous, sharded saves that reuse their staging buffers; at most one save in flight.
+
+    Args:
+        mesh: the mesh whose ranks take part (default: every rank of the default process group). Plain
+            tensors and scalars are taken as identical on those ranks and written by the lowest one.
+        timeout_s: how long the commit barrier waits for a slow or dead rank.
+
+    Every rank must call ``save`` with the same path and a tree of the same structure. Call ``close()``
+    (or ``wait()``) before destroying the process group.
+    """
+
+    def __init__(self, *, mesh: DeviceMesh | None = None, timeout_s: float = 1800.0, group: "_Group | None" = None) -> None:
+        self._mesh = mesh
+        self._timeout_s = timeout_s
+        self._group = group
+        self._owns_group = group is None
+        self._plan: list[_Leaf] | None = None
+        self._plan_sig: tuple | None = None
+        self._pending: SaveHandle | None = None
+
+    def save(self, path: str | os.PathLike, tree: Any, *, _item: str = "", after_commit=None) -> SaveHandle:
+        """Stage ``tree`` and start writing it to ``path``; returns once the live values may change.
+
+        ``after_commit()`` runs in the background thread on the leader once the checkpoint is visible
+        (the manager's retention); the other ranks' ``wait()`` returns after it.
+        """
+        self.wait()
+        path = os.fspath(path)
+        if os.path.exists(path):
+            raise ValueError(f"checkpoint directory {path} already exists; choose a new path or delete it first")
+        if self._group is None:
+            self._group = _Group(self._mesh, self._timeout_s)
+        named, treedef = L.named_leaves(tree)
+        sig = _signature(named, treedef)
+        if sig != self._plan_sig:
+            self._plan = _plan(named, self._group.rank, self._group.ranks)
+            self._plan_sig = sig
+        events = _stage(self._plan, named)
+        handle = SaveHandle(path, None)
+        plan, group = self._plan, self._group
+
+        def run() -> None:
+            try:
+                _commit(path, _item, plan, group, events, after_commit)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+                handle._error = exc
+
+        # not a daemon: an interpreter exiting mid-save finishes the write first
+        handle._thread = threading.Thread(target=run, name=f"functitan-checkpoint:{os.path.basename(path)}")
+        handle._thread.start()
+        self._pending = handle
+        return handle
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; re-raise its failure."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+
+    def close(self) -> None:
+        """Wait for the save in flight, free the staging buffers and the commit group."""
+        try:
+            self.wait()
+        finally:
+            self._plan = None
+            self._plan_sig = None
+            group = self._group
+            if self._owns_group:
+                self._group = None
+            if self._owns_group and group is not None and group.pg is not None and group.rank in group.ranks:
+                dist.destroy_process_group(group.pg)
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def save(path: str | os.PathLike, tree: Any, *, mesh: DeviceMesh | None = None) -> SaveHandle:
+    """Save ``tree`` to the directory ``path`` asynchronously; ``handle.wait()`` blocks until committed.
+
+    A one-off save: its staging buffers are freed once committed. A training loop should keep one
+    ``Checkpointer`` (or a ``CheckpointManager``), whose buffers are reused by every save.
+
+    Args:
+        path: the checkpoint directory to create (it must not exist). It is an Orbax item directory:
+            ``orbax.checkpoint.PyTreeCheckpointer().restore(path)`` reads it in a JAX process.
+        tree: any pytree of tensors, DTensors, numpy arrays and Python/numpy scalars.
+        mesh: the mesh whose ranks take part (default: all ranks).
+    """
+    ck = Checkpointer(mesh=mesh)
+    handle = ck.save(path, tree)
+    handle._on_done = ck.close
+    return handle
+
+
+def save_sync(path: str | os.PathLike, tree: Any, *, mesh: DeviceMesh | None = None) -> str:
+    """``save(...).wait()``: returns the committed directory."""
+    return save(path, tree, mesh=mesh).wait()

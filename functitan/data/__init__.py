@@ -1,0 +1,26 @@
+"""Training data: tokenizers, the default corpus, and a packed, data-parallel, resumable token loader.
+
+Typical use::
+
+    loader = TokenLoader(batch_size=8, seq_len=256, dp_rank=r, dp_size=n)  # stdlib corpus, byte tokens
+    state = loader.init_state()                  # {"epoch": 0, "seq": 0}: checkpoint it with the model
+    batch, state = loader.next(state)            # batch["inputs"], batch["targets"]: (8, 256) int64
+"""
+
+from functitan.data._corpus import DEFAULT_CORPUS_BYTES, default_corpus, expand_paths, read_documents
+from functitan.data._loader import DataConfig, TokenLoader, build_loader, dp_coords
+from functitan.data._tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "Tokenizer",
+    "ByteTokenizer",
+    "load_tokenizer",
+    "DEFAULT_CORPUS_BYTES",
+    "default_corpus",
+    "expand_paths",
+    "read_documents",
+    "TokenLoader",
+    "DataConfig",
+    "build_loader",
+    "dp_coords",
+]

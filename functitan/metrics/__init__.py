@@ -1,0 +1,34 @@
+"""Training metrics: model FLOPs, peak FLOP/s, MFU, peak memory, and the sinks that record them.
+
+Data flow in the trainer::
+
+    fpt  = transformer_flops_per_token(n_params=..., n_layers=..., n_heads=..., head_dim=..., seq_len=...)
+    peak = peak_flops(device, torch.bfloat16)           # PeakFlops(value | None, source)
+    meter = Meter(world_size=ws, flops_per_token=fpt, peak=peak)
+    sinks = make_sinks(run_dir, total_steps, rank=rank)
+    ...each step: meter.update(wall_s=..., data_s=..., tokens=global_tokens)
+    ...each log step: sinks.write(step, {"loss": ..., **meter.flush(), **peak_memory(device)});
+                      reset_peak_memory(device)
+"""
+
+from ._flops import transformer_flops_per_token
+from ._memory import peak_memory, reset_peak_memory
+from ._meter import Meter, throughput
+from ._peak import PeakFlops, peak_flops
+from ._sinks import ConsoleSink, JsonlSink, MultiSink, Sink, TensorBoardSink, make_sinks
+
+__all__ = [
+    "transformer_flops_per_token",
+    "PeakFlops",
+    "peak_flops",
+    "reset_peak_memory",
+    "peak_memory",
+    "throughput",
+    "Meter",
+    "Sink",
+    "ConsoleSink",
+    "JsonlSink",
+    "TensorBoardSink",
+    "MultiSink",
+    "make_sinks",
+]

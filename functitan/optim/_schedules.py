@@ -1,0 +1,106 @@
+"""Learning-rate schedules: pure functions ``step -> float``, read at steps 0, 1, 2, ...
+
+Warmup is linear and reaches ``peak`` at step ``warmup_steps - 1`` (step 0 already trains, at
+``peak / warmup_steps``). The decay phase runs from ``peak`` at step ``warmup_steps`` (or at the decay start for
+``wsd``) to ``final`` at step ``total_steps`` and stays there after. For example
+``warmup_cosine(1.0, warmup_steps=10, total_steps=110)`` gives 0.1 at step 0, 1.0 at steps 9 and 10, 0.5 at
+step 60 and 0.0 at step 110.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+__all__ = ["constant", "warmup_cosine", "warmup_linear", "wsd"]
+
+Schedule = Callable[[int], float]
+
+
+def _check(peak: float, warmup_steps: int, total_steps: int, final: float, name: str) -> None:
+    if peak < 0 or final < 0:
+        raise ValueError(
+            f"{name}: peak={peak}, final={final}; learning rates are non-negative, e.g. peak=3e-4, final=0.0"
+        )
+    if final > peak:
+        raise ValueError(f"{name}: final={final} is above peak={peak}; pass final <= peak (a decay ends lower)")
+    if warmup_steps < 0 or total_steps <= 0:
+        raise ValueError(
+            f"{name}: warmup_steps={warmup_steps}, total_steps={total_steps}; pass warmup_steps >= 0 and "
+            f"total_steps > 0"
+        )
+    if warmup_steps > total_steps:
+        raise ValueError(
+            f"{name}: warmup_steps={warmup_steps} exceeds total_steps={total_steps}; pass warmup_steps <= "
+            f"total_steps (e.g. warmup_steps={max(total_steps // 10, 1)})"
+        )
+
+
+def _warmup(peak: float, warmup_steps: int, step: int) -> float:
+    return peak * (step + 1) / warmup_steps
+
+
+def constant(value: float) -> Schedule:
+    """``value`` at every step."""
+    if value < 0:
+        raise ValueError(f"constant: value={value}; a learning rate is non-negative")
+    return lambda step: float(value)
+
+
+def _warmup_then(
+    peak: float, warmup_steps: int, total_steps: int, final: float, shape: Callable[[float], float]
+) -> Schedule:
+    """Warmup, then ``final + (peak - final) * shape(progress)`` with progress going 0 -> 1 until total_steps."""
+    span = max(total_steps - warmup_steps, 1)
+
+    def schedule(step: int) -> float:
+        step = int(step)
+        if step < warmup_steps:
+            return _warmup(peak, warmup_steps, step)
+        progress = min((step - warmup_steps) / span, 1.0)
+        return final + (peak - final) * shape(progress)
+
+    return schedule
+
+
+def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final: float = 0.0) -> Schedule:
+    """Linear warmup to ``peak``, then half a cosine down to ``final`` at ``total_steps`` (Loshchilov & Hutter,
+    2017). The cosine's midpoint, step ``(warmup_steps + total_steps) / 2``, gives ``(peak + final) / 2``."""
+    _check(peak, warmup_steps, total_steps, final, "warmup_cosine")
+    return _warmup_then(peak, warmup_steps, total_steps, final, lambda p: 0.5 * (1 + math.cos(math.pi * p)))
+
+
+def warmup_linear(peak: float, warmup_steps: int, total_steps: int, final: float = 0.0) -> Schedule:
+    """Linear warmup to ``peak``, then a straight line down to ``final`` at ``total_steps``."""
+    _check(peak, warmup_steps, total_steps, final, "warmup_linear")
+    return _warmup_then(peak, warmup_steps, total_steps, final, lambda p: 1 - p)
+
+
+def wsd(peak: float, warmup_steps: int, total_steps: int, decay_fraction: float = 0.1, final: float = 0.0) -> Schedule:
+    """Warmup-stable-decay (Hu et al., 2024, MiniCPM): linear warmup, ``peak`` held, then a linear decay to
+    ``final`` over the last ``decay_fraction`` of ``total_steps``. Checkpoints from the stable phase can be
+    decayed later, which is why runs of several lengths can share one.
+
+    ``wsd(1.0, 10, 100, decay_fraction=0.2)``: 0.1 at step 0, 1.0 from step 9 to 80, 0.5 at step 90, 0.0 at 100.
+    """
+    _check(peak, warmup_steps, total_steps, final, "wsd")
+    if not 0 <= decay_fraction <= 1:
+        raise ValueError(f"wsd: decay_fraction={decay_fraction}; pass a fraction of total_steps in [0, 1], e.g. 0.1")
+    decay_steps = round(decay_fraction * total_steps)
+    decay_start = total_steps - decay_steps
+    if decay_start < warmup_steps:
+        raise ValueError(
+            f"wsd: the decay ({decay_steps} steps, decay_fraction={decay_fraction} of {total_steps}) would start at "
+            f"step {decay_start}, inside the {warmup_steps}-step warmup; lower decay_fraction or warmup_steps"
+        )
+
+    def schedule(step: int) -> float:
+        step = int(step)
+        if step < warmup_steps:
+            return _warmup(peak, warmup_steps, step)
+        if step < decay_start or decay_steps == 0:
+            return float(peak)
+        progress = min((step - decay_start) / decay_steps, 1.0)
+        return final + (peak - final) * (1 - progress)
+
+    return schedule

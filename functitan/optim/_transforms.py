@@ -1,0 +1,244 @@
+"""Gradient transformations: the pieces ``adamw`` and ``sgd`` are chained from.
+
+Each transform flattens its trees once, runs ``torch._foreach_*`` over the local shards of all leaves
+(elementwise math keeps DTensor placements) and wraps the results back with each leaf's spec; see
+``_local``. Step counters are 0-d int64 tensors kept on the CPU: bias corrections and schedules read them as
+Python ints, which then costs no device sync.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Union
+
+import optree
+import torch
+from torch import Tensor
+
+from functitan.optim import _local
+from functitan.optim._base import EmptyState, GradientTransformation
+from functitan.optim._norm import _global_sumsq
+from functitan.tree import flatten_with_names, map_with_names
+
+__all__ = [
+    "ScaleByAdamState",
+    "TraceState",
+    "ScaleByScheduleState",
+    "EMBEDDING_NAMES",
+    "default_decay_mask",
+    "scale",
+    "scale_by_learning_rate",
+    "scale_by_adam",
+    "trace",
+    "add_decayed_weights",
+    "clip_by_global_norm",
+]
+
+Schedule = Callable[[int], float]
+Mask = Union[Callable[[str, Any], bool], Any]  # (name, param) -> bool, or a pytree of bools mirroring params
+
+EMBEDDING_NAMES = frozenset({"embed", "tok_embeddings", "embed_tokens", "wte", "wpe"})
+
+
+class ScaleByAdamState(NamedTuple):
+    count: Tensor  # () int64 on the CPU: updates applied so far
+    mu: Any  # first moment, mirrors params
+    nu: Any  # second moment, mirrors params
+
+
+class TraceState(NamedTuple):
+    trace: Any  # momentum buffer, mirrors params
+
+
+class ScaleByScheduleState(NamedTuple):
+    count: Tensor  # () int64 on the CPU: the step the schedule is read at next
+
+
+def _zero_count() -> Tensor:
+    return torch.zeros((), dtype=torch.int64)
+
+
+def _check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def default_decay_mask(name: str, param: Any) -> bool:
+    """Decay matrices, not vectors or embeddings: ``param.ndim >= 2`` and no segment of the dotted ``name``
+    is one of ``EMBEDDING_NAMES`` (GPT-2 / nanoGPT practice: decaying norms, biases and embedding rows hurts).
+
+    >>> w = torch.zeros(4, 4)
+    >>> default_decay_mask("layers.0.attn.wq", w), default_decay_mask("tok_embeddings", w)
+    (True, False)
+    """
+    return param.ndim >= 2 and not any(seg in EMBEDDING_NAMES for seg in name.split("."))
+
+
+def scale(factor: float) -> GradientTransformation:
+    """Multiply updates by a constant ``factor``."""
+
+    def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
+        u = _local.flatten(updates, "updates")
+        with torch.no_grad():
+            return _local.unflatten(u, torch._foreach_mul(u.locals, factor)), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransformation:
+    """Multiply updates by ``-learning_rate`` (descent); a schedule ``step -> float`` is read at steps 0, 1, ...
+
+    The schedule's step is counted in the state, so a restored checkpoint resumes the schedule where it was.
+    """
+    if not callable(learning_rate):
+        _check(learning_rate >= 0, f"learning_rate={learning_rate}: pass a non-negative rate (descent flips the sign)")
+        return scale(-float(learning_rate))
+
+    def init(params: Any) -> ScaleByScheduleState:
+        return ScaleByScheduleState(count=_zero_count())
+
+    def update(updates: Any, state: ScaleByScheduleState, params: Any = None) -> tuple[Any, ScaleByScheduleState]:
+        step = int(state.count)
+        lr = float(learning_rate(step))
+        _check(math.isfinite(lr) and lr >= 0, f"the learning-rate schedule returned {lr} at step {step}; fix it")
+        u = _local.flatten(updates, "updates")
+        with torch.no_grad():
+            out = _local.unflatten(u, torch._foreach_mul(u.locals, -lr))
+        return out, ScaleByScheduleState(count=state.count + 1)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adam's direction ``mu_hat / (sqrt(nu_hat) + eps)`` with bias-corrected moments (Kingma & Ba, 2015).
+
+    The moments have each param's dtype and placement. The arithmetic follows ``torch.optim.AdamW``
+    (``lerp`` for mu, ``addcmul`` for nu, ``sqrt(nu) / sqrt(1 - b2**t) + eps``).
+    """
+    _check(0 <= b1 < 1 and 0 <= b2 < 1, f"b1={b1}, b2={b2}: both must lie in [0, 1), e.g. b1=0.9, b2=0.95")
+    _check(eps >= 0, f"eps={eps}: pass a non-negative eps, e.g. 1e-8")
+
+    def init(params: Any) -> ScaleByAdamState:
+        ref = _local.flatten(params, "params")
+        return ScaleByAdamState(count=_zero_count(), mu=_local.zeros_like(ref), nu=_local.zeros_like(ref))
+
+    def update(grads: Any, state: ScaleByAdamState, params: Any = None) -> tuple[Any, ScaleByAdamState]:
+        mu = _local.flatten(state.mu, "state.mu")
+        nu = _local.flatten_like(mu, state.nu, ("state.mu", "state.nu"))
+        g = _local.flatten_like(mu, grads, ("optimizer state", "grads"))
+        t = int(state.count) + 1
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
+        with torch.no_grad():
+            gl = [x if x.dtype == m.dtype else x.to(m.dtype) for x, m in zip(g.locals, mu.locals)]
+            new_mu = torch._foreach_lerp(mu.locals, gl, 1 - b1)
+            new_nu = torch._foreach_mul(nu.locals, b2)
+            torch._foreach_addcmul_(new_nu, gl, gl, value=1 - b2)
+            denom = torch._foreach_sqrt(new_nu)
+            torch._foreach_div_(denom, math.sqrt(bc2))
+            torch._foreach_add_(denom, eps)
+            out = torch._foreach_div(new_mu, denom)
+            torch._foreach_div_(out, bc1)
+            new_state = ScaleByAdamState(state.count + 1, _local.unflatten(mu, new_mu), _local.unflatten(mu, new_nu))
+            return _local.unflatten(g, out), new_state
+
+    return GradientTransformation(init, update)
+
+
+def trace(momentum: float, *, nesterov: bool = False) -> GradientTransformation:
+    """Momentum: ``trace = g + momentum * trace``; updates are ``trace`` (or ``g + momentum * trace`` with
+    ``nesterov``), which matches ``torch.optim.SGD`` with zero dampening."""
+    _check(momentum >= 0, f"momentum={momentum}: pass a non-negative momentum, e.g. 0.9")
+
+    def init(params: Any) -> TraceState:
+        return TraceState(trace=_local.zeros_like(_local.flatten(params, "params")))
+
+    def update(grads: Any, state: TraceState, params: Any = None) -> tuple[Any, TraceState]:
+        tr = _local.flatten(state.trace, "state.trace")
+        g = _local.flatten_like(tr, grads, ("optimizer state", "grads"))
+        with torch.no_grad():
+            new = torch._foreach_add(g.locals, tr.locals, alpha=momentum)
+            out = torch._foreach_add(g.locals, new, alpha=momentum) if nesterov else new
+            return _local.unflatten(g, out), TraceState(_local.unflatten(tr, new))
+
+    return GradientTransformation(init, update)
+
+
+def _resolve_mask(mask: Mask | None, params: Any) -> list[bool]:
+    """One bool per leaf of ``params``: ``mask`` called on each (name, param), or read from a mirroring tree."""
+    if mask is None:
+        return [True] * len(optree.tree_leaves(params))
+    if callable(mask):
+        tree = map_with_names(lambda name, p: mask(name, p), params)
+    else:
+        tree = map_with_names(lambda name, p, m: m, params, mask, what=("params", "mask"))
+    flat = optree.tree_leaves(tree, none_is_leaf=True)
+    for (name, _), m in zip(flatten_with_names(params)[0], flat):
+        if not isinstance(m, bool):
+            raise TypeError(
+                f"mask for {name!r} is {m!r} ({type(m).__name__}); a weight-decay mask holds True/False per param"
+            )
+    return flat
+
+
+def add_decayed_weights(weight_decay: float, *, mask: Mask | None = None) -> GradientTransformation:
+    """Add ``weight_decay * param`` to the updates of the params ``mask`` selects (all when None).
+
+    Placed after ``scale_by_adam`` and before the learning rate, this is AdamW's decoupled weight decay
+    (Loshchilov & Hutter, 2019). ``mask`` is ``(name, param) -> bool`` (see ``default_decay_mask``) or a
+    pytree of bools mirroring params; the choice is fixed per tree structure and cached.
+    """
+    _check(weight_decay >= 0, f"weight_decay={weight_decay}: pass a non-negative decay, e.g. 0.1")
+    cache: dict[optree.PyTreeSpec, list[int]] = {}
+
+    def decayed(p: _local.Flat) -> list[int]:
+        if p.treedef not in cache:
+            cache[p.treedef] = [i for i, m in enumerate(_resolve_mask(mask, p.tree)) if m]
+        return cache[p.treedef]
+
+    def init(params: Any) -> EmptyState:
+        decayed(_local.flatten(params, "params"))  # a bad mask fails here, not at the first step
+        return EmptyState()
+
+    def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
+        if params is None:
+            raise ValueError("add_decayed_weights needs the params: call update(grads, state, params)")
+        if weight_decay == 0:
+            return updates, state
+        p = _local.flatten(params, "params")
+        u = _local.flatten_like(p, updates, ("params", "updates"))
+        idx = decayed(p)
+        with torch.no_grad():
+            new = torch._foreach_add([u.locals[i] for i in idx], [p.locals[i] for i in idx], alpha=weight_decay)
+            out = list(u.leaves)
+            for i, local in zip(idx, new):
+                out[i] = _local.wrap(local, u.specs[i])
+        return p.treedef.unflatten(out), state
+
+    return GradientTransformation(init, update)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale all updates by ``min(1, max_norm / global_norm(updates))`` (Pascanu et al., 2013).
+
+    The norm is that of the full tensors however the leaves are sharded (see ``global_norm``), and it stays
+    on the device: no host sync. A norm of 0 leaves updates unchanged; a NaN norm makes them NaN.
+    """
+    _check(max_norm > 0, f"max_norm={max_norm}: pass a positive norm, e.g. 1.0")
+
+    def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
+        u = _local.flatten(updates, "updates")
+        if not u.locals:
+            return updates, state
+        with torch.no_grad():
+            factor = (max_norm / torch.sqrt(_global_sumsq(u))).clamp(max=1.0)
+            by_device: dict[torch.device, list[int]] = {}
+            for i, t in enumerate(u.locals):
+                by_device.setdefault(t.device, []).append(i)
+            out: list[Tensor] = [None] * len(u.locals)  # type: ignore[list-item]
+            for device, idx in by_device.items():
+                scaled = torch._foreach_mul([u.locals[i] for i in idx], factor.to(device))
+                for i, t in zip(idx, scaled):
+                    out[i] = t
+            return _local.unflatten(u, out), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)

@@ -1,0 +1,88 @@
+"""Pipeline parallel schedules as data: generate, validate, simulate, draw, and load from CSV.
+
+A `Schedule` is one ordered list of `Action`s (F, B, W, BW on a stage and microbatch) per rank; the
+point-to-point traffic follows from stage adjacency (`with_comms`). The executor runs these lists.
+
+    >>> from functitan import pipeline
+    >>> s = pipeline.one_f_one_b(pp=4, m=8)
+    >>> sim = pipeline.simulate(s, pipeline.Costs(f=1, b=1, w=1, p2p=0))
+    >>> sim.bubble_fraction == 3 / 11  # (p-1)/(m+p-1)
+    True
+"""
+
+from functitan.pipeline._comms import with_comms
+from functitan.pipeline._csvfile import load_csv, save_csv
+from functitan.pipeline._generators import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
+from functitan.pipeline._render import render_png, render_text, summary
+from functitan.pipeline._schedule import (
+    KINDS,
+    Action,
+    Comm,
+    Schedule,
+    dependencies,
+    loop_placement,
+    split_pairs,
+    v_placement,
+)
+from functitan.pipeline._simulate import Costs, Simulation, simulate
+from functitan.pipeline._validate import validate
+
+__all__ = [
+    "KINDS",
+    "Action",
+    "Comm",
+    "Costs",
+    "Schedule",
+    "Simulation",
+    "dependencies",
+    "gpipe",
+    "interleaved_1f1b",
+    "load_csv",
+    "loop_placement",
+    "one_f_one_b",
+    "render_png",
+    "render_text",
+    "save_csv",
+    "simulate",
+    "split_pairs",
+    "summary",
+    "v_placement",
+    "validate",
+    "with_comms",
+    "zb_h1",
+    "zb_v",
+]
+
+# The executor and stages (appended; see _stages.py and _executor.py).
+from functitan.pipeline._executor import Span, StepTimeline, pipeline_grad_fn  # noqa: E402
+from functitan.pipeline._executor import clip_by_global_norm, global_norm  # noqa: E402
+from functitan.pipeline._stages import (  # noqa: E402
+    StageModel,
+    Stages,
+    balance,
+    llama_stages,
+    make_stages,
+    place_stages,
+    rank_tree,
+    stage_mesh,
+    stage_rules,
+    stage_tree,
+)
+
+__all__ += [
+    "Span",
+    "StageModel",
+    "Stages",
+    "StepTimeline",
+    "balance",
+    "clip_by_global_norm",
+    "global_norm",
+    "llama_stages",
+    "make_stages",
+    "pipeline_grad_fn",
+    "place_stages",
+    "rank_tree",
+    "stage_mesh",
+    "stage_rules",
+    "stage_tree",
+]

@@ -1,0 +1,78 @@
+"""`functitan pipeline show`: print a schedule's timeline and bubble, optionally draw it to a PNG.
+
+    functitan pipeline show --schedule zbv --pp 4 --microbatches 8 --costs 1,1,1,0 --out timeline.png
+    functitan pipeline show --csv my_schedule.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from functitan.pipeline._csvfile import load_csv
+from functitan.pipeline._generators import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
+from functitan.pipeline._render import render_png, render_text, summary
+from functitan.pipeline._schedule import Schedule
+from functitan.pipeline._simulate import Costs, simulate
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
+
+
+def _costs(text: str) -> Costs:
+    parts = text.split(",")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) != 4 or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected four non-negative numbers f,b,w,p2p like 1,1,1,0; got {text!r}")
+    return Costs(*(int(v) if v.is_integer() else v for v in values))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="functitan pipeline", description="Pipeline schedules as data.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    show = sub.add_parser("show", help="print a schedule's timeline and bubble fraction; --out draws a PNG")
+    source = show.add_mutually_exclusive_group(required=True)
+    source.add_argument("--schedule", choices=SCHEDULES, help="a built-in schedule")
+    source.add_argument("--csv", help="a custom schedule (torch's compute-only CSV format, one row per rank)")
+    show.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
+    show.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
+    show.add_argument("--stages-per-rank", type=int, default=None, help="v; interleaved only (default 2)")
+    show.add_argument("--costs", type=_costs, default=Costs(), help="f,b,w,p2p per action (default 1,1,1,0)")
+    show.add_argument("--out", help="write the timeline as a PNG here (needs matplotlib)")
+    return parser
+
+
+def _build(args: argparse.Namespace) -> Schedule:
+    if args.csv:
+        return load_csv(args.csv)
+    v = args.stages_per_rank
+    if v is not None and args.schedule != "interleaved":
+        raise ValueError(f"--stages-per-rank applies to --schedule interleaved only; {args.schedule} fixes it")
+    p, m = args.pp, args.microbatches
+    if args.schedule == "interleaved":
+        return interleaved_1f1b(p, 2 if v is None else v, m)
+    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zbh1": zb_h1, "zbv": zb_v}[args.schedule](p, m)
+
+
+def main(argv: list[str]) -> int:
+    """Run `functitan pipeline ARGV...`; returns the exit status (0 ok, 2 bad input)."""
+    args = _parser().parse_args(argv)
+    try:
+        schedule = _build(args)
+        sim = simulate(schedule, args.costs)
+    except (ValueError, OSError) as e:
+        print(f"functitan pipeline show: error: {e}", file=sys.stderr)
+        return 2
+    print(render_text(schedule, sim))
+    print(summary(schedule, sim))
+    print(f"bubble fraction: {float(sim.bubble_fraction):.4f}")
+    if args.out:
+        try:
+            render_png(schedule, sim, args.out)
+        except ImportError as e:
+            print(f"functitan pipeline show: error: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,291 @@
+"""Run a rank's pipeline program (`with_comms`) as a grad_fn: per-microbatch autograd and P2P on the pp group.
+
+Each compute action runs one stage on one microbatch:
+
+    F   x = recv or hand-off (or the batch on stage 0); out = stage(params, x); keep (x, out)
+    BW  dx, dparams = autograd.grad(out, (x, params), dout)            # dout: received, or 1 for the loss
+    B   dx = autograd.grad(out, x, dout, retain_graph=True)            # zero-bubble: input gradient only
+    W   dparams = autograd.grad(out, params, dout)                     # later, from the kept graph
+
+Activations and input gradients cross ranks as ``isend``/``irecv`` on the pipeline group in the posting
+order `with_comms` gives (so NCCL's in-order matching holds); the receiver allocates from
+``StageModel.activation``, so no shape handshake. Between two stages on one rank (interleaved, ZB-V) the
+tensor is handed over in memory. The last stage scales each microbatch's loss by 1 / microbatches, so the
+summed gradients are those of the mean loss, as `functitan.transforms.accumulate` gives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from functitan.pipeline._comms import with_comms
+from functitan.pipeline._schedule import Action, Comm
+from functitan.pipeline._stages import Stages, pp_all_reduce, stage_tree
+from functitan.transforms import split_batch
+from functitan.tree import flatten_with_names
+
+
+class Span(NamedTuple):
+    """One compute action's wall time on this rank (seconds, ``time.perf_counter``)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+class StepTimeline(NamedTuple):
+    """One step of one rank: its compute spans and the step's start and end (for idle fractions)."""
+
+    start: float
+    end: float
+    spans: tuple[Span, ...]
+
+    @property
+    def busy(self) -> float:
+        return sum(s.end - s.start for s in self.spans)
+
+    @property
+    def idle_fraction(self) -> float:
+        """1 - busy / step time: bubbles, waits on receives and communication, as a fraction of the step."""
+        total = self.end - self.start
+        return 1.0 - self.busy / total if total > 0 else 0.0
+
+
+class _Slot(NamedTuple):
+    """What a stage keeps for one microbatch between F and its backward(s)."""
+
+    inp: Tensor | None  # the stage input (requires grad) or None on stage 0
+    out: Tensor  # the stage output, or the scaled loss on the last stage
+
+
+def pipeline_grad_fn(stages: Stages, *, timeline: list[StepTimeline] | None = None) -> Callable[[Any, Any], tuple[Tensor, Any]]:
+    """A grad_fn ``(params, batch) -> (mean loss, grads)`` running ``stages.schedule`` on this rank.
+
+    ``params`` is this rank's tree (`place_stages`), ``batch`` the data-parallel rank's batch, the same
+    on every pipeline rank (stage 0 reads the inputs, the last stage the targets); it is split into
+    ``schedule.microbatches`` microbatches along dim 0. The loss is the mean over microbatches, summed
+    over the pipeline group so every pp rank returns it; ``grads`` mirror ``params`` (placements kept),
+    for `functitan.step.make_train_step` unchanged. Gradient clipping and the gradient norm must then
+    sum over the pipeline group: use `functitan.pipeline.clip_by_global_norm` and `global_norm`.
+
+    Args:
+        stages: from `make_stages`.
+        timeline: if given, each call appends this rank's `StepTimeline` (compute spans; on CUDA each
+            action is synchronized to be timed, which costs overlap).
+    """
+    program = with_comms(stages.schedule)[stages.pp_rank]
+
+    def grad_fn(params: Any, batch: Any) -> tuple[Tensor, Any]:
+        return _Run(stages, params, batch, timeline).execute(program)
+
+    return grad_fn
+
+
+class _Run:
+    """The state of one step on one rank: pending receives and sends, kept activations, summed grads."""
+
+    def __init__(self, stages: Stages, params: Any, batch: Any, timeline: list[StepTimeline] | None):
+        self.stages, self.params, self.timeline = stages, params, timeline
+        self.m = stages.schedule.microbatches
+        self.mbs = split_batch(batch, self.m)
+        shape, self.dtype = stages.model.activation(self.mbs[0])
+        self.shape = tuple(shape)
+        self.device = _device_of(self.mbs[0])
+        named, self.treedef = flatten_with_names(params)
+        self.names = [n for n, _ in named]
+        self.leaves = [x for _, x in named]
+        index = {n: i for i, n in enumerate(self.names)}
+        # stage -> indices (into this rank's leaves) of the params it reads
+        self.stage_leaves = {
+            s: [index[n] for n, _ in flatten_with_names(stage_tree(params, stages, s))[0]] for s in stages.local
+        }
+        self.grads: list[Tensor | None] = [None] * len(self.leaves)
+        self.owned: set[int] = set()  # grads[i] is a sum this run allocated (safe to add into in place)
+        self.received: dict[tuple[str, int, int], tuple[Tensor, Any]] = {}  # (kind, stage, mb) -> buffer, work
+        self.handoff: dict[tuple[str, int, int], Tensor] = {}  # same keys, tensors from a stage on this rank
+        self.sends: list[tuple[Tensor, Any]] = []
+        self.slots: dict[tuple[int, int], _Slot] = {}
+        self.pending_w: dict[tuple[int, int], tuple[_Slot, Tensor | None]] = {}
+        self.loss = torch.zeros((), device=self.device, dtype=torch.float32)
+        self.spans: list[Span] = []
+        self.last_out: dict[tuple[int, int], Tensor] = {}  # the tensor a following send posts
+
+    # -- the program
+    def execute(self, program: tuple[Action | Comm, ...]) -> tuple[Tensor, Any]:
+        start = time.perf_counter()
+        with torch.enable_grad():
+            for item in program:
+                if isinstance(item, Comm):
+                    self._comm(item)
+                else:
+                    self._compute(item)
+        for _, work in self.sends:
+            work.wait()
+        leftover = sorted(self.slots) + sorted(self.pending_w)
+        if leftover:
+            raise RuntimeError(f"pipeline step ended with (stage, microbatch) {leftover} still waiting for a backward")
+        loss = pp_all_reduce(self.loss.detach(), self.stages)  # only the last stage's rank holds a nonzero loss
+        if self.timeline is not None:
+            self.timeline.append(StepTimeline(start, time.perf_counter(), tuple(self.spans)))
+        return loss, optree.tree_unflatten(self.treedef, self._final_grads())
+
+    def _comm(self, c: Comm) -> None:
+        group = self.stages.pp_group
+        if c.op == "recv":
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self.received[(c.kind, c.stage, c.microbatch)] = (buf, dist.irecv(buf, group=group, group_src=c.peer))
+        else:
+            t = self.last_out.pop((c.stage, c.microbatch)).contiguous()
+            self.sends.append((t, dist.isend(t, group=group, group_dst=c.peer)))
+
+    def _take(self, kind: str, stage: int, mb: int) -> Tensor:
+        """The activation ("F") into, or the output gradient ("B") of, ``stage`` for microbatch ``mb``."""
+        key = (kind, stage, mb)
+        if key in self.handoff:
+            return self.handoff.pop(key)
+        if key not in self.received:
+            raise RuntimeError(f"pipeline program bug: {key} was neither received nor handed over before use")
+        buf, work = self.received.pop(key)
+        work.wait()
+        return buf
+
+    def _compute(self, a: Action) -> None:
+        kind, s, mb = a
+        last = s == self.stages.num_stages - 1
+        # inputs first (their waits are not compute)
+        x = self._take("F", s, mb) if kind == "F" and s > 0 else None
+        dout = self._take("B", s, mb) if kind in ("B", "BW") and not last else None
+        t0 = self._tic()
+        if kind == "F":
+            self._forward(s, mb, x, last)
+        elif kind == "W":
+            slot, d = self.pending_w.pop((s, mb))
+            self._accumulate(s, torch.autograd.grad(slot.out, self._params_of(s), d, allow_unused=True))
+        else:
+            self._backward(kind, s, mb, dout)
+        self.spans.append(Span(a, t0, self._tic()))
+
+    def _forward(self, s: int, mb: int, x: Tensor | None, last: bool) -> None:
+        st = self.stages
+        params, batch = self.params, self.mbs[mb]
+        inp = None if x is None else x.detach().requires_grad_(True)
+        h = st.model.first(params, batch) if s == 0 else inp
+        h = st.model.blocks([params[st.model.blocks_key][str(i)] for i in st.layers[s]], h)
+        if last:
+            loss = st.model.last(params, h, batch)
+            self.loss += loss.detach().float() / self.m
+            h = loss / self.m
+        self.slots[(s, mb)] = _Slot(inp, h)
+        if not last:
+            out = h.detach()
+            if st.schedule.stage_to_rank[s + 1] == st.pp_rank:
+                self.handoff[("F", s + 1, mb)] = out
+            else:
+                self.last_out[(s, mb)] = out
+
+    def _backward(self, kind: str, s: int, mb: int, dout: Tensor | None) -> None:
+        slot = self.slots.pop((s, mb))
+        inputs = [] if slot.inp is None else [slot.inp]
+        params = self._params_of(s) if kind == "BW" else []
+        if kind == "B":
+            self.pending_w[(s, mb)] = (slot, dout)
+        if inputs or params:
+            grads = torch.autograd.grad(slot.out, inputs + params, dout, retain_graph=kind == "B", allow_unused=True)
+        else:
+            grads = ()
+        if params:
+            self._accumulate(s, grads[len(inputs):])
+        if slot.inp is not None:
+            dx = grads[0] if grads[0] is not None else torch.zeros_like(slot.inp)
+            if self.stages.schedule.stage_to_rank[s - 1] == self.stages.pp_rank:
+                self.handoff[("B", s - 1, mb)] = dx
+            else:
+                self.last_out[(s, mb)] = dx
+
+    # -- gradients
+    def _params_of(self, s: int) -> list[Tensor]:
+        return [self.leaves[i] for i in self.stage_leaves[s]]
+
+    def _accumulate(self, s: int, grads: tuple[Tensor | None, ...]) -> None:
+        for i, g in zip(self.stage_leaves[s], grads):
+            if g is None:
+                continue
+            if self.grads[i] is None:
+                self.grads[i] = g  # may alias a tensor autograd keeps elsewhere: never written in place
+            elif i in self.owned:
+                _local(self.grads[i]).add_(_local(g))
+            else:
+                self.grads[i] = _add(self.grads[i], g)
+                self.owned.add(i)
+
+    def _final_grads(self) -> list[Tensor]:
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(self.leaves, self.grads)]
+
+    def _tic(self) -> float:
+        if self.timeline is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def _add(a: Tensor, b: Tensor) -> Tensor:
+    """``a + b`` on the local shards (DTensor dispatch costs 15-60 us per op), wrapped like ``a``."""
+    if isinstance(a, DTensor):
+        return DTensor.__new__(DTensor, a._local_tensor + _local(b), a._spec, requires_grad=False)
+    return a + b
+
+
+def _local(x: Tensor) -> Tensor:
+    return x._local_tensor if isinstance(x, DTensor) else x
+
+
+def _device_of(batch: Any) -> torch.device:
+    for x in optree.tree_leaves(batch):
+        if isinstance(x, Tensor):
+            return x.device
+    raise TypeError("the pipeline batch holds no tensor; pass e.g. {'inputs': tokens, 'targets': tokens}")
+
+
+# ----------------------------------------------------------------------------------------------- norm
+
+
+def global_norm(tree: Any, stages: Stages) -> Tensor:
+    """The L2 norm of the whole model's gradient: `functitan.optim.global_norm` of this rank's ``tree``
+    (exact over the stage mesh), squared, summed over the pipeline group, rooted. Every rank gets it."""
+    from functitan import optim
+
+    sumsq = optim.global_norm(tree).square()
+    return pp_all_reduce(sumsq, stages).sqrt()
+
+
+def clip_by_global_norm(max_norm: float, stages: Stages) -> Any:
+    """`functitan.optim.clip_by_global_norm` with the norm over every pipeline stage (see `global_norm`).
+
+    Under pipeline parallelism each rank holds other leaves, so the per-rank norm of
+    ``optim.clip_by_global_norm`` would clip each stage by its own norm; this one scales all stages by
+    ``min(1, max_norm / norm of the full gradient)``, like the unpipelined model.
+    """
+    from functitan import optim
+
+    if not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm}: pass a positive norm, e.g. 1.0")
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        with torch.no_grad():
+            factor = (max_norm / global_norm(updates, stages)).clamp(max=1.0)
+
+            def one(u: Tensor) -> Tensor:
+                if isinstance(u, DTensor):
+                    return DTensor.__new__(DTensor, u._local_tensor * factor.to(u.device), u._spec, requires_grad=False)
+                return u * factor.to(u.device)
+
+            return optree.tree_map(one, updates), state
+
+    return optim.GradientTransformation(lambda params: optim.EmptyState(), update)

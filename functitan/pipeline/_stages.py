@@ -1,0 +1,344 @@
+"""Cut a pure-function model into pipeline stages and give each rank only its stages' parameters.
+
+A model is pipelined through a small protocol, `StageModel`: a first piece (tokens -> activation), a run
+of blocks (activation -> activation) and a last piece (activation -> mean loss), plus where their params
+sit in the tree. The block list is split into `pp * stages_per_rank` contiguous stages balanced by a cost
+estimate; the embedding rides on the first stage and the head + loss on the last, which may therefore
+hold fewer blocks. Stage s runs on rank `schedule.stage_to_rank[s]` (loop placement for interleaved
+schedules, V placement for ZB-V).
+
+A rank's param tree keeps the full model's key paths but only its stages' entries, so names (and
+checkpoints) agree with the unpipelined model::
+
+    rank 0 of 2 (stages 0, 2 of 4; 8 layers)    {"embed": ..., "layers": {"0": .., "1": .., "4": .., "5": ..}}
+    rank 1                                      {"layers": {"2": .., "3": .., "6": .., "7": ..}, "norm": .., "output": ..}
+
+It is placed with `functitan.sharding.place` on the mesh without the ``pp`` axis, so FSDP and TP on the
+other axes compose with the pipeline unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from functitan.mesh import AXES
+from functitan.pipeline._schedule import Schedule
+from functitan.sharding import Layout, Rules, is_spec, place
+
+STAGE_AXES = tuple(a for a in AXES if a != "pp")  # the mesh a stage's params and collectives live on
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageModel:
+    """A model as three pure pieces, the protocol the pipeline executor runs.
+
+    Attributes:
+        first: ``(params, microbatch) -> x``: the first stage's prologue (e.g. token embedding).
+        blocks: ``(block_params: list, x) -> x``: a run of consecutive blocks.
+        last: ``(params, x, microbatch) -> loss``: the last stage's epilogue; a 0-d mean loss.
+        activation: ``microbatch -> (shape, dtype)`` of ``x`` between stages, so receivers allocate
+            buffers without a handshake.
+        n_blocks: number of blocks; their params are ``params[blocks_key][i]``.
+        block_cost: cost of one block (or one per block), in any unit.
+        first_cost, last_cost: cost of ``first`` and ``last`` in the same unit.
+        blocks_key: the key of the block list in the param tree.
+        first_keys, last_keys: the top-level keys ``first`` and ``last`` read. A key in both (tied
+            embeddings) is allowed only when the first and last stages share a rank.
+    """
+
+    first: Callable[[Any, Any], Tensor]
+    blocks: Callable[[list, Tensor], Tensor]
+    last: Callable[[Any, Tensor, Any], Tensor]
+    activation: Callable[[Any], tuple[tuple[int, ...], torch.dtype]]
+    n_blocks: int
+    block_cost: float | Sequence[float] = 1.0
+    first_cost: float = 0.0
+    last_cost: float = 0.0
+    blocks_key: str = "layers"
+    first_keys: tuple[str, ...] = ()
+    last_keys: tuple[str, ...] = ()
+
+
+# ----------------------------------------------------------------------------------------------- Llama
+
+
+def _llama_first(params: Any, mb: Any, *, cfg: Any, layout: Layout) -> Tensor:
+    from models import llama
+
+    return llama.embed(params, mb["inputs"], cfg, layout)
+
+
+def _llama_blocks(layers: list, x: Tensor, *, cfg: Any, layout: Layout) -> Tensor:
+    from models import llama
+
+    return llama.blocks(layers, x, cfg, layout)
+
+
+def _llama_last(params: Any, x: Tensor, mb: Any, *, cfg: Any, layout: Layout) -> Tensor:
+    from models import llama
+
+    return layout.cross_entropy(llama.head(params, x, cfg, layout), mb["targets"], cfg.vocab_size)
+
+
+def _llama_activation(mb: Any, *, dim: int, seq_shards: int, dtype: torch.dtype) -> tuple[tuple[int, ...], torch.dtype]:
+    batch, seq = mb["inputs"].shape
+    return (batch, seq // seq_shards, dim), dtype  # the residual stream: (microbatch, local seq, embed)
+
+
+def llama_stages(cfg: Any, layout: Layout, *, seq_len: int, dtype: torch.dtype = torch.float32) -> StageModel:
+    """`models.llama` as a `StageModel`: ``llama.embed``, ``llama.blocks``, ``llama.head`` + cross-entropy.
+
+    Costs are forward FLOPs per token: a block is ``2 * its matrix params + 2 * seq * dim`` (causal
+    attention scores and values), the head ``2 * vocab * dim`` plus a few ops per logit for the loss,
+    the embedding a row copy.
+
+    Args:
+        cfg: a ``LlamaConfig``.
+        layout: the layout the stages compute with (built on `stage_mesh` with `stage_rules`).
+        seq_len: the training sequence length (attention cost grows with it).
+        dtype: the activation dtype sent between stages (the params' dtype).
+    """
+    d, hd, f, v = cfg.dim, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
+    block_params = d * hd * (2 * cfg.n_heads + 2 * cfg.kv_heads) + 3 * d * f
+    kw = dict(cfg=cfg, layout=layout)
+    return StageModel(
+        first=functools.partial(_llama_first, **kw),
+        blocks=functools.partial(_llama_blocks, **kw),
+        last=functools.partial(_llama_last, **kw),
+        activation=functools.partial(_llama_activation, dim=d, seq_shards=_seq_shards(layout), dtype=dtype),
+        n_blocks=cfg.n_layers,
+        block_cost=float(2 * block_params + 2 * seq_len * d),
+        first_cost=float(d),
+        last_cost=float(2 * v * d + 5 * v + 4 * d),
+        blocks_key="layers",
+        first_keys=("embed",),
+        last_keys=("norm", "embed") if cfg.tie_embeddings else ("norm", "output"),
+    )
+
+
+def _seq_shards(layout: Layout) -> int:
+    # under sequence parallelism the residual stream between blocks is split over tp along seq
+    if not getattr(layout, "sequence_parallel", False) or layout.mesh is None:
+        return 1
+    names = layout.mesh.mesh_dim_names or ()
+    return layout.mesh.size(names.index("tp")) if "tp" in names else 1
+
+
+# ----------------------------------------------------------------------------------------------- split
+
+
+def balance(
+    block_cost: float | Sequence[float], n_blocks: int, n_stages: int, *, first_cost: float = 0.0, last_cost: float = 0.0
+) -> tuple[range, ...]:
+    """Split blocks ``0..n_blocks-1`` into ``n_stages`` contiguous non-empty runs minimizing the costliest stage.
+
+    The first stage also pays ``first_cost`` and the last ``last_cost``. Exact (dynamic programming over
+    split points, O(n_stages * n_blocks^2)); ties go to the split that puts blocks on earlier stages.
+
+    >>> balance(1.0, 8, 2, last_cost=2.0)
+    (range(0, 5), range(5, 8))
+
+    Raises:
+        ValueError: fewer blocks than stages, or a cost list of the wrong length.
+    """
+    costs = [float(block_cost)] * n_blocks if isinstance(block_cost, (int, float)) else [float(c) for c in block_cost]
+    if len(costs) != n_blocks:
+        raise ValueError(f"block_cost: got {len(costs)} per-block costs for {n_blocks} blocks; give one per block")
+    if n_stages < 1 or n_blocks < n_stages:
+        raise ValueError(
+            f"cannot split {n_blocks} blocks into {n_stages} non-empty pipeline stages; use at most {n_blocks} "
+            f"stages (pp * stages_per_rank) or a model with more layers"
+        )
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def stage_cost(s: int, i: int, j: int) -> float:  # stage s holds blocks i..j-1
+        extra = (first_cost if s == 0 else 0.0) + (last_cost if s == n_stages - 1 else 0.0)
+        return prefix[j] - prefix[i] + extra
+
+    # best[s][j]: the least max-cost of stages 0..s holding blocks 0..j-1; cut[s][j]: where stage s starts
+    best = [[math.inf] * (n_blocks + 1) for _ in range(n_stages)]
+    cut = [[0] * (n_blocks + 1) for _ in range(n_stages)]
+    for j in range(1, n_blocks + 1):
+        best[0][j] = stage_cost(0, 0, j)
+    for s in range(1, n_stages):
+        for j in range(s + 1, n_blocks + 1):
+            for i in range(j - 1, s - 1, -1):  # latest start first: ties favour longer earlier stages
+                c = max(best[s - 1][i], stage_cost(s, i, j))
+                if c < best[s][j] - 1e-12 * abs(c):
+                    best[s][j], cut[s][j] = c, i
+    bounds, j = [], n_blocks
+    for s in range(n_stages - 1, 0, -1):
+        bounds.append(cut[s][j])
+        j = cut[s][j]
+    edges = [0, *reversed(bounds), n_blocks]
+    return tuple(range(a, b) for a, b in zip(edges, edges[1:]))
+
+
+# ----------------------------------------------------------------------------------------------- stages
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stages:
+    """A model cut into a schedule's stages, seen from one rank. Build with `make_stages`.
+
+    Attributes:
+        model: the `StageModel`.
+        schedule: the pipeline schedule (its `stage_to_rank` places the stages).
+        layers: the blocks of each global stage, ``layers[s]`` a range.
+        mesh: the full mesh (with ``pp``).
+        pp_rank: this rank's coordinate on ``pp``.
+        pp_group: the process group of this rank's pipeline (same coordinates on every other axis).
+        stage_mesh: the mesh without ``pp``; stage params and their collectives live there.
+    """
+
+    model: StageModel
+    schedule: Schedule
+    layers: tuple[range, ...]
+    mesh: DeviceMesh
+    pp_rank: int
+    pp_group: Any
+    stage_mesh: DeviceMesh
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layers)
+
+    @property
+    def local(self) -> tuple[int, ...]:
+        """This rank's global stages, in increasing order."""
+        return self.schedule.stages_of(self.pp_rank)
+
+    def keys_of(self, stage: int) -> tuple[str, ...]:
+        """Top-level param keys (besides blocks) that ``stage`` reads."""
+        keys = self.model.first_keys if stage == 0 else ()
+        return keys + (self.model.last_keys if stage == self.num_stages - 1 else ())
+
+
+def stage_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` without its ``pp`` axis: ``mesh["dp_replicate", "dp_shard", "tp"]`` (a collective call)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if "pp" not in names:
+        raise ValueError(f"the mesh has axes {names} and no 'pp' axis; build it with functitan.mesh.make_mesh(pp=...)")
+    return mesh[tuple(a for a in names if a != "pp")]
+
+
+def stage_rules(rules: Rules) -> Rules:
+    """``rules`` without the ``pp`` axis (``("layers", "pp")`` in the defaults), for the stage mesh."""
+
+    def drop(axes: Any) -> Any:
+        if axes is None or isinstance(axes, str):
+            return None if axes == "pp" else axes
+        kept = tuple(a for a in axes if a != "pp")
+        return kept or None
+
+    return tuple((name, drop(axes)) for name, axes in rules)
+
+
+def make_stages(model: StageModel, schedule: Schedule, mesh: DeviceMesh, *, layers: Sequence[range] | None = None) -> Stages:
+    """Cut ``model`` into ``schedule.num_stages`` stages (balanced by cost unless ``layers`` is given).
+
+    Every rank calls it (slicing the mesh may create process groups).
+
+    Raises:
+        ValueError: the mesh's ``pp`` degree differs from the schedule's; the given ``layers`` do not
+            cover the blocks in order; or a key is read by both the first and last stage (tied
+            embeddings) while they sit on different ranks.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    pp = mesh.size(names.index("pp")) if "pp" in names else 0
+    if pp != schedule.pp:
+        raise ValueError(
+            f"schedule {schedule.name!r} is for pp={schedule.pp} ranks but the mesh has pp={pp}; build the mesh "
+            f"with make_mesh(pp={schedule.pp}, ...) or the schedule for pp={pp}"
+        )
+    n = schedule.num_stages
+    if layers is None:
+        layers = balance(model.block_cost, model.n_blocks, n, first_cost=model.first_cost, last_cost=model.last_cost)
+    layers = tuple(layers)
+    flat = [i for r in layers for i in r]
+    if len(layers) != n or flat != list(range(model.n_blocks)) or any(len(r) == 0 for r in layers):
+        raise ValueError(
+            f"layers={layers}: need {n} non-empty contiguous ranges covering blocks 0..{model.n_blocks - 1} in order"
+        )
+    shared = set(model.first_keys) & set(model.last_keys)
+    if shared and n > 1 and schedule.stage_to_rank[0] != schedule.stage_to_rank[-1]:
+        raise ValueError(
+            f"params {sorted(shared)} are read by both the first and the last stage (tied embeddings), which "
+            f"schedule {schedule.name!r} puts on ranks {schedule.stage_to_rank[0]} and {schedule.stage_to_rank[-1]}; "
+            f"untie them (model.tie_embeddings=false) or use a V-placed schedule (zb_v) that keeps both on rank 0"
+        )
+    pp_mesh = mesh["pp"]
+    return Stages(
+        model=model,
+        schedule=schedule,
+        layers=layers,
+        mesh=mesh,
+        pp_rank=pp_mesh.get_local_rank(),
+        pp_group=pp_mesh.get_group(),
+        stage_mesh=stage_mesh(mesh),
+    )
+
+
+def _select(tree: dict, stages: Stages, which: Sequence[int]) -> dict:
+    """The entries of a full-model ``tree`` (params or specs) that stages ``which`` read."""
+    key = stages.model.blocks_key
+    blocks = tree[key]
+    out: dict[str, Any] = {}
+    for s in sorted(which):
+        for k in stages.keys_of(s):
+            if k not in tree:
+                raise ValueError(f"stage {s} reads top-level key {k!r}, which the tree lacks; its keys are {sorted(tree)}")
+            out[k] = tree[k]
+    pick = (lambda i: blocks[str(i)]) if isinstance(blocks, dict) else (lambda i: blocks[i])  # rank tree or full
+    out[key] = {str(i): pick(i) for s in sorted(which) for i in stages.layers[s]}
+    return out
+
+
+def rank_tree(tree: dict, stages: Stages) -> dict:
+    """This rank's part of a full-model tree: its stages' blocks (keyed by global index) and pieces."""
+    return _select(tree, stages, stages.local)
+
+
+def stage_tree(tree: dict, stages: Stages, stage: int) -> dict:
+    """One stage's part of a tree (a full-model tree, or this rank's tree for one of its stages)."""
+    return _select(tree, stages, (stage,))
+
+
+def place_stages(params: dict, specs: dict, rules: Rules, stages: Stages, *, requires_grad: bool = True) -> dict:
+    """Place this rank's params on the stage mesh: `rank_tree` of ``params`` and ``specs``, then `place`.
+
+    ``params`` are the full model's values, identical on every rank (like `place`); ``rules`` may name
+    ``pp`` (it is dropped, see `stage_rules`).
+    """
+    return place(
+        rank_tree(params, stages),
+        _select_specs(specs, stages),
+        stage_rules(rules),
+        stages.stage_mesh,
+        requires_grad=requires_grad,
+    )
+
+
+def _select_specs(specs: dict, stages: Stages) -> dict:
+    key = stages.model.blocks_key
+    if not isinstance(specs.get(key), list) or (specs[key] and is_spec(specs[key])):
+        raise ValueError(f"specs[{key!r}] must be a list with one spec tree per block, got {type(specs.get(key)).__name__}")
+    return rank_tree(specs, stages)
+
+
+def pp_all_reduce(x: Tensor, stages: Stages) -> Tensor:
+    """Sum ``x`` over this rank's pipeline group, in place (a no-op for pp = 1)."""
+    if dist.get_world_size(stages.pp_group) > 1:
+        dist.all_reduce(x, group=stages.pp_group)
+    return x

@@ -1,0 +1,284 @@
+"""functitan.checkpoint: bit-exact round trips, reshard on load, atomic commits under kill -9, corruption, errors."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import random
+import time
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from functitan.checkpoint import CheckpointError, CheckpointManager, restore, save, save_sync
+from functitan.mesh import make_mesh
+from functitan.testing import run_distributed
+from functitan.train_state import TrainState
+
+
+class Adam(NamedTuple):
+    count: torch.Tensor
+    mu: dict
+    nu: dict
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """Compare floats bit for bit (NaN-safe, -0.0 != 0.0)."""
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def _full(shape, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _state(step: int) -> TrainState:
+    params = {"w": _full((6, 5), step), "emb": _full((4, 3), step + 1, torch.bfloat16), "layers": [{"g": _full((5,), step + 2)}]}
+    mu = {k: v for k, v in params.items()}
+    opt = Adam(count=torch.tensor(step, dtype=torch.int64), mu=mu, nu={"w": _full((6, 5), step + 3), "emb": _full((4, 3), 9, torch.bfloat16), "layers": [{"g": torch.zeros(5)}]})
+    return TrainState(step=step, params=params, opt_state=opt, data_state={"epoch": 1, "offset": 1000 * step}, rng=2**62 + step)
+
+
+def _zeros_like(tree):
+    return torch.utils._pytree.tree_map(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else type(x)(0), tree)
+
+
+def _assert_tree_equal(a, b):
+    fa, fb = torch.utils._pytree.tree_flatten(a), torch.utils._pytree.tree_flatten(b)
+    assert fa[1] == fb[1]
+    for x, y in zip(fa[0], fb[0]):
+        assert type(x) is type(y), (x, y)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(_bits(x), _bits(y))
+        else:
+            assert x == y
+
+
+# ----------------------------------------------------------------------------------------------- round trip
+
+
+def test_round_trip_bit_exact_and_live_mutation_does_not_reach_the_file(tmp_path):
+    state = _state(3)
+    state = state._replace(params={**state.params, "misc": [1, 2.5, True, np.float32(0.25), torch.tensor(-7, dtype=torch.int64)]})
+    expected = torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+    handle = save(tmp_path / "ck", state)
+    # the lazy-read trap: tensorstore must not be reading the live tensors
+    for leaf in torch.utils._pytree.tree_leaves(state):
+        if isinstance(leaf, torch.Tensor):
+            leaf.fill_(123)
+    assert handle.wait() == str(tmp_path / "ck")
+    exemplar = _zeros_like(expected)
+    exemplar = exemplar._replace(params={**exemplar.params, "w": torch.empty(6, 5, device="meta")})
+    got = restore(tmp_path / "ck", exemplar)
+    assert got.params["w"].device.type == "cpu"
+    assert isinstance(got.rng, int) and got.rng == 2**62 + 3
+    assert got.params["misc"][3] == np.float32(0.25) and isinstance(got.params["misc"][3], np.float32)
+    _assert_tree_equal(got, expected)
+    meta = json.loads((tmp_path / "ck" / "_METADATA").read_text())
+    assert meta["tree_metadata"]["('opt_state', 'mu', 'layers', '0', 'g')"]["key_metadata"][3] == {"key": "0", "key_type": 1}
+    assert (tmp_path / "ck" / "opt_state.count" / "zarr.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------- reshard
+
+SHAPES = {"a": (8, 6), "uneven": (9, 5), "rep": (4, 4), "tiny": (1, 3)}
+
+
+def _refs():
+    return {k: _full(s, i) for i, (k, s) in enumerate(SHAPES.items())}
+
+
+def _fsdp(mesh, refs):
+    """FSDP storage on make_mesh()'s 4-D mesh: Shard(0) on dp_shard, "rep" replicated."""
+    out = {}
+    for k, v in refs.items():
+        pl = [Replicate(), Replicate(), Replicate() if k == "rep" else Shard(0), Replicate()]
+        out[k] = distribute_tensor(v, mesh, pl, src_data_rank=None)
+    return out
+
+
+def _reshard_worker(root: str, single_written: str):
+    refs = _refs()
+    rank = dist.get_rank()
+    fsdp_mesh = make_mesh(device="cpu")
+    # written by 2 processes (FSDP) through the manager
+    mgr = CheckpointManager(root, interval=1, keep_last=2)
+    mgr.maybe_save(TrainState(step=1, params=_fsdp(fsdp_mesh, refs), opt_state=(), data_state={"i": 7}, rng=5))
+    mgr.close()
+    # read back as TP: a 1-D mesh sharding dim 1 ("rep" replicated)
+    tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    tp_ex = {k: distribute_tensor(torch.zeros(s), tp_mesh, [Replicate() if k == "rep" else Shard(1)]) for k, s in SHAPES.items()}
+    ex = TrainState(step=0, params=tp_ex, opt_state=(), data_state={"i": 0}, rng=0)
+    got = CheckpointManager(root, interval=1, keep_last=2).restore_latest(ex)
+    tp = {k: (tuple(v.placements), v.to_local().clone()) for k, v in got.params.items()}
+    # the single-process checkpoint read by 2 processes as FSDP
+    fs_ex = _fsdp(fsdp_mesh, {k: torch.zeros(s) for k, s in SHAPES.items()})
+    got1 = restore(single_written, fs_ex)
+    fs = {k: v.to_local().clone() for k, v in got1.items()}
+    files = sorted(os.listdir(os.path.join(root, "1", "default", "params.uneven", "c", "0")))
+    return {"rank": rank, "tp": tp, "fsdp": fs, "data": got.data_state, "files": files}
+
+
+def test_reshard_matrix_2_to_1_1_to_2_fsdp_to_tp_uneven(tmp_path):
+    refs = _refs()
+    save_sync(tmp_path / "single", refs)
+    root = str(tmp_path / "run")
+    results = run_distributed(_reshard_worker, 2, root, str(tmp_path / "single"))
+    for r, res in enumerate(results):
+        assert res["data"] == {"i": 7}
+        for k, ref in refs.items():
+            placements, local = res["tp"][k]
+            want = ref if k == "rep" else torch.tensor_split(ref, [-(-ref.shape[1] // 2)], dim=1)[r]
+            assert torch.equal(local, want), (k, r)
+            want_fs = ref if k == "rep" else torch.chunk(ref, 2, dim=0)[r] if r < len(torch.chunk(ref, 2, dim=0)) else ref[:0]
+            assert torch.equal(res["fsdp"][k], want_fs), (k, r)
+    # uneven 9 rows over 2 writers: two files (rows 0-4 and 5-8), each written once
+    assert results[0]["files"] == ["0"] and sorted(os.listdir(tmp_path / "run" / "1" / "default" / "params.uneven" / "c")) == ["0", "1"]
+    # the replicated leaf was written once (by rank 0): one chunk file
+    assert os.listdir(tmp_path / "run" / "1" / "default" / "params.rep" / "c") == ["0"]
+    # 2 writers -> 1 reader, as plain tensors (full values)
+    got = restore(tmp_path / "run" / "1" / "default", {"step": 0, "params": {k: torch.zeros(s) for k, s in SHAPES.items()}, "opt_state": (), "data_state": {"i": 0}, "rng": 0})
+    for k, ref in refs.items():
+        assert torch.equal(got["params"][k], ref)
+    # and into a one-rank mesh (DTensor exemplar)
+    mesh = make_mesh(device="cpu")
+    ex = TrainState(step=0, params=_fsdp(mesh, {k: torch.zeros(s) for k, s in SHAPES.items()}), opt_state=(), data_state={"i": 0}, rng=0)
+    got = restore(tmp_path / "run" / "1" / "default", ex)
+    assert isinstance(got.params["a"], DTensor) and torch.equal(got.params["uneven"].full_tensor(), refs["uneven"])
+
+
+# ----------------------------------------------------------------------------------------------- atomicity
+
+
+def _tree_for(step: int) -> dict:
+    return {"step": step, "w": torch.full((256, 1024), float(step)), "b": torch.arange(1000) + step}
+
+
+def _saver_loop(root: str, start: int, ready) -> None:
+    mgr = CheckpointManager(root, interval=1, keep_last=2)
+    step = start
+    while True:
+        mgr.maybe_save(_tree_for(step), step=step)
+        if step == start:
+            ready.set()
+        step += 1
+
+
+def test_kill_9_during_async_saves_never_leaves_a_partial_checkpoint(tmp_path):
+    root = str(tmp_path / "run")
+    ctx = mp.get_context("forkserver")
+    rng = random.Random(0)
+    ex = {"step": 0, "w": torch.zeros(256, 1024), "b": torch.zeros(1000, dtype=torch.int64)}
+    restored_steps = []
+    for trial in range(10):
+        mgr = CheckpointManager(root, interval=1, keep_last=2)
+        start = (mgr.latest_step() or 0) + 1
+        ready = ctx.Event()
+        p = ctx.Process(target=_saver_loop, args=(root, start, ready), daemon=True)
+        p.start()
+        assert ready.wait(60)
+        time.sleep(rng.uniform(0.0, 0.25))
+        p.kill()
+        p.join()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback (warning) would mean a damaged newest checkpoint
+            got = mgr.restore_latest(ex)
+        step = mgr.latest_step()
+        if step is None:
+            continue
+        _assert_tree_equal(got, _tree_for(step))
+        for s in mgr.all_steps():  # every listed step is complete
+            _assert_tree_equal(mgr.restore(s, ex), _tree_for(s))
+        restored_steps.append(step)
+    assert len(restored_steps) >= 8 and restored_steps == sorted(restored_steps)
+    leftovers = [e for e in os.listdir(root) if not e.isdigit()]
+    assert all(".tmp-" in e for e in leftovers)
+
+
+# ----------------------------------------------------------------------------------------------- corruption
+
+
+def _data_file(step_dir, name):
+    d = step_dir / "default" / name / "c"
+    return next(p for p in d.rglob("*") if p.is_file())
+
+
+def test_truncated_newest_checkpoint_warns_and_falls_back(tmp_path):
+    mgr = CheckpointManager(tmp_path, interval=1, keep_last=3, async_save=False)
+    for step in (1, 2):
+        mgr.maybe_save(_state(step))
+    f = _data_file(tmp_path / "2", "params.w")
+    f.write_bytes(f.read_bytes()[:-10])
+    with pytest.warns(RuntimeWarning, match=r"step 2 .*damaged.*truncated.*restored step 1"):
+        got = mgr.restore_latest(_zeros_like(_state(0)))
+    _assert_tree_equal(got, _state(1))
+    with pytest.raises(CheckpointError, match=r"params\.w/c/0/0 has \d+ bytes, the commit marker"):
+        restore(tmp_path / "2" / "default", _zeros_like(_state(0)))
+    mgr.close()
+
+
+def test_flipped_bits_are_caught_by_the_chunk_checksum(tmp_path):
+    save_sync(tmp_path / "ck", {"w": _full((64, 64), 0)})
+    f = tmp_path / "ck" / "w" / "c" / "0" / "0"
+    data = bytearray(f.read_bytes())
+    data[100] ^= 0x40
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"^w: reading .*/ck/w failed: .*Digest mismatch.*the checkpoint is corrupted"):
+        restore(tmp_path / "ck", {"w": torch.zeros(64, 64)})
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+def test_errors_name_the_key_path_and_the_file(tmp_path):
+    with pytest.raises(ValueError, match=r"params\.a\.b: the dict key 'a\.b' contains '\.'"):
+        save(tmp_path / "bad", {"params": {"a.b": torch.zeros(2)}})
+    save_sync(tmp_path / "ck", {"params": {"w": torch.zeros(2, 3), "v": torch.zeros(4)}})
+    with pytest.raises(ValueError, match=r"params\.w: the checkpoint holds shape \(2, 3\) \(.*/ck/params\.w\), the exemplar \(3, 2\)"):
+        restore(tmp_path / "ck", {"params": {"w": torch.zeros(3, 2), "v": torch.zeros(4)}})
+    with pytest.raises(ValueError, match=r"params\.u: not in the checkpoint \(.*/ck/_METADATA\)"):
+        restore(tmp_path / "ck", {"params": {"w": torch.zeros(2, 3), "v": torch.zeros(4), "u": torch.zeros(1)}})
+    with pytest.raises(ValueError, match=r"params\.v: in the checkpoint \(.*_METADATA\) but not in the exemplar"):
+        restore(tmp_path / "ck", {"params": {"w": torch.zeros(2, 3)}})
+    with pytest.raises(ValueError, match=r"params\.w: the checkpoint holds torch.float32 .* the exemplar torch.bfloat16"):
+        restore(tmp_path / "ck", {"params": {"w": torch.zeros(2, 3, dtype=torch.bfloat16), "v": torch.zeros(4)}})
+    # an unknown dtype (hand-edited metadata, same size so the commit marker does not notice)
+    zj = tmp_path / "ck" / "params.v" / "zarr.json"
+    zj.write_text(zj.read_text().replace('"float32"', '"float42"'))
+    with pytest.raises(ValueError, match=r"params\.v: cannot open the array .*/ck/params\.v.*float42"):
+        restore(tmp_path / "ck", {"params": {"w": torch.zeros(2, 3), "v": torch.zeros(4)}})
+    zj.write_text(zj.read_text().replace('"float42"', '"float32" '))
+    with pytest.raises(CheckpointError, match=r"params\.v/zarr\.json has \d+ bytes, the commit marker .* recorded"):
+        restore(tmp_path / "ck", {"params": {"w": torch.zeros(2, 3), "v": torch.zeros(4)}})
+    with pytest.raises(ValueError, match="already exists"):
+        save(tmp_path / "ck", {"x": torch.zeros(1)})
+
+
+# ----------------------------------------------------------------------------------------------- manager
+
+
+def test_manager_retention_exclude_and_weights_only(tmp_path):
+    mgr = CheckpointManager(tmp_path, interval=2, keep_last=2, keep_every=4, exclude=("opt_state",))
+    saved = [s for s in range(1, 13) if mgr.maybe_save(_state(s)) is not None]
+    mgr.wait()
+    assert saved == [2, 4, 6, 8, 10, 12]
+    assert mgr.all_steps() == [4, 8, 10, 12] and mgr.latest_step() == 12
+    assert not (tmp_path / "12" / "default" / "opt_state.count").exists()
+    ex = _zeros_like(_state(0))
+    got = mgr.restore_latest(ex)
+    _assert_tree_equal(got._replace(opt_state=None), _state(12)._replace(opt_state=None))
+    assert got.opt_state is ex.opt_state or torch.equal(got.opt_state.count, ex.opt_state.count)
+    params = mgr.restore(8, _zeros_like(_state(0).params), only="params")
+    _assert_tree_equal(params, _state(8).params)
+    assert mgr.maybe_save(_state(12)) is None  # already saved
+    mgr.close()
+    with pytest.raises(ValueError, match="keep_last=0"):
+        CheckpointManager(tmp_path, interval=1, keep_last=0)

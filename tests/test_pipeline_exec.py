@@ -1,0 +1,237 @@
+"""The pipeline executor: every schedule on PP 2 and PP 4 (and PP x FSDP) trains like one process.
+
+Each distributed run trains the tiny Llama for 5 steps (AdamW, clipping that binds) under every schedule in
+turn and returns the losses, the full gradient norms and the final params; the reference is
+``accumulate(value_and_grad(llama.loss), microbatches)`` in this process. fp32; the pipeline sums the
+microbatch gradients in another order (scaled loss per microbatch, FSDP reduce-scatters), and AdamW's
+m / sqrt(v) amplifies rounding on tiny gradients, so losses and norms agree to 2e-5 / 1e-4 and params to
+1e-4 / 1e-3 (absolute / relative), as in tests/test_train.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from functitan import optim, pipeline
+from functitan.mesh import make_mesh
+from functitan.random import PRNGKey
+from functitan.sharding import Layout, default_rules
+from functitan.step import make_train_step
+from functitan.testing import run_distributed
+from functitan.train_state import TrainState
+from functitan.transforms import accumulate, value_and_grad
+from functitan.tree import flatten_with_names
+from models import llama
+
+CFG = llama.config("debug", dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
+SEQ, BATCH, STEPS, LR, MAX_NORM = 16, 8, 5, 1e-2, 0.5
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_v")
+TOL = dict(atol=2e-5, rtol=1e-4)
+PARAM_TOL = dict(atol=1e-4, rtol=1e-3)
+
+
+def _schedule(name: str, pp: int, m: int) -> pipeline.Schedule:
+    if name == "interleaved":
+        return pipeline.interleaved_1f1b(pp=pp, v=2, m=m)
+    return {"gpipe": pipeline.gpipe, "1f1b": pipeline.one_f_one_b, "zb_h1": pipeline.zb_h1, "zb_v": pipeline.zb_v}[name](pp=pp, m=m)
+
+
+def _batches() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g)
+        out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+    return out
+
+
+def _init() -> dict:
+    return llama.init(CFG, PRNGKey(0))
+
+
+def _optimizer(clip: optim.GradientTransformation) -> optim.GradientTransformation:
+    return optim.chain(clip, optim.adamw(LR))
+
+
+def _reference(m: int):
+    params = _init()
+    loss_fn = lambda p, b: llama.loss(p, b, CFG)  # noqa: E731
+    step = make_train_step(accumulate(value_and_grad(loss_fn), m), _optimizer(optim.clip_by_global_norm(MAX_NORM)))
+    state = TrainState(step=0, params=params, opt_state=_optimizer(optim.clip_by_global_norm(MAX_NORM)).init(params), data_state=None, rng=0)
+    losses, norms = [], []
+    for batch in _batches():
+        state, metrics = step(state, batch)
+        losses.append(metrics["loss"])
+        norms.append(metrics["grad_norm"])
+    return losses, norms, {n: p.detach() for n, p in flatten_with_names(state.params)[0]}
+
+
+# ----------------------------------------------------------------------------------------------- workers
+
+
+def _train_schedules(pp: int, m: int, names: tuple[str, ...], dp_shard: int = 1, tp: int = 1, sp: bool = False) -> dict:
+    """On every rank: for each schedule, 5 pipelined steps; returns {name: (losses, norms, params by name)}."""
+    mesh = make_mesh(pp=pp, dp_shard=dp_shard, tp=tp)
+    rules = default_rules(sequence_parallel=sp)
+    layout = Layout(pipeline.stage_mesh(mesh), pipeline.stage_rules(rules))
+    model = pipeline.llama_stages(CFG, layout, seq_len=SEQ)
+    out = {}
+    for name in names:
+        stages = pipeline.make_stages(model, _schedule(name, pp, m), mesh)
+        params = pipeline.place_stages(_init(), llama.specs(CFG), rules, stages)
+        grad_fn = pipeline.pipeline_grad_fn(stages)
+        norms = []
+
+        def recording(p, b, grad_fn=grad_fn, stages=stages, norms=norms):
+            loss, grads = grad_fn(p, b)
+            norms.append(float(pipeline.global_norm(grads, stages)))
+            return loss, grads
+
+        opt = _optimizer(pipeline.clip_by_global_norm(MAX_NORM, stages))
+        step = make_train_step(recording, opt)
+        state = TrainState(step=0, params=params, opt_state=opt.init(params), data_state=None, rng=0)
+        losses = []
+        dp, dp_rank = layout.dp_size, layout.dp_rank
+        for batch in _batches():
+            local = {k: v.chunk(dp)[dp_rank] for k, v in batch.items()}
+            state, metrics = step(state, local)
+            losses.append(metrics["loss"])
+        full = {n: p.full_tensor().detach() for n, p in flatten_with_names(state.params)[0]}
+        out[name] = (losses, norms, full)
+    return out
+
+
+def _merge(results: list[dict], name: str):
+    losses, norms = results[0][name][0], results[0][name][1]
+    params: dict[str, torch.Tensor] = {}
+    for r in results:
+        assert r[name][0] == pytest.approx(losses, abs=1e-6)  # every pp rank reports the same loss
+        params.update(r[name][2])
+    return losses, norms, params
+
+
+def _check(results: list[dict], name: str, reference) -> None:
+    ref_losses, ref_norms, ref_params = reference
+    assert ref_norms[0] > MAX_NORM  # clipping binds, so a wrong norm would change the params
+    losses, norms, params = _merge(results, name)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **TOL)
+    assert params.keys() == ref_params.keys()
+    for n, p in params.items():
+        torch.testing.assert_close(p, ref_params[n], **PARAM_TOL, msg=lambda msg, n=n: f"{name}, {n}: {msg}")
+
+
+@pytest.fixture(scope="module")
+def reference4():
+    return _reference(4)
+
+
+@pytest.fixture(scope="module")
+def reference8():
+    return _reference(8)
+
+
+def _pp2_worker() -> dict:
+    """One PP 2 run for several tests: every schedule's training, the rank trees, the error messages."""
+    errors = {}
+    for key, fn in (("tied", _tied_on_loop), ("degree", _wrong_degree)):
+        try:
+            fn()
+        except ValueError as e:
+            errors[key] = str(e)
+    return {"train": _train_schedules(2, 4, SCHEDULES), "trees": _rank_trees("zb_v"), "errors": errors}
+
+
+@pytest.fixture(scope="module")
+def pp2():
+    return run_distributed(_pp2_worker, 2)
+
+
+@pytest.fixture(scope="module")
+def pp4():
+    return run_distributed(_train_schedules, 4, 4, 8, SCHEDULES)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_pp2_trains_like_one_process(name, pp2, reference4):
+    _check([r["train"] for r in pp2], name, reference4)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_pp4_trains_like_one_process(name, pp4, reference8):
+    _check(pp4, name, reference8)
+
+
+def test_pp2_x_fsdp2_trains_like_one_process(reference4):
+    results = run_distributed(_train_schedules, 4, 2, 4, ("1f1b", "zb_v"), 2)
+    for name in ("1f1b", "zb_v"):
+        _check(results, name, reference4)
+    # the two data-parallel replicas of a stage hold the same params
+    torch.testing.assert_close(results[0]["zb_v"][2]["layers.0.mlp.w_up"], results[1]["zb_v"][2]["layers.0.mlp.w_up"], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_pp2_x_tp2_trains_like_one_process(sp, reference4):
+    # with sequence parallelism the activations between stages are (microbatch, seq / tp, embed) shards
+    results = run_distributed(_train_schedules, 4, 2, 4, ("1f1b", "zb_v"), 1, 2, sp)
+    for name in ("1f1b", "zb_v"):
+        _check(results, name, reference4)
+
+
+# ----------------------------------------------------------------------------------------------- stages
+
+
+def test_balance_gives_the_heavy_last_stage_fewer_blocks():
+    assert pipeline.balance(1.0, 8, 4) == (range(0, 2), range(2, 4), range(4, 6), range(6, 8))
+    assert pipeline.balance(1.0, 8, 2, last_cost=2.0) == (range(0, 5), range(5, 8))
+    assert pipeline.balance([1, 1, 1, 1, 1, 1, 4], 7, 3, first_cost=1.0) == (range(0, 3), range(3, 6), range(6, 7))
+    with pytest.raises(ValueError, match=r"cannot split 3 blocks into 4 non-empty pipeline stages; use at most 3"):
+        pipeline.balance(1.0, 3, 4)
+
+
+def test_llama_costs_put_the_head_on_a_shorter_last_stage():
+    big_vocab = dataclasses.replace(CFG, vocab_size=4096)
+    model = pipeline.llama_stages(big_vocab, Layout(), seq_len=SEQ)
+    assert model.last_cost > 3 * model.block_cost  # a 4096-row head outweighs 3 blocks of dim 32
+    layers = pipeline.balance(model.block_cost, 8, 2, first_cost=model.first_cost, last_cost=model.last_cost)
+    assert len(layers[1]) < len(layers[0])
+
+
+def _rank_trees(schedule_name: str):
+    mesh = make_mesh(pp=2)
+    model = pipeline.llama_stages(CFG, Layout(pipeline.stage_mesh(mesh)), seq_len=SEQ)
+    stages = pipeline.make_stages(model, _schedule(schedule_name, 2, 4), mesh)
+    params = pipeline.place_stages(_init(), llama.specs(CFG), default_rules(), stages)
+    named = flatten_with_names(params)[0]
+    return stages.local, [str(i) for s in stages.local for i in stages.layers[s]], sorted({n.split(".")[0] for n, _ in named}), named[0][1].device_mesh.mesh_dim_names
+
+
+def test_each_rank_holds_only_its_stages_params(pp2):
+    (s0, l0, k0, axes), (s1, l1, k1, _) = (r["trees"] for r in pp2)
+    assert (s0, s1) == ((0, 3), (1, 2))  # V placement
+    assert l0 == ["0", "1", "6", "7"] and l1 == ["2", "3", "4", "5"]
+    assert k0 == ["embed", "layers", "norm", "output"] and k1 == ["layers"]  # the V puts first and last on rank 0
+    assert axes == ("dp_replicate", "dp_shard", "tp")  # placed on the mesh without pp
+
+
+def _tied_on_loop():
+    mesh = make_mesh(pp=2)
+    model = pipeline.llama_stages(dataclasses.replace(CFG, tie_embeddings=True), Layout(), seq_len=SEQ)
+    pipeline.make_stages(model, pipeline.one_f_one_b(pp=2, m=2), mesh)
+
+
+def _wrong_degree():
+    mesh = make_mesh(pp=2)
+    pipeline.make_stages(pipeline.llama_stages(CFG, Layout(), seq_len=SEQ), pipeline.one_f_one_b(pp=4, m=4), mesh)
+
+
+def test_errors_name_the_fix(pp2):
+    errors = pp2[0]["errors"]
+    assert "tied embeddings), which schedule '1f1b' puts on ranks 0 and 1; untie them" in errors["tied"]
+    assert errors["degree"] == (
+        "schedule '1f1b' is for pp=4 ranks but the mesh has pp=2; build the mesh with make_mesh(pp=4, ...) or the "
+        "schedule for pp=2"
+    )
