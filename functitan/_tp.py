@@ -39,9 +39,18 @@ __all__ = ["TPContext", "parse_einsum"]
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
-@functools.lru_cache(maxsize=512)
+_PARSED: dict[tuple[str, int], tuple] = {}  # a plain dict, not lru_cache: torch.compile traces dict lookups
+
+
 def parse_einsum(pattern: str, n_operands: int) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...], Callable[..., Tensor]]:
     """``(input names, output names, local op)`` of a named einsum; the op is F.linear, a multiply, or torch.einsum."""
+    hit = _PARSED.get((pattern, n_operands))
+    if hit is None:
+        hit = _PARSED[(pattern, n_operands)] = _parse(pattern, n_operands)
+    return hit
+
+
+def _parse(pattern: str, n_operands: int) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...], Callable[..., Tensor]]:
     if "->" not in pattern:
         raise ValueError(f"einsum pattern {pattern!r} needs '->' (e.g. 'batch seq embed, heads embed -> batch seq heads')")
     lhs, out = pattern.split("->")

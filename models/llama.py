@@ -19,7 +19,6 @@ References: Llama 3 (arXiv 2407.21783); RoPE (arXiv 2104.09864); GQA (arXiv 2305
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -245,13 +244,13 @@ def num_params(cfg: LlamaConfig, *, embedding: bool = True) -> int:
 def rope_tables(cfg: LlamaConfig, seq_len: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """``cos, sin`` of shape (seq, head_dim), HF layout (frequencies repeated over the two halves)."""
     hd = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    # computed in fp64 on the target device (no host round trip per block), then cast
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
     if cfg.rope_scaling is not None:
         inv_freq = _llama3_scale(inv_freq, cfg.rope_scaling)
-    t = torch.arange(seq_len, dtype=torch.float64)
-    freqs = torch.outer(t, inv_freq)
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def _llama3_scale(inv_freq: Tensor, s: RopeScaling) -> Tensor:
@@ -264,11 +263,6 @@ def _llama3_scale(inv_freq: Tensor, s: RopeScaling) -> Tensor:
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
-
-
-@functools.lru_cache(maxsize=16)
-def _cached_rope(cfg: LlamaConfig, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    return rope_tables(cfg, seq_len, device=device, dtype=dtype)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -296,7 +290,7 @@ def attention(p: dict[str, Tensor], x: Tensor, cfg: LlamaConfig, layout: Layout)
     v = layout.einsum("batch seq embed, kv_heads embed -> batch seq kv_heads", x, p["wv"])
     # q, k, v hold the whole sequence; head counts come from the (possibly tensor-parallel) local shapes
     b, s = q.shape[:2]
-    cos, sin = _cached_rope(cfg, s, q.device, q.dtype)
+    cos, sin = rope_tables(cfg, s, device=q.device, dtype=q.dtype)  # cheap next to the matmuls; fused when compiled
     q = q.view(b, s, -1, hd).transpose(1, 2)  # (batch, local_heads, seq, head_dim)
     k = k.view(b, s, -1, hd).transpose(1, 2)  # (batch, local_kv_heads, seq, head_dim)
     v = v.view(b, s, -1, hd).transpose(1, 2)

@@ -67,18 +67,21 @@ def _assert_tree_equal(a, b):
 
 def test_round_trip_bit_exact_and_live_mutation_does_not_reach_the_file(tmp_path):
     state = _state(3)
+    state.params["w"].requires_grad_(True)  # a live parameter
     state = state._replace(params={**state.params, "misc": [1, 2.5, True, np.float32(0.25), torch.tensor(-7, dtype=torch.int64)]})
-    expected = torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+    expected = torch.utils._pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, state)
     handle = save(tmp_path / "ck", state)
     # the lazy-read trap: tensorstore must not be reading the live tensors
-    for leaf in torch.utils._pytree.tree_leaves(state):
-        if isinstance(leaf, torch.Tensor):
-            leaf.fill_(123)
+    with torch.no_grad():
+        for leaf in torch.utils._pytree.tree_leaves(state):
+            if isinstance(leaf, torch.Tensor):
+                leaf.fill_(123)
     assert handle.wait() == str(tmp_path / "ck")
     exemplar = _zeros_like(expected)
-    exemplar = exemplar._replace(params={**exemplar.params, "w": torch.empty(6, 5, device="meta")})
+    exemplar = exemplar._replace(params={**exemplar.params, "w": torch.empty(6, 5, device="meta", requires_grad=True)})
     got = restore(tmp_path / "ck", exemplar)
-    assert got.params["w"].device.type == "cpu"
+    assert got.params["w"].device.type == "cpu" and got.params["w"].requires_grad
+    got.params["w"].requires_grad_(False)
     assert isinstance(got.rng, int) and got.rng == 2**62 + 3
     assert got.params["misc"][3] == np.float32(0.25) and isinstance(got.params["misc"][3], np.float32)
     _assert_tree_equal(got, expected)

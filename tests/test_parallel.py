@@ -39,3 +39,29 @@ def test_layout_equals_one_process(name, reference, tmp_path):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **LOSS_TOL, msg=lambda m: f"{name}/{remat} losses: {m}")
         for key, p in params.items():
             torch.testing.assert_close(p, ref_params[key], **PARAM_TOL, msg=lambda m, k=key: f"{name}/{remat} {k}: {m}")
+
+
+def _state_bytes(degrees: dict, run_dir: str) -> int:
+    """Bytes of the storages this rank actually holds for params + AdamW state after one step."""
+    from functitan.config import apply_overrides
+    from functitan.job_config import JobConfig
+    from functitan.train import run
+    from functitan.tree import tree_leaves
+
+    cfg = apply_overrides(JobConfig(), {**SMALL, **{f"parallelism.{k}": v for k, v in degrees.items()},
+                                        "training.steps": 1, "metrics.run_dir": run_dir, "metrics.run_name": "m"})
+    state = run(cfg)["state"]
+    storages = {}
+    for x in tree_leaves((state.params, state.opt_state)):
+        if isinstance(x, torch.Tensor):
+            local = x.to_local() if hasattr(x, "to_local") else x
+            storage = local.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_fsdp4_holds_a_quarter_of_params_and_optimizer_state(tmp_path):
+    single = run_distributed(_state_bytes, 1, {}, str(tmp_path))[0]
+    per_rank = run_distributed(_state_bytes, 4, {"dp_shard": 4}, str(tmp_path))
+    for b in per_rank:
+        assert 0.24 < b / single < 0.27, (b, single)  # a quarter, plus the 0-d step counters held whole

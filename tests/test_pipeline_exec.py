@@ -150,9 +150,19 @@ def pp2():
     return run_distributed(_pp2_worker, 2)
 
 
+def _world4_worker() -> dict:
+    """One 4-process run for the 4-rank layouts: PP 4 (every schedule), PP 2 x FSDP 2, PP 2 x TP 2 (+ SP)."""
+    return {
+        "pp4": _train_schedules(4, 8, SCHEDULES),
+        "fsdp": _train_schedules(2, 4, ("1f1b", "zb_v"), dp_shard=2),
+        "tp": _train_schedules(2, 4, ("1f1b", "zb_v"), tp=2),
+        "tp+sp": _train_schedules(2, 4, ("zb_v",), tp=2, sp=True),
+    }
+
+
 @pytest.fixture(scope="module")
-def pp4():
-    return run_distributed(_train_schedules, 4, 4, 8, SCHEDULES)
+def world4():
+    return run_distributed(_world4_worker, 4)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -161,24 +171,22 @@ def test_pp2_trains_like_one_process(name, pp2, reference4):
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
-def test_pp4_trains_like_one_process(name, pp4, reference8):
-    _check(pp4, name, reference8)
+def test_pp4_trains_like_one_process(name, world4, reference8):
+    _check([r["pp4"] for r in world4], name, reference8)
 
 
-def test_pp2_x_fsdp2_trains_like_one_process(reference4):
-    results = run_distributed(_train_schedules, 4, 2, 4, ("1f1b", "zb_v"), 2)
-    for name in ("1f1b", "zb_v"):
-        _check(results, name, reference4)
-    # the two data-parallel replicas of a stage hold the same params
-    torch.testing.assert_close(results[0]["zb_v"][2]["layers.0.mlp.w_up"], results[1]["zb_v"][2]["layers.0.mlp.w_up"], atol=0, rtol=0)
+@pytest.mark.parametrize("name", ["1f1b", "zb_v"])
+def test_pp2_x_fsdp2_trains_like_one_process(name, world4, reference4):
+    results = [r["fsdp"] for r in world4]  # ranks 0, 1: stage-0 side (dp_shard 0, 1); ranks 2, 3: the other
+    _check(results, name, reference4)
+    w = "layers.0.mlp.w_up"  # the dp replicas of one pipeline rank gathered the same full params
+    torch.testing.assert_close(results[0][name][2][w], results[1][name][2][w], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_pp2_x_tp2_trains_like_one_process(sp, reference4):
+@pytest.mark.parametrize(("layout", "name"), [("tp", "1f1b"), ("tp", "zb_v"), ("tp+sp", "zb_v")])
+def test_pp2_x_tp2_trains_like_one_process(layout, name, world4, reference4):
     # with sequence parallelism the activations between stages are (microbatch, seq / tp, embed) shards
-    results = run_distributed(_train_schedules, 4, 2, 4, ("1f1b", "zb_v"), 1, 2, sp)
-    for name in ("1f1b", "zb_v"):
-        _check(results, name, reference4)
+    _check([r[layout] for r in world4], name, reference4)
 
 
 # ----------------------------------------------------------------------------------------------- stages

@@ -17,6 +17,7 @@ Reads checkpoints written by ``save`` and by ``orbax.checkpoint`` (zarr2 or zarr
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -170,7 +171,8 @@ def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str):
         return _start_dtensor(x, arr)
     if isinstance(x, torch.Tensor):
         device = torch.device("cpu") if x.device.type == "meta" else x.device
-        return arr.read(), lambda a: L.from_numpy(a).to(device)
+        grad = x.requires_grad
+        return arr.read(), lambda a: L.from_numpy(a).to(device).requires_grad_(grad)
     if isinstance(x, np.ndarray):
         if x.shape != shape:
             raise ValueError(f"{name}: the checkpoint holds shape {shape} ({where}), the exemplar {x.shape}")
@@ -196,14 +198,8 @@ def _start_dtensor(x: DTensor, arr: ts.TensorStore):
         out = DTensor.from_local(local, mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
         return out.requires_grad_(x.requires_grad) if x.is_floating_point() else out
 
-    if math_prod(shp) == 0:
+    if math.prod(shp) == 0:
         empty = np.empty(shp, dtype=np.dtype(arr.dtype.numpy_dtype))
         return None, lambda _: finish(empty)
     return (arr[index].read() if index else arr.read()), finish
 
-
-def math_prod(xs) -> int:
-    p = 1
-    for v in xs:
-        p *= int(v)
-    return p

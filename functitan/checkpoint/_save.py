@@ -71,7 +71,8 @@ class SaveHandle:
 class _Piece:
     box: L.Box  # global (offset, shape) this rank writes
     local: tuple[slice, ...]  # the same block in this rank's local tensor
-    staging: Any = None  # torch.Tensor or np.ndarray, allocated once
+    staging: Any = None  # torch.Tensor or np.ndarray, allocated once, reused by every async save
+    source: Any = None  # what this save writes: the staging buffer, or (synchronous save) the live value
 
 
 @dataclass
@@ -104,7 +105,7 @@ def _scalar_array(x: Any, name: str) -> np.ndarray:
         return np.asarray(x, np.bool_)
     if isinstance(x, int):
         if not -(2**63) <= x < 2**63:
-            raise ValueError(f"{name}: the int {x} does not fit in int64; store it as two ints or a string-free array")
+            raise ValueError(f"{name}: the int {x} does not fit in int64; split it into smaller ints before saving")
         return np.asarray(x, np.int64)
     if isinstance(x, float):
         return np.asarray(x, np.float64)
@@ -151,24 +152,32 @@ def _local_tensor(x: Any) -> Any:
 
 
 @torch.no_grad()
-def _stage(plan: list[_Leaf], named: list) -> list[torch.cuda.Event]:
-    """Copy this rank's pieces into the staging buffers (allocating them on first use)."""
+def _stage(plan: list[_Leaf], named: list, *, copy: bool = True) -> list[torch.cuda.Event]:
+    """Copy this rank's pieces into the staging buffers (allocating them on first use).
+
+    ``copy=False`` (a synchronous save) points the pieces at the live CPU values instead: the caller
+    blocks until the write is done, so nothing can change them meanwhile.
+    """
     events = []
     cuda_seen = False
     for leaf, (_, _, x) in zip(plan, named):
         src = _local_tensor(x)
         for p in leaf.pieces:
-            if isinstance(src, torch.Tensor):
+            if not copy and isinstance(src, (torch.Tensor, np.ndarray)) and not (isinstance(src, torch.Tensor) and src.is_cuda):
+                p.source = src[p.local].contiguous() if isinstance(src, torch.Tensor) else np.ascontiguousarray(src[p.local])
+            elif isinstance(src, torch.Tensor):
                 if p.staging is None:
                     p.staging = torch.empty(p.box[1], dtype=src.dtype, pin_memory=src.is_cuda)
                 p.staging.copy_(src[p.local], non_blocking=src.is_cuda)
+                p.source = p.staging
                 cuda_seen |= src.is_cuda
             elif isinstance(src, np.ndarray):
                 if p.staging is None:
-                    p.staging = np.empty(src.shape, src.dtype)
+                    p.staging = np.empty(p.box[1], src.dtype)
                 np.copyto(p.staging, src[p.local])
+                p.source = p.staging
             else:
-                p.staging = _scalar_array(src, leaf.name)
+                p.source = _scalar_array(src, leaf.name)
     if cuda_seen:
         ev = torch.cuda.Event()
         ev.record()
@@ -222,7 +231,7 @@ def _write_shards(item: str, plan: list[_Leaf], rank: int, leader: bool) -> dict
         if leader:
             written.append(f"{leaf.name}/zarr.json")
         for p in leaf.pieces:
-            src = L.as_numpy(p.staging) if isinstance(p.staging, torch.Tensor) else p.staging
+            src = L.as_numpy(p.source) if isinstance(p.source, torch.Tensor) else p.source
             index = tuple(slice(o, o + s) for o, s in zip(*p.box))
             futures.append(arr[index].write(src) if index else arr.write(src))
             written += [f"{leaf.name}/{k}" for k in _chunk_keys(p.box, grid)]
@@ -296,6 +305,9 @@ def _commit(final: str, item_rel: str, plan: list[_Leaf], group: _Group, events:
         if after_commit is not None:
             after_commit()
     group.barrier()
+    for leaf in plan:  # drop references to live values (synchronous saves) until the next save
+        for p in leaf.pieces:
+            p.source = None
 
 
 # ----------------------------------------------------------------------------------------------- API
@@ -322,7 +334,7 @@ class Checkpointer:
         self._plan_sig: tuple | None = None
         self._pending: SaveHandle | None = None
 
-    def save(self, path: str | os.PathLike, tree: Any, *, _item: str = "", after_commit=None) -> SaveHandle:
+    def save(self, path: str | os.PathLike, tree: Any, *, _item: str = "", after_commit=None, _stage_copy: bool = True) -> SaveHandle:
         """Stage ``tree`` and start writing it to ``path``; returns once the live values may change.
 
         ``after_commit()`` runs in the background thread on the leader once the checkpoint is visible
@@ -339,7 +351,7 @@ class Checkpointer:
         if sig != self._plan_sig:
             self._plan = _plan(named, self._group.rank, self._group.ranks)
             self._plan_sig = sig
-        events = _stage(self._plan, named)
+        events = _stage(self._plan, named, copy=_stage_copy)
         handle = SaveHandle(path, None)
         plan, group = self._plan, self._group
 
@@ -400,5 +412,9 @@ def save(path: str | os.PathLike, tree: Any, *, mesh: DeviceMesh | None = None) 
 
 
 def save_sync(path: str | os.PathLike, tree: Any, *, mesh: DeviceMesh | None = None) -> str:
-    """``save(...).wait()``: returns the committed directory."""
-    return save(path, tree, mesh=mesh).wait()
+    """Save and block until committed (no staging copy: the live values are written directly)."""
+    ck = Checkpointer(mesh=mesh)
+    try:
+        return ck.save(path, tree, _stage_copy=False).wait()
+    finally:
+        ck.close()

@@ -1,0 +1,43 @@
+"""Print the storage placements that each parallel layout gives a few Llama params (used in docs/parallelism.md).
+
+    python examples/print_layouts.py
+"""
+
+from __future__ import annotations
+
+from functitan.mesh import make_mesh
+from functitan.sharding import default_rules, spec_placements
+from functitan.testing import run_distributed
+from models import llama
+
+LAYOUTS = {
+    "DDP 4": dict(dp_replicate=4, dp_shard=1),
+    "FSDP 4": dict(dp_shard=4),
+    "HSDP 2x2": dict(dp_replicate=2, dp_shard=2),
+    "FSDP 2 x TP 2": dict(dp_shard=2, tp=2),
+    "TP 4 + SP": dict(dp_shard=1, tp=4),
+}
+PARAMS = ("embed.weight", "layers.0.attn.wq", "layers.0.attn.wo", "layers.0.mlp.w_gate", "layers.0.attn_norm.weight")
+
+
+def _placements(degrees: dict) -> dict[str, str]:
+    mesh = make_mesh(**degrees)
+    specs = llama.specs(llama.CONFIGS["debug"])
+    layer = specs["layers"][0]
+    spec_of = {"embed.weight": specs["embed"]["weight"], "layers.0.attn.wq": layer["attn"]["wq"],
+               "layers.0.attn.wo": layer["attn"]["wo"], "layers.0.mlp.w_gate": layer["mlp"]["w_gate"],
+               "layers.0.attn_norm.weight": layer["attn_norm"]["weight"]}
+    rules = default_rules(sequence_parallel=degrees.get("tp", 1) > 1)
+    return {n: str(spec_placements(spec_of[n], rules, mesh)) for n in PARAMS}
+
+
+def main() -> None:
+    print("mesh axes: (pp, dp_replicate, dp_shard, tp)")
+    for name, degrees in LAYOUTS.items():
+        print(f"\n{name}  {degrees}")
+        for param, pl in run_distributed(_placements, 4, degrees)[0].items():
+            print(f"  {param:<28} {pl}")
+
+
+if __name__ == "__main__":
+    main()
