@@ -19,11 +19,18 @@ Uneven shards follow DTensor's ``Shard`` split (torch.chunk sizes), padded for t
 
 from __future__ import annotations
 
+import contextvars
+import math
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_gather", "reduce_scatter", "all_reduce", "grad_all_reduce", "chunk_sizes"]
+# True while a parameter all-gather runs: the remat policy of ``reshard_after_forward`` recomputes exactly
+# these ops in backward (FSDP's reshard-after-forward) and keeps every other activation.
+GATHERING: contextvars.ContextVar[bool] = contextvars.ContextVar("functitan_gathering", default=False)
+
+__all__ = ["all_gather", "bucket_all_gather", "reduce_scatter", "all_reduce", "grad_all_reduce", "chunk_sizes"]
 
 
 def chunk_sizes(full: int, n: int) -> list[int]:
@@ -68,9 +75,13 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, full, group, reduce, compute_dtype, reduce_dtype):
         ctx.dim, ctx.group, ctx.scale, ctx.reduce_dtype = dim, group, _scale(reduce, group), reduce_dtype
-        if compute_dtype is not None:  # mixed precision: cast the shard, then gather (half the bytes)
-            x = x.to(compute_dtype)
-        return _gather(x, dim, full, group)
+        token = GATHERING.set(True)
+        try:
+            if compute_dtype is not None:  # mixed precision: cast the shard, then gather (half the bytes)
+                x = x.to(compute_dtype)
+            return _gather(x, dim, full, group)
+        finally:
+            GATHERING.reset(token)
 
     @staticmethod
     def backward(ctx, g):
@@ -140,3 +151,72 @@ def all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
 def grad_all_reduce(x: Tensor, group: dist.ProcessGroup, *, reduce: str = "mean", reduce_dtype: torch.dtype | None = None) -> Tensor:
     """Identity forward; backward all-reduces the gradient (DDP for ``mean``, Megatron's f for ``sum``)."""
     return _GradAllReduce.apply(x, group, reduce, reduce_dtype)
+
+
+class _BucketGather(torch.autograd.Function):
+    """All-gather many shards in ONE collective (FSDP's per-block bucket); backward: one reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, group, dims, fulls, compute_dtype, reduce_dtype, scale, *shards):
+        token = GATHERING.set(True)
+        try:
+            return _BucketGather._gather(ctx, group, dims, fulls, compute_dtype, reduce_dtype, scale, shards)
+        finally:
+            GATHERING.reset(token)
+
+    @staticmethod
+    def _gather(ctx, group, dims, fulls, compute_dtype, reduce_dtype, scale, shards):
+        n = dist.get_world_size(group)
+        ctx.group, ctx.dims, ctx.fulls, ctx.reduce_dtype, ctx.scale = group, dims, fulls, reduce_dtype, scale
+        ctx.in_dtypes = [s.dtype for s in shards]
+        pieces, ctx.layout = [], []
+        for x, dim, full in zip(shards, dims, fulls):
+            if compute_dtype is not None:
+                x = x.to(compute_dtype)
+            c = -(-full // n)
+            moved = _pad_to(x.movedim(dim, 0), c)
+            ctx.layout.append((c, tuple(moved.shape[1:])))
+            pieces.append(moved.reshape(-1))
+        flat = torch.cat(pieces)
+        out = flat.new_empty(n * flat.numel())
+        dist.all_gather_into_tensor(out, flat, group=group)
+        out = out.view(n, flat.numel())
+        results, off = [], 0
+        for (c, rest), dim, full in zip(ctx.layout, dims, fulls):
+            size = c * math.prod(rest)
+            t = out[:, off:off + size].reshape(n * c, *rest)[:full].movedim(0, dim)
+            results.append(t)
+            off += size
+        return tuple(results)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = dist.get_world_size(ctx.group)
+        rank = dist.get_rank(ctx.group)
+        pieces = []
+        for g, (c, rest), dim in zip(grads, ctx.layout, ctx.dims):
+            if ctx.reduce_dtype is not None:
+                g = g.to(ctx.reduce_dtype)
+            moved = _pad_to(g.movedim(dim, 0), n * c)
+            pieces.append(moved.reshape(n, -1))
+        flat = torch.cat(pieces, dim=1)
+        if ctx.scale != 1.0:
+            flat = flat * ctx.scale
+        flat = flat.contiguous()
+        out = flat.new_empty(flat.shape[1])
+        dist.reduce_scatter_tensor(out, flat.reshape(-1), op=dist.ReduceOp.SUM, group=ctx.group)
+        results, off = [], 0
+        for (c, rest), dim, full, dtype in zip(ctx.layout, ctx.dims, ctx.fulls, ctx.in_dtypes):
+            size = c * math.prod(rest)
+            mine = chunk_sizes(full, n)[rank]
+            t = out[off:off + size].reshape(c, *rest)[:mine].movedim(0, dim)
+            results.append(t if ctx.reduce_dtype is not None else t.to(dtype))
+            off += size
+        return (None, None, None, None, None, None, *results)
+
+
+def bucket_all_gather(shards: list[Tensor], dims: list[int], fulls: list[int], group: dist.ProcessGroup, *,
+                      reduce: str = "mean", compute_dtype: torch.dtype | None = None,
+                      reduce_dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
+    """``all_gather`` for a list of shards in one collective (and one reduce-scatter in backward)."""
+    return _BucketGather.apply(group, tuple(dims), tuple(fulls), compute_dtype, reduce_dtype, _scale(reduce, group), *shards)

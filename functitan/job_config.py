@@ -66,6 +66,7 @@ class ParallelismConfig:
     tp: int = 1
     pp: int = 1
     sequence_parallel: bool = True  # with tp > 1: shard norms and the residual stream along the sequence
+    reshard_after_forward: bool = True  # FSDP: free gathered params after each block's forward
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -97,7 +98,14 @@ _SAVE_OPS = {
 
 
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if _collectives.GATHERING.get():
+        return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _reshard_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    # keep every activation, recompute only the parameter all-gathers: FSDP's reshard-after-forward
+    return CheckpointPolicy.PREFER_RECOMPUTE if _collectives.GATHERING.get() else CheckpointPolicy.MUST_SAVE
 
 
 @dataclass(frozen=True)
@@ -118,6 +126,9 @@ class Layout:
         param_dtype: compute dtype of params (e.g. bfloat16); shards are cast before the all-gather.
         reduce_dtype: dtype in which gradients are reduced (float32 keeps fp32 master gradients).
         compile: ``torch.compile`` each block function (once per function).
+        reshard_after_forward: free a block's gathered params after its forward and all-gather them again in
+            backward (FSDP2's default; saves the memory of the gathered params for the cost of one more
+            all-gather). Only matters with ``dp_shard > 1``; full and selective remat always reshard.
     """
 
     mesh: DeviceMesh | None = None
@@ -126,6 +137,7 @@ class Layout:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     compile: bool = False
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_POLICIES:
@@ -134,6 +146,8 @@ class Layout:
         if self.mesh is not None and "tp" in (self.mesh.mesh_dim_names or ()) and self.mesh["tp"].size() > 1:
             tp = TPContext(self.mesh, self.rules)
         object.__setattr__(self, "_tp", tp)
+        names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
+        object.__setattr__(self, "_fsdp", "dp_shard" in names and self.mesh["dp_shard"].size() > 1)
         object.__setattr__(self, "_compiled", {})
 
     @property
@@ -147,30 +161,57 @@ class Layout:
         Tensor-parallel shards stay local. Replicated data-parallel axes get DDP's gradient all-reduce;
         sharded ones FSDP's all-gather / reduce-scatter, in ``param_dtype`` / ``reduce_dtype``.
         """
-        cast = self.param_dtype is not None and p.dtype != self.param_dtype
-        if not isinstance(p, DTensor):
-            return p.to(self.param_dtype) if cast else p
-        mesh = p.device_mesh
-        names = mesh.mesh_dim_names or ()
-        local = p.to_local()
-        dp = [(mi, pl) for mi, pl in enumerate(p.placements) if names[mi] in DP_AXES and mesh.size(mi) > 1]
-        for mi, pl in dp:  # replicated axes first: their backward then runs after the reduce-scatter
-            if isinstance(pl, Replicate):
-                local = _collectives.grad_all_reduce(local, mesh.get_group(mi), reduce_dtype=self.reduce_dtype if cast else None)
-            elif not isinstance(pl, Shard):
-                raise ValueError(f"parameter placement {pl} on mesh axis {names[mi]!r} is not supported; use Shard or Replicate")
-        for mi, pl in dp:
-            if isinstance(pl, Shard):
-                _check_only_dp_on_dim(p, pl.dim)
-                local = _collectives.all_gather(
-                    local, pl.dim, p.shape[pl.dim], mesh.get_group(mi),
-                    compute_dtype=self.param_dtype if cast else None, reduce_dtype=self.reduce_dtype if cast else None,
-                )
-                cast = False
+        local, shards, cast = self._prepare(p)
+        for group, dim, full in shards:
+            local = _collectives.all_gather(local, dim, full, group, compute_dtype=self.param_dtype if cast else None,
+                                            reduce_dtype=self.reduce_dtype if cast else None)
+            cast = False
         return local.to(self.param_dtype) if cast else local
 
     def params(self, tree: Any) -> Any:
-        return tree_map(self.param, tree)
+        """``param`` over a tree, with the FSDP all-gathers of all leaves bucketed into one collective per
+        process group (and one reduce-scatter in backward), as FSDP2 does per module."""
+        leaves, treedef = optree.tree_flatten(tree)
+        out: list[Any] = list(leaves)
+        buckets: dict[Any, list[tuple[int, Tensor, int, int, bool]]] = {}
+        for i, p in enumerate(leaves):
+            if not isinstance(p, DTensor):
+                out[i] = self.param(p)
+                continue
+            local, shards, cast = self._prepare(p)
+            if len(shards) == 1:
+                group, dim, full = shards[0]
+                buckets.setdefault((group, cast), []).append((i, local, dim, full, cast))
+            else:
+                out[i] = self.param(p)
+        for (group, cast), items in buckets.items():
+            gathered = _collectives.bucket_all_gather(
+                [x for _, x, _, _, _ in items], [d for _, _, d, _, _ in items], [f for _, _, _, f, _ in items], group,
+                compute_dtype=self.param_dtype if cast else None, reduce_dtype=self.reduce_dtype if cast else None)
+            for (i, *_), g in zip(items, gathered):
+                out[i] = g
+        return optree.tree_unflatten(treedef, out)
+
+    def _prepare(self, p: Tensor) -> tuple[Tensor, list[tuple[Any, int, int]], bool]:
+        """(local tensor with DDP grad all-reduces applied, [(group, dim, full)] to gather, cast pending)."""
+        cast = self.param_dtype is not None and p.dtype != self.param_dtype
+        if not isinstance(p, DTensor):
+            return p, [], cast
+        mesh = p.device_mesh
+        names = mesh.mesh_dim_names or ()
+        local = p.to_local()
+        shards = []
+        for mi, pl in enumerate(p.placements):
+            if names[mi] not in DP_AXES or mesh.size(mi) == 1:
+                continue
+            if isinstance(pl, Replicate):  # before the gathers: its backward then runs after the reduce-scatter
+                local = _collectives.grad_all_reduce(local, mesh.get_group(mi), reduce_dtype=self.reduce_dtype if cast else None)
+            elif isinstance(pl, Shard):
+                _check_only_dp_on_dim(p, pl.dim)
+                shards.append((mesh.get_group(mi), pl.dim, p.shape[pl.dim]))
+            else:
+                raise ValueError(f"parameter placement {pl} on mesh axis {names[mi]!r} is not supported; use Shard or Replicate")
+        return local, shards, cast
 
     # -- blocks
     def block(self, fn: Callable[..., Tensor], params: Any, *args: Any) -> Tensor:
@@ -183,8 +224,13 @@ class Layout:
         def run(p: Any, *a: Any) -> Tensor:
             return fn(self.params(p), *a)
 
-        if self.remat == "none" or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
             return run(params, *args)
+        if self.remat == "none":
+            if not (self.reshard_after_forward and self._fsdp):
+                return run(params, *args)
+            return checkpoint(run, params, *args, use_reentrant=False,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts, _reshard_policy))
         if self.remat == "full":
             return checkpoint(run, params, *args, use_reentrant=False)
         return checkpoint(run, params, *args, use_reentrant=False,

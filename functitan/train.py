@@ -42,7 +42,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     par, tcfg = cfg.parallelism, cfg.training
     mesh = make_mesh(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, device=device.type)
     rules = default_rules(sequence_parallel=par.sequence_parallel and par.tp > 1)
-    layout = Layout(mesh, rules, remat=tcfg.remat, compile=tcfg.compile,
+    layout = Layout(mesh, rules, remat=tcfg.remat, compile=tcfg.compile, reshard_after_forward=par.reshard_after_forward,
                     param_dtype=getattr(torch, tcfg.param_dtype), reduce_dtype=getattr(torch, tcfg.reduce_dtype))
     local_batch = _local_batch(cfg.training, layout.dp_size)
     loader = build_loader(cfg.data, batch_size=local_batch, seq_len=cfg.training.seq_len,

@@ -33,7 +33,7 @@ def test_unknown_key_suggests_the_nearest():
 def test_bad_values_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"training.steps='ten' is not a valid int"):
         parse_config(JobConfig, ["--training.steps=ten"])
-    with pytest.raises(ConfigError, match=r"training.remat='some' is not allowed; choose one of \['none', 'full'\]"):
+    with pytest.raises(ConfigError, match=r"training.remat='some' is not allowed; choose one of \['none', 'full', 'selective'\]"):
         parse_config(JobConfig, ["--training.remat=some"])
     bad = tmp_path / "bad.toml"
     bad.write_text("[training\nsteps=1")
@@ -63,6 +63,7 @@ def test_cli_surface_is_frozen():
         "optimizer.b1", "optimizer.b2", "optimizer.eps", "optimizer.weight_decay", "optimizer.momentum",
         "optimizer.max_norm",
         "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.tp", "parallelism.pp", "parallelism.sequence_parallel",
+        "parallelism.reshard_after_forward",
         "metrics.log_every", "metrics.run_dir", "metrics.run_name",
         "checkpoint.enable", "checkpoint.folder", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.load_path",
     ]
