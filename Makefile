@@ -5,6 +5,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
+# the test extra (pytest, transformers, matplotlib, tokenizers) and orbax (jax[cpu] + orbax-checkpoint, for
+# the Orbax interop tests) are installed by both commands, so one venv serves both
+EXTRAS ?= test,orbax
 
 .PHONY: train test install bench clean
 
@@ -13,7 +16,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -72,11 +72,13 @@ def _reference(m: int):
 # ----------------------------------------------------------------------------------------------- workers
 
 
-def _train_schedules(pp: int, m: int, names: tuple[str, ...], dp_shard: int = 1, tp: int = 1, sp: bool = False) -> dict:
+def _train_schedules(
+    pp: int, m: int, names: tuple[str, ...], dp_shard: int = 1, tp: int = 1, sp: bool = False, reshard: bool = True
+) -> dict:
     """On every rank: for each schedule, 5 pipelined steps; returns {name: (losses, norms, params by name)}."""
     mesh = make_mesh(pp=pp, dp_shard=dp_shard, tp=tp)
     rules = default_rules(sequence_parallel=sp)
-    layout = Layout(pipeline.stage_mesh(mesh), pipeline.stage_rules(rules))
+    layout = Layout(pipeline.stage_mesh(mesh), pipeline.stage_rules(rules), reshard_after_forward=reshard)
     model = pipeline.llama_stages(CFG, layout, seq_len=SEQ)
     out = {}
     for name in names:
@@ -134,14 +136,17 @@ def reference8():
     return _reference(8)
 
 
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _pp2_worker() -> dict:
     """One PP 2 run for several tests: every schedule's training, the rank trees, the error messages."""
-    errors = {}
-    for key, fn in (("tied", _tied_on_loop), ("degree", _wrong_degree)):
-        try:
-            fn()
-        except ValueError as e:
-            errors[key] = str(e)
+    errors = {"tied": _error(_tied_on_loop), "degree": _error(_wrong_degree)}
     return {"train": _train_schedules(2, 4, SCHEDULES), "trees": _rank_trees("zb_v"), "errors": errors}
 
 
@@ -154,7 +159,9 @@ def _world4_worker() -> dict:
     """One 4-process run for the 4-rank layouts: PP 4 (every schedule), PP 2 x FSDP 2, PP 2 x TP 2 (+ SP)."""
     return {
         "pp4": _train_schedules(4, 8, SCHEDULES),
-        "fsdp": _train_schedules(2, 4, ("1f1b", "zb_v"), dp_shard=2),
+        # FSDP's reshard-after-forward (a selective checkpoint) allows one backward: B/W schedules keep the gather
+        "fsdp": {**_train_schedules(2, 4, ("1f1b",), dp_shard=2), **_train_schedules(2, 4, ("zb_v",), dp_shard=2, reshard=False)},
+        "reshard_error": _error(_zb_with_reshard),
         "tp": _train_schedules(2, 4, ("1f1b", "zb_v"), tp=2),
         "tp+sp": _train_schedules(2, 4, ("zb_v",), tp=2, sp=True),
     }
@@ -177,6 +184,8 @@ def test_pp4_trains_like_one_process(name, world4, reference8):
 
 @pytest.mark.parametrize("name", ["1f1b", "zb_v"])
 def test_pp2_x_fsdp2_trains_like_one_process(name, world4, reference4):
+    assert "splits the backward into B and W" in world4[0]["reshard_error"]
+    assert "build the Layout with reshard_after_forward=False" in world4[0]["reshard_error"]
     results = [r["fsdp"] for r in world4]  # ranks 0, 1: stage-0 side (dp_shard 0, 1); ranks 2, 3: the other
     _check(results, name, reference4)
     w = "layers.0.mlp.w_up"  # the dp replicas of one pipeline rank gathered the same full params
@@ -229,6 +238,12 @@ def _tied_on_loop():
     mesh = make_mesh(pp=2)
     model = pipeline.llama_stages(dataclasses.replace(CFG, tie_embeddings=True), Layout(), seq_len=SEQ)
     pipeline.make_stages(model, pipeline.one_f_one_b(pp=2, m=2), mesh)
+
+
+def _zb_with_reshard():
+    mesh = make_mesh(pp=2, dp_shard=2)
+    model = pipeline.llama_stages(CFG, Layout(pipeline.stage_mesh(mesh), pipeline.stage_rules(default_rules())), seq_len=SEQ)
+    pipeline.make_stages(model, pipeline.zb_v(pp=2, m=4), mesh)
 
 
 def _wrong_degree():

@@ -75,3 +75,17 @@ def _bad_batch():
 def test_batch_not_dividing_the_data_parallel_ranks_is_an_error():
     with pytest.raises(RuntimeError, match=r"training.batch_size=3 must split evenly over 2 data-parallel ranks"):
         run_distributed(_bad_batch, 2, timeout=120)
+
+
+def _train_bf16(layout: dict, run_dir: str):
+    losses, params, _ = _train({**layout, "training.param_dtype": "bfloat16", "metrics.run_dir": run_dir, "metrics.run_name": "bf16"})
+    return losses, {n: p.dtype for n, p in params.items()}
+
+
+def test_bf16_compute_keeps_fp32_master_weights_and_matches_fsdp(reference, tmp_path):
+    one = run_distributed(_train_bf16, 1, {}, str(tmp_path / "one"))[0]
+    two = run_distributed(_train_bf16, 2, {"parallelism.dp_shard": 2}, str(tmp_path / "two"))[0]
+    assert set(one[1].values()) == {torch.float32} and set(two[1].values()) == {torch.float32}
+    # bf16 compute tracks the fp32 run to bf16 precision, and FSDP in bf16 tracks one bf16 process closely
+    torch.testing.assert_close(torch.tensor(one[0]), torch.tensor(reference[0]), atol=5e-2, rtol=0)
+    torch.testing.assert_close(torch.tensor(two[0]), torch.tensor(one[0]), atol=2e-2, rtol=0)

@@ -1,0 +1,14 @@
+"""The scripts under examples/ run (CI runs them through this test)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_print_layouts_example():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "print_layouts.py")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "FSDP 2 x TP 2" in out.stdout
+    assert "layers.0.attn.wq             (Replicate(), Replicate(), Shard(dim=1), Shard(dim=0))" in out.stdout
