@@ -79,7 +79,7 @@ class MetricsConfig:
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     enable: bool = False
-    folder: str = "checkpoints"  # under the run directory, unless absolute
+    folder: str = "checkpoints"  # under runs/<run_name>/ (resume a run by passing its metrics.run_name), or absolute
     interval: int = 100
     keep_last: int = 3
     load_path: str | None = None  # an explicit checkpoint to start from

@@ -1,4 +1,4 @@
-"""``functitan train``: mesh -> init -> place -> step -> optimizer -> checkpoint -> metrics, top to bottom.
+"""``functitan train``: mesh -> init -> place -> optimizer -> step -> checkpoint -> metrics, top to bottom.
 
 Run it on one process (``python -m functitan.train --config configs/debug.toml``), on N through torchrun
 (``torchrun --nproc-per-node=N -m functitan.train ...``), or let ``--nproc N`` start torchrun for you.
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import metrics as M
 from .config import parse_config, to_dict
+from .checkpoint import CheckpointManager
 from .data import build_loader
 from .job_config import JobConfig, ModelConfig, build_optimizer, learning_rate_schedule
 from .mesh import make_mesh
@@ -61,12 +62,22 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     grad_fn = accumulate(value_and_grad(partial(llama.loss, cfg=model_cfg, layout=layout)), cfg.training.microbatches)
     train_step = make_train_step(grad_fn, optimizer, on_nonfinite=cfg.training.on_nonfinite)
 
-    # 5. metrics
+    # 5. checkpoint: resume from the newest complete checkpoint of this run, else from checkpoint.load_path
     run_dir = _run_dir(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
+    ckpt = None
+    if cfg.checkpoint.enable:
+        ckpt = CheckpointManager(run_dir / cfg.checkpoint.folder, interval=cfg.checkpoint.interval,
+                                 keep_last=cfg.checkpoint.keep_last, mesh=mesh)
+        restored = ckpt.restore_latest(state)
+        if restored is None and cfg.checkpoint.load_path:
+            restored = ckpt.restore(cfg.checkpoint.load_path, state)
+        state = restored if restored is not None else state
+
+    # 6. metrics
     fpt = M.transformer_flops_per_token(n_params=llama.num_params(model_cfg, embedding=False), n_layers=model_cfg.n_layers, n_heads=model_cfg.n_heads,
                                         head_dim=model_cfg.head_dim, seq_len=cfg.training.seq_len)
     meter = M.Meter(world_size=world, flops_per_token=fpt, peak=M.peak_flops(device, torch.float32))
@@ -88,8 +99,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                 record = {**out, "lr": lr_at(state.step - 1), **meter.flush(), **M.peak_memory(device)}
                 sinks.write(state.step, record)
                 M.reset_peak_memory(device)
+            if ckpt is not None:
+                ckpt.maybe_save(state, force=state.step == cfg.training.steps)
     finally:
         sinks.close()
+        if ckpt is not None:
+            ckpt.close()  # waits for the last async save
     if rank == 0:
         print(f"functitan: {state.step} steps, first loss {first_loss:.4f} -> last loss {last_loss:.4f}; logs in {run_dir}")
     return {"steps": state.step, "first_loss": first_loss, "last_loss": last_loss, "run_dir": str(run_dir), "state": state}

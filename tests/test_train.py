@@ -24,7 +24,10 @@ SMALL = {
 def _train(overrides: dict):
     cfg = apply_overrides(JobConfig(), {**SMALL, **overrides})
     out = run(cfg)
-    losses = [json.loads(line)["loss"] for line in open(f"{out['run_dir']}/metrics.jsonl")] if torch.distributed.get_rank() == 0 else None
+    losses = None
+    if torch.distributed.get_rank() == 0:
+        with open(f"{out['run_dir']}/metrics.jsonl") as f:
+            losses = [json.loads(line)["loss"] for line in f]
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in flatten_with_names(out["state"].params)[0]}
     return losses, params, out["state"].data_state
 

@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from functitan.mesh import AXES
-from functitan.pipeline._schedule import Schedule
+from functitan.pipeline._schedule import Schedule, split_pairs
 from functitan.sharding import Layout, Rules, is_spec, place
 
 STAGE_AXES = tuple(a for a in AXES if a != "pp")  # the mesh a stage's params and collectives live on
@@ -53,6 +53,8 @@ class StageModel:
         blocks_key: the key of the block list in the param tree.
         first_keys, last_keys: the top-level keys ``first`` and ``last`` read. A key in both (tied
             embeddings) is allowed only when the first and last stages share a rank.
+        single_backward: the stage graph allows only one backward pass (selective activation
+            checkpointing), so schedules that split backward into B and W cannot run it.
     """
 
     first: Callable[[Any, Any], Tensor]
@@ -66,6 +68,7 @@ class StageModel:
     blocks_key: str = "layers"
     first_keys: tuple[str, ...] = ()
     last_keys: tuple[str, ...] = ()
+    single_backward: bool = False
 
 
 # ----------------------------------------------------------------------------------------------- Llama
@@ -122,7 +125,18 @@ def llama_stages(cfg: Any, layout: Layout, *, seq_len: int, dtype: torch.dtype =
         blocks_key="layers",
         first_keys=("embed",),
         last_keys=("norm", "embed") if cfg.tie_embeddings else ("norm", "output"),
+        single_backward=_selective_checkpointing(layout),
     )
+
+
+def _selective_checkpointing(layout: Layout) -> bool:
+    # Layout wraps blocks in selective checkpointing for remat="selective" and for FSDP's reshard after
+    # forward (the all-gathers are recomputed); such a region may be backpropagated through only once
+    if getattr(layout, "remat", "none") == "selective":
+        return True
+    names = (layout.mesh.mesh_dim_names or ()) if layout.mesh is not None else ()
+    fsdp = "dp_shard" in names and layout.mesh.size(names.index("dp_shard")) > 1
+    return fsdp and bool(getattr(layout, "reshard_after_forward", False))
 
 
 def _seq_shards(layout: Layout) -> int:
@@ -270,6 +284,13 @@ def make_stages(model: StageModel, schedule: Schedule, mesh: DeviceMesh, *, laye
     if len(layers) != n or flat != list(range(model.n_blocks)) or any(len(r) == 0 for r in layers):
         raise ValueError(
             f"layers={layers}: need {n} non-empty contiguous ranges covering blocks 0..{model.n_blocks - 1} in order"
+        )
+    if model.single_backward and split_pairs(schedule):
+        raise ValueError(
+            f"schedule {schedule.name!r} splits the backward into B and W, two backward passes through each "
+            f"stage, but the stages use selective activation checkpointing (remat='selective', or FSDP's "
+            f"reshard_after_forward), which allows one; build the Layout with reshard_after_forward=False and "
+            f"remat 'none' or 'full', or use a schedule without B/W (gpipe, one_f_one_b, interleaved_1f1b)"
         )
     shared = set(model.first_keys) & set(model.last_keys)
     if shared and n > 1 and schedule.stage_to_rank[0] != schedule.stage_to_rank[-1]:

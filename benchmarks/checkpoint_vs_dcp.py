@@ -1,0 +1,155 @@
+"""functitan.checkpoint vs torch.distributed.checkpoint (DCP) vs torch.save, on 2 gloo processes.
+
+About 500 MB of state (params + Adam mu/nu, fp32, FSDP Shard(0) over 2 ranks). Measures:
+  (a) how long the training loop is blocked per save: functitan async, DCP async_save, a synchronous save;
+  (b) save throughput (GB/s, to fsync'd files): functitan save_sync, DCP save, torch.save per rank;
+  (c) load time into the same sharding and resharded (FSDP Shard(0) -> TP Shard(1)).
+Each number is the median over ``--reps`` repetitions of the slowest rank. Writes
+benchmarks/results/checkpoint_vs_dcp.json.
+
+    python benchmarks/checkpoint_vs_dcp.py [--mb 500] [--reps 3] [--dir /tmp/ckpt_bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from functitan.checkpoint import Checkpointer, restore, save_sync
+from functitan.testing import run_distributed
+
+ROWS, COLS = 2048, 1280  # one fp32 matrix = 10.5 MB
+
+
+def _state(mesh, n: int, placement) -> dict:
+    g = torch.Generator().manual_seed(0)
+    params = {f"w{i}": torch.randn(ROWS, COLS, generator=g) for i in range(n)}
+    dt = lambda t: distribute_tensor(t, mesh, [placement], src_data_rank=None)  # noqa: E731
+    return {
+        "params": {k: dt(v) for k, v in params.items()},
+        "mu": {k: dt(torch.zeros_like(v) + 0.1) for k, v in params.items()},
+        "nu": {k: dt(torch.zeros_like(v) + 0.2) for k, v in params.items()},
+    }
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t
+    dist.barrier()
+    return dt
+
+
+def _fsync_tree(path: str) -> None:
+    for d, _, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def _bench(root: str, n: int, reps: int) -> dict:
+    rank = dist.get_rank()
+    fsdp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    state = _state(fsdp, n, Shard(0))
+    tp_ex = _state(fsdp, n, Shard(1))  # the reshard target: another dim
+    same_ex = _state(fsdp, n, Shard(0))
+    out: dict[str, list[float]] = {}
+    add = lambda k, v: out.setdefault(k, []).append(v)  # noqa: E731
+    # DCP's async_save runs collectives from a background thread: give it its own group, as we do ours
+    dcp_pg = dist.new_group(backend="gloo")
+    ck = Checkpointer()
+    ck.save(f"{root}/warm", state).wait()  # allocate and touch the staging buffers once
+    for r in range(reps):
+        p = f"{root}/r{r}"
+        # (a) blocked time: functitan async (buffers reused), DCP async_save
+        h = None
+
+        def ft_async():
+            nonlocal h
+            h = ck.save(f"{p}/ft_async", state)
+
+        add("blocked_functitan_async", _timed(ft_async))
+        add("commit_functitan_async", _timed(lambda: h.wait()))
+        fut = None
+
+        def dcp_async():
+            nonlocal fut
+            fut = dcp.async_save(state, checkpoint_id=f"{p}/dcp_async", process_group=dcp_pg)
+
+        add("blocked_dcp_async", _timed(dcp_async))
+        _timed(lambda: fut.result())
+        # (a)/(b) synchronous saves
+        add("save_functitan_sync", _timed(lambda: save_sync(f"{p}/ft_sync", state)))
+        add("save_dcp", _timed(lambda: dcp.save(state, checkpoint_id=f"{p}/dcp")))
+
+        def torch_save():
+            os.makedirs(f"{p}/torch", exist_ok=True)
+            local = {k: {n_: v.to_local() for n_, v in sub.items()} for k, sub in state.items()}
+            torch.save(local, f"{p}/torch/rank{rank}.pt")
+            _fsync_tree(f"{p}/torch")
+
+        add("save_torch", _timed(torch_save))
+        # (c) loads
+        add("load_functitan_same", _timed(lambda: restore(f"{p}/ft_sync", same_ex)))
+        add("load_functitan_reshard", _timed(lambda: restore(f"{p}/ft_sync", tp_ex)))
+        add("load_dcp_same", _timed(lambda: dcp.load(same_ex, checkpoint_id=f"{p}/dcp")))
+        add("load_dcp_reshard", _timed(lambda: dcp.load(tp_ex, checkpoint_id=f"{p}/dcp")))
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(p, ignore_errors=True)
+        dist.barrier()
+    ck.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=float, default=500.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp/ckpt_bench")
+    args = ap.parse_args()
+    n = max(1, round(args.mb * 1e6 / (3 * ROWS * COLS * 4)))
+    nbytes = 3 * n * ROWS * COLS * 4
+    shutil.rmtree(args.dir, ignore_errors=True)
+    per_rank = run_distributed(_bench, 2, args.dir, n, args.reps, timeout=3600)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    # slowest rank per repetition, then the median over repetitions
+    med = {k: statistics.median(max(r[k][i] for r in per_rank) for i in range(args.reps)) for k in per_rank[0]}
+    gb = nbytes / 1e9
+    res = {
+        "state_MB": round(nbytes / 1e6, 1),
+        "processes": 2,
+        "reps": args.reps,
+        "torch": torch.__version__,
+        "seconds_median": {k: round(v, 4) for k, v in med.items()},
+        "throughput_GBps": {k: round(gb / med[k], 3) for k in ("save_functitan_sync", "save_dcp", "save_torch", "commit_functitan_async")},
+        "ratios": {
+            "blocked_functitan_over_dcp_async": round(med["blocked_functitan_async"] / med["blocked_dcp_async"], 3),
+            "blocked_functitan_over_sync_save": round(med["blocked_functitan_async"] / med["save_functitan_sync"], 3),
+            "throughput_functitan_over_dcp": round(med["save_dcp"] / med["save_functitan_sync"], 3),
+            "throughput_functitan_over_torch_save": round(med["save_torch"] / med["save_functitan_sync"], 3),
+            "load_functitan_over_dcp_same": round(med["load_functitan_same"] / med["load_dcp_same"], 3),
+            "load_functitan_over_dcp_reshard": round(med["load_functitan_reshard"] / med["load_dcp_reshard"], 3),
+        },
+        "note": "2 shared CPU cores, local disk, page cache warm for loads; numbers vary with load from other jobs",
+    }
+    os.makedirs("benchmarks/results", exist_ok=True)
+    with open("benchmarks/results/checkpoint_vs_dcp.json", "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
