@@ -109,10 +109,8 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optim.Sche
 
 
 def build_optimizer(cfg: OptimizerConfig, total_steps: int) -> optim.GradientTransformation:
-    """The optimizer the config names, with gradient clipping first when ``max_norm > 0``."""
+    """The optimizer the config names (clipping by ``max_norm`` happens in the train step, which has the norm)."""
     lr = learning_rate_schedule(cfg, total_steps)
     if cfg.name == "adamw":
-        core = optim.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    else:
-        core = optim.sgd(lr, momentum=cfg.momentum)
-    return optim.chain(optim.clip_by_global_norm(cfg.max_norm), core) if cfg.max_norm > 0 else core
+        return optim.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return optim.sgd(lr, momentum=cfg.momentum)

@@ -2,8 +2,9 @@
 
     grad_fn(params, batch)          # accumulate(value_and_grad(loss_fn), microbatches), or a pipeline
                                     # executor: (mean loss, grads in the params' placements)
-      -> global_norm                # of the full gradient, however it is sharded
+      -> global_norm                # of the full gradient, however it is sharded (and across pp stages)
       -> non-finite guard           # stop with the step named, or skip the update
+      -> clip_to_norm               # with that same norm
       -> optimizer.update           # functional: new opt_state
       -> apply_updates              # functional: new params
 """
@@ -44,6 +45,8 @@ def make_train_step(
     grad_fn: Callable[[Any, Any], tuple[Tensor, Any]],
     optimizer: optim.GradientTransformation,
     *,
+    max_norm: float = 0.0,
+    norm_across: dist.ProcessGroup | None = None,
     on_nonfinite: str = "stop",
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, float]]]:
     """Build ``train_step(state, batch) -> (state, metrics)``.
@@ -51,7 +54,11 @@ def make_train_step(
     Args:
         grad_fn: ``(params, batch) -> (loss, grads)``: ``accumulate(value_and_grad(loss_fn), microbatches)``,
             or a pipeline schedule's executor; ``loss`` is the mean over this rank's batch.
-        optimizer: an optax-shaped transformation (clipping, if any, is part of it).
+        optimizer: an optax-shaped transformation.
+        max_norm: clip the gradient to this global norm (0: no clipping). Done here rather than by
+            ``optim.clip_by_global_norm`` in the chain because the step needs the norm anyway (metrics, the
+            non-finite guard): one norm per step instead of two.
+        norm_across: a process group whose ranks hold other parameters (pipeline stages): the norm covers them.
         on_nonfinite: "stop" raises NonFiniteLossError naming the step; "skip" leaves params and optimizer
             state unchanged for that step and reports ``skipped=1``.
 
@@ -64,7 +71,7 @@ def make_train_step(
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, float]]:
         loss, grads = grad_fn(state.params, batch)
         with torch.no_grad():
-            gnorm = optim.global_norm(grads)
+            gnorm = optim.global_norm(grads, across=norm_across)
             stats = _mean_over_ranks(torch.stack([loss.float(), gnorm.float().to(loss.device)]))
         loss_v, gnorm_v = stats.tolist()
         # the gradient norm is global and the loss is averaged: every rank takes the same branch
@@ -76,6 +83,8 @@ def make_train_step(
                 )
             nxt = state._replace(step=state.step + 1, rng=fold_in(state.rng, state.step))
             return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": 1}
+        if max_norm > 0:
+            grads = optim.clip_to_norm(grads, gnorm, max_norm)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optim.apply_updates(state.params, updates)
         nxt = state._replace(step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step))

@@ -60,7 +60,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     lr_at = learning_rate_schedule(cfg.optimizer, cfg.training.steps)
     state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=loader.init_state(), rng=rng)
     grad_fn = accumulate(value_and_grad(partial(llama.loss, cfg=model_cfg, layout=layout)), cfg.training.microbatches)
-    train_step = make_train_step(grad_fn, optimizer, on_nonfinite=cfg.training.on_nonfinite)
+    train_step = make_train_step(grad_fn, optimizer, max_norm=cfg.optimizer.max_norm, on_nonfinite=tcfg.on_nonfinite)
 
     # 5. checkpoint: resume from the newest complete checkpoint of this run, else from checkpoint.load_path
     run_dir = _run_dir(cfg)

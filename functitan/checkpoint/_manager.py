@@ -120,7 +120,8 @@ class CheckpointManager:
             return None
         self._last_saved = step
         tree = partition(state, lambda n, x: not _under(n, self.exclude))[0] if self.exclude else state
-        handle = self._ck.save(self.step_dir(step), tree, _item=ITEM, after_commit=self._retain)
+        # a synchronous save writes the live values directly: nothing can change them meanwhile
+        handle = self._ck.save(self.step_dir(step), tree, _item=ITEM, after_commit=self._retain, _stage_copy=self.async_save)
         if not self.async_save:
             handle.wait()
         return handle

@@ -26,19 +26,22 @@ from functitan.optim._local import Flat, flatten
 from functitan.tree import flatten_with_names
 
 
-def global_norm(tree: Any) -> Tensor:
+def global_norm(tree: Any, *, across: dist.ProcessGroup | None = None) -> Tensor:
     """The L2 norm of all leaves of ``tree`` together, as a 0-d tensor (fp32, or fp64 if a leaf is fp64).
 
     Right for any mix of plain tensors and DTensors with ``Shard``/``Replicate`` placements on any mesh:
     every rank returns the same value, equal to the norm of the full (unsharded) tensors. Every rank of the
     meshes involved must call it (it runs collectives). Leaves with a ``Partial`` placement (unreduced
-    gradients) raise a ValueError. Under pipeline parallelism each stage holds different leaves: the caller
-    sums the squared norms across the ``pp`` axis.
+    gradients) raise a ValueError. Under pipeline parallelism each stage holds different leaves: pass the
+    pp process group as ``across`` and the squared norms are summed over it too.
 
     >>> float(global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])}))
     5.0
     """
-    return torch.sqrt(_global_sumsq(flatten(tree, "tree")))
+    sumsq = _global_sumsq(flatten(tree, "tree"))
+    if across is not None and dist.get_world_size(across) > 1:
+        dist.all_reduce(sumsq, group=across)
+    return torch.sqrt(sumsq)
 
 
 def _global_sumsq(flat: Flat) -> Tensor:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from functitan.optim import _local
 from functitan.optim._base import EmptyState, GradientTransformation
-from functitan.optim._norm import _global_sumsq
+from functitan.optim._norm import global_norm
 from functitan.tree import flatten_with_names, map_with_names
 
 __all__ = [
@@ -217,28 +217,35 @@ def add_decayed_weights(weight_decay: float, *, mask: Mask | None = None) -> Gra
     return GradientTransformation(init, update)
 
 
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+def clip_to_norm(tree: Any, norm: Tensor, max_norm: float) -> Any:
+    """Scale every leaf by ``min(1, max_norm / norm)``, given the tree's global norm (computed once, e.g. by
+    the train step, which also reports it). Foreach over local shards; placements are kept."""
+    u = _local.flatten(tree, "updates")
+    if not u.locals:
+        return tree
+    with torch.no_grad():
+        factor = (max_norm / norm).clamp(max=1.0)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(u.locals):
+            by_device.setdefault(t.device, []).append(i)
+        out: list[Tensor] = [None] * len(u.locals)  # type: ignore[list-item]
+        for device, idx in by_device.items():
+            scaled = torch._foreach_mul([u.locals[i] for i in idx], factor.to(device))
+            for i, t in zip(idx, scaled):
+                out[i] = t
+        return _local.unflatten(u, out)
+
+
+def clip_by_global_norm(max_norm: float, *, across: Any = None) -> GradientTransformation:
     """Scale all updates by ``min(1, max_norm / global_norm(updates))`` (Pascanu et al., 2013).
 
-    The norm is that of the full tensors however the leaves are sharded (see ``global_norm``), and it stays
-    on the device: no host sync. A norm of 0 leaves updates unchanged; a NaN norm makes them NaN.
+    The norm is that of the full tensors however the leaves are sharded (see ``global_norm``; ``across`` adds
+    a process group whose ranks hold other leaves, e.g. pipeline stages), and it stays on the device: no host
+    sync. A norm of 0 leaves updates unchanged; a NaN norm makes them NaN.
     """
     _check(max_norm > 0, f"max_norm={max_norm}: pass a positive norm, e.g. 1.0")
 
     def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
-        u = _local.flatten(updates, "updates")
-        if not u.locals:
-            return updates, state
-        with torch.no_grad():
-            factor = (max_norm / torch.sqrt(_global_sumsq(u))).clamp(max=1.0)
-            by_device: dict[torch.device, list[int]] = {}
-            for i, t in enumerate(u.locals):
-                by_device.setdefault(t.device, []).append(i)
-            out: list[Tensor] = [None] * len(u.locals)  # type: ignore[list-item]
-            for device, idx in by_device.items():
-                scaled = torch._foreach_mul([u.locals[i] for i in idx], factor.to(device))
-                for i, t in zip(idx, scaled):
-                    out[i] = t
-            return _local.unflatten(u, out), state
+        return clip_to_norm(updates, global_norm(updates, across=across), max_norm), state
 
     return GradientTransformation(lambda params: EmptyState(), update)

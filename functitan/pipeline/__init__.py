@@ -1,7 +1,8 @@
-"""Pipeline parallel schedules as data: generate, validate, simulate, draw, and load from CSV.
+"""Pipeline parallelism: schedules as data (generate, validate, simulate, draw, CSV) and their executor.
 
 A `Schedule` is one ordered list of `Action`s (F, B, W, BW on a stage and microbatch) per rank; the
-point-to-point traffic follows from stage adjacency (`with_comms`). The executor runs these lists.
+point-to-point traffic follows from stage adjacency (`with_comms`). `make_stages` splits a pure-function model
+into balanced stages and `pipeline_grad_fn` runs a rank's list as a train-step grad_fn.
 
     >>> from functitan import pipeline
     >>> s = pipeline.one_f_one_b(pp=4, m=8)
@@ -12,6 +13,7 @@ point-to-point traffic follows from stage adjacency (`with_comms`). The executor
 
 from functitan.pipeline._comms import with_comms
 from functitan.pipeline._csvfile import load_csv, save_csv
+from functitan.pipeline._executor import Span, StepTimeline, pipeline_grad_fn
 from functitan.pipeline._generators import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
 from functitan.pipeline._render import render_png, render_text, summary
 from functitan.pipeline._schedule import (
@@ -25,38 +27,7 @@ from functitan.pipeline._schedule import (
     v_placement,
 )
 from functitan.pipeline._simulate import Costs, Simulation, simulate
-from functitan.pipeline._validate import validate
-
-__all__ = [
-    "KINDS",
-    "Action",
-    "Comm",
-    "Costs",
-    "Schedule",
-    "Simulation",
-    "dependencies",
-    "gpipe",
-    "interleaved_1f1b",
-    "load_csv",
-    "loop_placement",
-    "one_f_one_b",
-    "render_png",
-    "render_text",
-    "save_csv",
-    "simulate",
-    "split_pairs",
-    "summary",
-    "v_placement",
-    "validate",
-    "with_comms",
-    "zb_h1",
-    "zb_v",
-]
-
-# The executor and stages (appended; see _stages.py and _executor.py).
-from functitan.pipeline._executor import Span, StepTimeline, pipeline_grad_fn  # noqa: E402
-from functitan.pipeline._executor import clip_by_global_norm, global_norm  # noqa: E402
-from functitan.pipeline._stages import (  # noqa: E402
+from functitan.pipeline._stages import (
     StageModel,
     Stages,
     balance,
@@ -68,21 +39,43 @@ from functitan.pipeline._stages import (  # noqa: E402
     stage_rules,
     stage_tree,
 )
+from functitan.pipeline._validate import validate
 
-__all__ += [
+__all__ = [
+    "KINDS",
+    "Action",
+    "Comm",
+    "Costs",
+    "Schedule",
+    "Simulation",
     "Span",
     "StageModel",
     "Stages",
     "StepTimeline",
     "balance",
-    "clip_by_global_norm",
-    "global_norm",
+    "dependencies",
+    "gpipe",
+    "interleaved_1f1b",
     "llama_stages",
+    "load_csv",
+    "loop_placement",
     "make_stages",
+    "one_f_one_b",
     "pipeline_grad_fn",
     "place_stages",
     "rank_tree",
+    "render_png",
+    "render_text",
+    "save_csv",
+    "simulate",
+    "split_pairs",
     "stage_mesh",
     "stage_rules",
     "stage_tree",
+    "summary",
+    "v_placement",
+    "validate",
+    "with_comms",
+    "zb_h1",
+    "zb_v",
 ]

@@ -73,8 +73,8 @@ def pipeline_grad_fn(stages: Stages, *, timeline: list[StepTimeline] | None = No
     on every pipeline rank (stage 0 reads the inputs, the last stage the targets); it is split into
     ``schedule.microbatches`` microbatches along dim 0. The loss is the mean over microbatches, summed
     over the pipeline group so every pp rank returns it; ``grads`` mirror ``params`` (placements kept),
-    for `functitan.step.make_train_step` unchanged. Gradient clipping and the gradient norm must then
-    sum over the pipeline group: use `functitan.pipeline.clip_by_global_norm` and `global_norm`.
+    for `functitan.step.make_train_step` unchanged; pass it ``norm_across=stages.pp_group`` so the gradient
+    norm it reports and clips with covers every stage.
 
     Args:
         stages: from `make_stages`.
@@ -270,37 +270,3 @@ def _device_of(batch: Any) -> torch.device:
     raise TypeError("the pipeline batch holds no tensor; pass e.g. {'inputs': tokens, 'targets': tokens}")
 
 
-# ----------------------------------------------------------------------------------------------- norm
-
-
-def global_norm(tree: Any, stages: Stages) -> Tensor:
-    """The L2 norm of the whole model's gradient: `functitan.optim.global_norm` of this rank's ``tree``
-    (exact over the stage mesh), squared, summed over the pipeline group, rooted. Every rank gets it."""
-    from functitan import optim
-
-    sumsq = optim.global_norm(tree).square()
-    return pp_all_reduce(sumsq, stages).sqrt()
-
-
-def clip_by_global_norm(max_norm: float, stages: Stages) -> Any:
-    """`functitan.optim.clip_by_global_norm` with the norm over every pipeline stage (see `global_norm`).
-
-    Under pipeline parallelism each rank holds other leaves, so the per-rank norm of
-    ``optim.clip_by_global_norm`` would clip each stage by its own norm; this one scales all stages by
-    ``min(1, max_norm / norm of the full gradient)``, like the unpipelined model.
-    """
-    from functitan import optim
-
-    if not max_norm > 0:
-        raise ValueError(f"max_norm={max_norm}: pass a positive norm, e.g. 1.0")
-
-    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        with torch.no_grad():
-            factor = (max_norm / global_norm(updates, stages)).clamp(max=1.0)
-
-            def one(u: Tensor) -> Tensor:
-                return _wrap_like(u, _local(u) * factor.to(u.device))
-
-            return optree.tree_map(one, updates), state
-
-    return optim.GradientTransformation(lambda params: optim.EmptyState(), update)
