@@ -14,7 +14,7 @@ from .data import DataConfig
 
 __all__ = [
     "ModelConfig", "TrainingConfig", "OptimizerConfig", "ParallelismConfig", "MetricsConfig",
-    "CheckpointConfig", "JobConfig", "build_optimizer", "learning_rate_schedule",
+    "CheckpointConfig", "JobConfig", "build_optimizer", "build_schedule", "learning_rate_schedule",
 ]
 
 
@@ -33,7 +33,7 @@ class TrainingConfig:
     steps: int = 200
     batch_size: int = 8  # global: sequences per step over all data-parallel ranks
     seq_len: int = 256
-    microbatches: int = 1  # gradient accumulation steps per rank
+    microbatches: int = 1  # gradient accumulation steps per rank (with pp > 1: pipeline microbatches)
     seed: int = 0
     remat: Literal["none", "full", "selective"] = "none"  # activation checkpointing per block
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype (master weights stay fp32)
@@ -67,6 +67,8 @@ class ParallelismConfig:
     pp: int = 1
     sequence_parallel: bool = True  # with tp > 1: shard norms and the residual stream along the sequence
     reshard_after_forward: bool = True  # FSDP: free gathered params after each block's forward
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"] = "1f1b"  # with pp > 1
+    stages_per_rank: int = 2  # interleaved_1f1b only (zb_v always has 2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,3 +116,13 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int) -> optim.GradientTra
     if cfg.name == "adamw":
         return optim.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
     return optim.sgd(lr, momentum=cfg.momentum)
+
+
+def build_schedule(par: ParallelismConfig, microbatches: int):
+    """The pipeline schedule the config names, for ``pp`` ranks and ``microbatches`` microbatches."""
+    from . import pipeline
+
+    name, pp, m = par.pipeline_schedule, par.pp, microbatches
+    if name == "interleaved_1f1b":
+        return pipeline.interleaved_1f1b(pp, par.stages_per_rank, m)
+    return {"gpipe": pipeline.gpipe, "1f1b": pipeline.one_f_one_b, "zb_h1": pipeline.zb_h1, "zb_v": pipeline.zb_v}[name](pp, m)

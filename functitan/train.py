@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from . import metrics as M
+from . import pipeline
 from .config import parse_config, to_dict
 from .checkpoint import CheckpointManager
 from .data import build_loader
-from .job_config import JobConfig, ModelConfig, build_optimizer, learning_rate_schedule
+from .job_config import JobConfig, ModelConfig, build_optimizer, build_schedule, learning_rate_schedule
 from .mesh import make_mesh
 from .random import fold_in, key
 from .sharding import Layout, default_rules, place
@@ -41,26 +42,42 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     device = _init_process(cfg.training)
     # 1. mesh: every layout is a choice of degrees
     par, tcfg = cfg.parallelism, cfg.training
+    if cfg.checkpoint.enable and par.pp > 1:
+        raise ValueError("checkpoint.enable with parallelism.pp > 1 is not supported yet (each pipeline rank holds "
+                         "a different part of the tree); train with pp=1 to checkpoint, or disable checkpoints")
     mesh = make_mesh(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, device=device.type)
     rules = default_rules(sequence_parallel=par.sequence_parallel and par.tp > 1)
-    layout = Layout(mesh, rules, remat=tcfg.remat, compile=tcfg.compile, reshard_after_forward=par.reshard_after_forward,
+    # with pipeline stages, each stage computes on the mesh without the pp axis
+    compute_mesh, compute_rules = (pipeline.stage_mesh(mesh), pipeline.stage_rules(rules)) if par.pp > 1 else (mesh, rules)
+    layout = Layout(compute_mesh, compute_rules, remat=tcfg.remat, compile=tcfg.compile,
+                    reshard_after_forward=par.reshard_after_forward,
                     param_dtype=getattr(torch, tcfg.param_dtype), reduce_dtype=getattr(torch, tcfg.reduce_dtype))
-    local_batch = _local_batch(cfg.training, layout.dp_size)
-    loader = build_loader(cfg.data, batch_size=local_batch, seq_len=cfg.training.seq_len,
+    local_batch = _local_batch(tcfg, layout.dp_size)
+    loader = build_loader(cfg.data, batch_size=local_batch, seq_len=tcfg.seq_len,
                           dp_rank=layout.dp_rank, dp_size=layout.dp_size, device=device)
 
-    # 2. init, identical on every rank and mesh; 3. place: each rank keeps its shards
+    # 2. init, identical on every rank and mesh; 3. place: each rank keeps its shards (and its stages)
     model_cfg = _model_config(cfg.model, vocab_size=loader.tokenizer.vocab_size)
-    llama.check_layout(model_cfg, tp=mesh["tp"].size(), seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel)
-    rng = key(cfg.training.seed)
-    params = place(llama.init(model_cfg, fold_in(rng, "params"), device=device), llama.specs(model_cfg), rules, mesh)
+    llama.check_layout(model_cfg, tp=par.tp, seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel)
+    rng = key(tcfg.seed)
+    full_params = llama.init(model_cfg, fold_in(rng, "params"), device=device)
+    if par.pp > 1:
+        stages = pipeline.make_stages(pipeline.llama_stages(model_cfg, layout, seq_len=tcfg.seq_len),
+                                      build_schedule(par, tcfg.microbatches), mesh)
+        params = pipeline.place_stages(full_params, llama.specs(model_cfg), rules, stages)
+        grad_fn, norm_across = pipeline.pipeline_grad_fn(stages), stages.pp_group
+    else:
+        params = place(full_params, llama.specs(model_cfg), rules, mesh)
+        grad_fn = accumulate(value_and_grad(partial(llama.loss, cfg=model_cfg, layout=layout)), tcfg.microbatches)
+        norm_across = None
+    del full_params
 
     # 4. optimizer and step
-    optimizer = build_optimizer(cfg.optimizer, cfg.training.steps)
-    lr_at = learning_rate_schedule(cfg.optimizer, cfg.training.steps)
+    optimizer = build_optimizer(cfg.optimizer, tcfg.steps)
+    lr_at = learning_rate_schedule(cfg.optimizer, tcfg.steps)
     state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=loader.init_state(), rng=rng)
-    grad_fn = accumulate(value_and_grad(partial(llama.loss, cfg=model_cfg, layout=layout)), cfg.training.microbatches)
-    train_step = make_train_step(grad_fn, optimizer, max_norm=cfg.optimizer.max_norm, on_nonfinite=tcfg.on_nonfinite)
+    train_step = make_train_step(grad_fn, optimizer, max_norm=cfg.optimizer.max_norm, norm_across=norm_across,
+                                 on_nonfinite=tcfg.on_nonfinite)
 
     # 5. checkpoint: resume from the newest complete checkpoint of this run, else from checkpoint.load_path
     run_dir = _run_dir(cfg)

@@ -63,7 +63,7 @@ def test_cli_surface_is_frozen():
         "optimizer.b1", "optimizer.b2", "optimizer.eps", "optimizer.weight_decay", "optimizer.momentum",
         "optimizer.max_norm",
         "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.tp", "parallelism.pp", "parallelism.sequence_parallel",
-        "parallelism.reshard_after_forward",
+        "parallelism.reshard_after_forward", "parallelism.pipeline_schedule", "parallelism.stages_per_rank",
         "metrics.log_every", "metrics.run_dir", "metrics.run_name",
         "checkpoint.enable", "checkpoint.folder", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.load_path",
     ]

@@ -65,3 +65,20 @@ def test_fsdp4_holds_a_quarter_of_params_and_optimizer_state(tmp_path):
     per_rank = run_distributed(_state_bytes, 4, {"dp_shard": 4}, str(tmp_path))
     for b in per_rank:
         assert 0.24 < b / single < 0.27, (b, single)  # a quarter, plus the 0-d step counters held whole
+
+
+def _train_pipelined(layout: dict, run_dir: str):
+    return _train({**layout, "metrics.run_dir": run_dir, "metrics.run_name": "pp"})[:2]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])  # 2 layers: one stage per rank
+def test_trainer_with_pipeline_stages_equals_one_process(schedule, reference, tmp_path):
+    ref_losses, ref_params, _ = reference
+    layout = {"parallelism.pp": 2, "parallelism.dp_shard": 1, "parallelism.pipeline_schedule": schedule,
+              "parallelism.reshard_after_forward": False, "training.microbatches": 4}
+    results = run_distributed(_train_pipelined, 2, layout, str(tmp_path))
+    torch.testing.assert_close(torch.tensor(results[0][0]), torch.tensor(ref_losses), **LOSS_TOL)
+    params = {**results[0][1], **results[1][1]}  # each pipeline rank holds its stages' params
+    assert params.keys() == ref_params.keys()
+    for key, p in params.items():
+        torch.testing.assert_close(p, ref_params[key], **PARAM_TOL, msg=lambda m, k=key: f"pp2/{schedule} {k}: {m}")
