@@ -43,6 +43,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable
 
+import optree
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -116,10 +117,65 @@ class _SharedInputTP(TPContext):
         return super().einsum(pattern, x, w)
 
 
-def _fixed_layout(layout: Layout) -> Layout:
-    if layout._tp is not None:
-        object.__setattr__(layout, "_tp", _SharedInputTP(layout.mesh, layout.rules))
-    return layout
+class _Regather:
+    """A ``saved_tensors_hooks`` pair that frees a block's gathered params after its forward (reshard) and
+    all-gathers them again, in one bucketed collective, when the backward first unpacks one of them.
+
+    Autograd saves only a few tensors per op (e.g. the weight of each matmul for the input gradient); a saved
+    tensor that lives in the storage of a gathered param is packed as ``(leaf index, size, stride, offset)``
+    instead, so the gathered storage dies with the block's forward, as in FSDP2.
+    """
+
+    def __init__(self, layout: Layout, params: Any) -> None:
+        self.layout, self.params = layout, params
+        self.where: dict[int, int] = {}  # storage address of a gathered leaf -> its index
+        self.cache: list[Tensor] | None = None
+        self.pending = 0
+
+    def track(self, gathered: list[Tensor]) -> None:
+        self.where = {t.untyped_storage().data_ptr(): i for i, t in enumerate(gathered)}
+
+    def pack(self, t: Tensor) -> Any:
+        i = self.where.get(t.untyped_storage().data_ptr()) if type(t) is Tensor else None
+        if i is None:
+            return t
+        self.pending += 1
+        return (i, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, Tensor):
+            return packed
+        i, size, stride, offset = packed
+        if self.cache is None:
+            with torch.no_grad():
+                self.cache = optree.tree_leaves(self.layout.params(self.params))
+        out = torch.as_strided(self.cache[i], size, stride, offset)
+        self.pending -= 1
+        if self.pending == 0:  # the block's backward has taken all it saved: free the re-gathered params
+            self.cache = None
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _FixedLayout(Layout):
+    """Layout with the two changes proposed for the library (see ``_Regather`` and ``_SharedInputTP``)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self._tp is not None:
+            object.__setattr__(self, "_tp", _SharedInputTP(self.mesh, self.rules))
+
+    def block(self, fn: Callable[..., Tensor], params: Any, *args: Any) -> Tensor:
+        # reshard-after-forward without a TorchDispatchMode: selective checkpointing intercepts every op of
+        # the block in Python (forward and the replay in backward); saved-tensor hooks run once per saved tensor
+        if not (torch.is_grad_enabled() and self.remat == "none" and self.reshard_after_forward and self._fsdp
+                and not self.compile):
+            return super().block(fn, params, *args)
+        rg = _Regather(self, params)
+        with torch.autograd.graph.saved_tensors_hooks(rg.pack, rg.unpack):
+            compute = self.params(params)
+            rg.track(optree.tree_leaves(compute))
+            return fn(compute, *args)
 
 
 # ----------------------------------------------------------------------------------------------- the two sides
@@ -146,9 +202,7 @@ def functitan_side(case: str, s: Setup, cfg: llama.LlamaConfig, full: Any, batch
     sp = case == "tp_sp"
     mesh = make_mesh(dp_shard=n) if case == "fsdp" else make_mesh(dp_shard=1, tp=n)
     rules = default_rules(sequence_parallel=sp)
-    layout = Layout(mesh, rules, reshard_after_forward=s.reshard_after_forward)
-    if fix:
-        layout = _fixed_layout(layout)
+    layout = (_FixedLayout if fix else Layout)(mesh, rules, reshard_after_forward=s.reshard_after_forward)
     params = place(full, llama.specs(cfg), rules, mesh)
     optimizer = optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
     box = [TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=None, rng=key(0))]
@@ -260,6 +314,32 @@ class _null:
 # ----------------------------------------------------------------------------------------------- timing
 
 
+def timed_rounds(fns: dict[str, Callable[[], Any]], *, steps: int, warmup: int) -> tuple[dict, dict, dict]:
+    """(wall s, CPU s, outputs) per call of each ``fns[name]`` on every rank, in alternating rounds (A B, B A).
+
+    A barrier starts each call on all ranks together; its wall time is the slowest rank's (a distributed step
+    lasts until its last rank ends), its CPU time the sum over ranks. ``warmup`` rounds are not timed (their
+    outputs are kept: the first is the first step's).
+    """
+    names = list(fns)
+    wall: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {k: [] for k in names}
+    outs: dict[str, list[Any]] = {k: [] for k in names}
+    for r in range(warmup + steps):
+        for k in names if r % 2 == 0 else reversed(names):
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            out = fns[k]()
+            t, c = torch.tensor(time.perf_counter() - t0), torch.tensor(time.process_time() - c0)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(c)
+            outs[k].append(out)
+            if r >= warmup:
+                wall[k].append(float(t))
+                cpu[k].append(float(c))
+    return wall, cpu, outs
+
+
 def _worker(case: str, s: Setup) -> dict[str, Any]:
     n, rank = dist.get_world_size(), dist.get_rank()
     cfg = llama.config(s.config, max_seq_len=max(s.seq, 16))
@@ -268,24 +348,9 @@ def _worker(case: str, s: Setup) -> dict[str, Any]:
     rows = slice(rank * s.batch // n, (rank + 1) * s.batch // n) if case == "fsdp" else slice(None)
     batches = _batches(cfg, s, rows)
     fns = {"functitan": functitan_side(case, s, cfg, full, batches), "torch": torch_side(case, s, cfg, full, batches)}
-    if s.prototype and case != "fsdp":
+    if s.prototype:
         fns["functitan_fix"] = functitan_side(case, s, cfg, full, batches, fix=True)
-    names = list(fns)
-    wall: dict[str, list[float]] = {k: [] for k in names}
-    cpu: dict[str, list[float]] = {k: [] for k in names}
-    losses: dict[str, list[list[float]]] = {k: [] for k in names}
-    for r in range(s.warmup + s.steps):
-        for k in names if r % 2 == 0 else reversed(names):
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            out = fns[k]()
-            t, c = torch.tensor(time.perf_counter() - t0), torch.tensor(time.process_time() - c0)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts until its slowest rank ends
-            dist.all_reduce(c)  # CPU seconds of all ranks
-            losses[k].append(out)
-            if r >= s.warmup:
-                wall[k].append(float(t))
-                cpu[k].append(float(c))
+    wall, cpu, losses = timed_rounds(fns, steps=s.steps, warmup=s.warmup)
     med = {k: statistics.median(v) for k, v in wall.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     first = {k: v[0][0] for k, v in losses.items()}

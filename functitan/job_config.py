@@ -84,7 +84,7 @@ class CheckpointConfig:
     folder: str = "checkpoints"  # under runs/<run_name>/ (resume a run by passing its metrics.run_name), or absolute
     interval: int = 100
     keep_last: int = 3
-    load_path: str | None = None  # an explicit checkpoint to start from
+    load_path: str | None = None  # weights to start from: a functitan checkpoint or a Hugging Face directory
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from . import metrics as M
 from . import pipeline
 from .config import parse_config, to_dict
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointManager, is_hf_dir, load_hf, recorded_model_config, restore_params, write_model_config
 from .data import build_loader
 from .job_config import JobConfig, ModelConfig, build_optimizer, build_schedule, learning_rate_schedule
 from .mesh import make_mesh
@@ -57,10 +57,18 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                           dp_rank=layout.dp_rank, dp_size=layout.dp_size, device=device)
 
     # 2. init, identical on every rank and mesh; 3. place: each rank keeps its shards (and its stages)
-    model_cfg = _model_config(cfg.model, vocab_size=loader.tokenizer.vocab_size)
-    llama.check_layout(model_cfg, tp=par.tp, seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel)
     rng = key(tcfg.seed)
-    full_params = llama.init(model_cfg, fold_in(rng, "params"), device=device)
+    load_path = cfg.checkpoint.load_path
+    if load_path and is_hf_dir(load_path):  # a Hugging Face model: its config and weights
+        model_cfg, full_params = load_hf(load_path, device=device, dtype=torch.float32)
+    else:  # the model config recorded with a checkpoint to start from wins over [model]
+        model_cfg = recorded_model_config(load_path) if load_path else None
+        model_cfg = model_cfg or _model_config(cfg.model, vocab_size=loader.tokenizer.vocab_size)
+        full_params = llama.init(model_cfg, fold_in(rng, "params"), device=device)
+    if model_cfg.vocab_size < loader.tokenizer.vocab_size:
+        raise ValueError(f"the model's vocab_size {model_cfg.vocab_size} is smaller than the tokenizer's "
+                         f"{loader.tokenizer.vocab_size}; set data.tokenizer to the model's tokenizer")
+    llama.check_layout(model_cfg, tp=par.tp, seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel)
     if par.pp > 1:
         stages = pipeline.make_stages(pipeline.llama_stages(model_cfg, layout, seq_len=tcfg.seq_len),
                                       build_schedule(par, tcfg.microbatches), mesh)
@@ -79,20 +87,22 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     train_step = make_train_step(grad_fn, optimizer, max_norm=cfg.optimizer.max_norm, norm_across=norm_across,
                                  on_nonfinite=tcfg.on_nonfinite)
 
-    # 5. checkpoint: resume from the newest complete checkpoint of this run, else from checkpoint.load_path
+    # 5. checkpoint: resume from the newest complete checkpoint of this run, else a weights-only load_path
     run_dir = _run_dir(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
+    write_model_config(model_cfg, run_dir)  # lets `functitan export hf` rebuild the model
     ckpt = None
     if cfg.checkpoint.enable:
         ckpt = CheckpointManager(run_dir / cfg.checkpoint.folder, interval=cfg.checkpoint.interval,
                                  keep_last=cfg.checkpoint.keep_last, mesh=mesh)
-        restored = ckpt.restore_latest(state)
-        if restored is None and cfg.checkpoint.load_path:
-            restored = ckpt.restore(cfg.checkpoint.load_path, state)
-        state = restored if restored is not None else state
+    restored = ckpt.restore_latest(state) if ckpt is not None else None
+    if restored is not None:
+        state = restored
+    elif load_path and not is_hf_dir(load_path):
+        state = state._replace(params=restore_params(load_path, state.params))
 
     # 6. metrics
     fpt = M.transformer_flops_per_token(n_params=llama.num_params(model_cfg, embedding=False), n_layers=model_cfg.n_layers, n_heads=model_cfg.n_heads,

@@ -210,18 +210,22 @@ def test_load_hf_refuses_pickle_and_reports_missing_shard(tmp_path):
         load_hf(tmp_path)
 
 
-def test_import_and_export_hf_call_the_checkpoint_functions(tmp_path):
+def test_import_then_export_round_trips_through_a_functitan_checkpoint(tmp_path):
     model = _hf_model(tied=False, rope=True)
     model.save_pretrained(tmp_path / "src")
-    saved = {}
-    cfg = import_hf(tmp_path / "src", tmp_path / "ckpt", save_fn=lambda p, d: saved.update(params=p, dir=d), dtype=torch.bfloat16)
-    assert saved["dir"] == tmp_path / "ckpt" and cfg.rope_scaling is not None
-    assert saved["params"]["output"]["weight"].dtype == torch.bfloat16
-    assert torch.equal(saved["params"]["output"]["weight"], model.lm_head.weight.detach().to(torch.bfloat16))
-    export_hf(tmp_path / "ckpt", tmp_path / "out", cfg=cfg, restore_fn=lambda d: saved["params"] if d == saved["dir"] else None)
+    cfg = import_hf(tmp_path / "src", tmp_path / "ckpt", dtype=torch.bfloat16)
+    assert cfg.rope_scaling is not None
+    assert (tmp_path / "ckpt" / "model_config.json").is_file()
+    assert export_hf(tmp_path / "ckpt", tmp_path / "out") == cfg  # the config comes from the checkpoint
     cfg2, params2 = load_hf(tmp_path / "out")
     assert cfg2 == cfg and params2["layers"][1]["mlp"]["w_up"].dtype == torch.bfloat16
-    assert torch.equal(params2["layers"][1]["mlp"]["w_up"], saved["params"]["layers"][1]["mlp"]["w_up"])
+    assert torch.equal(params2["layers"][1]["mlp"]["w_up"], model.model.layers[1].mlp.up_proj.weight.detach().to(torch.bfloat16))
+    assert torch.equal(params2["output"]["weight"], model.lm_head.weight.detach().to(torch.bfloat16))
+
+
+def test_export_without_a_model_config_names_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"no model_config.json in .* or its parents; the trainer writes one"):
+        export_hf(tmp_path, tmp_path / "out")
 
 
 def _save_sharded_params(out_dir, cfg):

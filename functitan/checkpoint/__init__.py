@@ -10,11 +10,11 @@
 See docs/checkpoints.md for the on-disk layout, the commit protocol and the Orbax interop.
 """
 
-from ._manager import CheckpointManager
+from ._manager import CheckpointManager, restore_params
 from ._restore import CheckpointError, restore, verify
 from ._save import Checkpointer, SaveHandle, save, save_sync
 
-from ._hf import export_hf, import_hf, load_hf, save_hf
+from ._hf import export_hf, import_hf, is_hf_dir, load_hf, recorded_model_config, save_hf, write_model_config
 
 __all__ = [
     "save",
@@ -25,8 +25,12 @@ __all__ = [
     "verify",
     "CheckpointError",
     "CheckpointManager",
+    "restore_params",
     "export_hf",
     "import_hf",
     "save_hf",
     "load_hf",
+    "is_hf_dir",
+    "recorded_model_config",
+    "write_model_config",
 ]

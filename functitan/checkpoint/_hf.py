@@ -431,31 +431,67 @@ def export_hf_params(params: Any, cfg: LlamaConfig, out_dir: str | os.PathLike, 
     save_hf(params, cfg, out_dir, **kwargs)
 
 
-def import_hf(
-    hf_dir: str | os.PathLike,
-    out_ckpt_dir: str | os.PathLike,
-    *,
-    save_fn: Callable[[Any, str | os.PathLike], Any],
-    dtype: torch.dtype | None = None,
-) -> LlamaConfig:
-    """Convert an HF directory into a functitan checkpoint: ``save_fn(params, out_ckpt_dir)`` writes it.
+MODEL_CONFIG = "model_config.json"  # the model's HF config.json, kept beside functitan checkpoints
 
-    Returns the model config, which the caller records next to the checkpoint (e.g. in the run's TOML).
+
+def is_hf_dir(path: str | os.PathLike) -> bool:
+    """True for a Hugging Face model directory (config.json and safetensors weights)."""
+    root = Path(path)
+    return (root / CONFIG_NAME).is_file() and ((root / WEIGHTS_NAME).is_file() or (root / INDEX_NAME).is_file())
+
+
+def write_model_config(cfg: LlamaConfig, directory: str | os.PathLike) -> None:
+    """Record ``cfg`` (as an HF config) in ``directory`` so ``export_hf`` can rebuild the model (rank 0 writes)."""
+    if _rank() == 0:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / MODEL_CONFIG).write_text(json.dumps(config_to_hf(cfg), indent=2))
+
+
+def recorded_model_config(ckpt_dir: str | os.PathLike) -> LlamaConfig | None:
+    """The model config recorded in ``ckpt_dir`` or the nearest parent (a run directory), or None."""
+    start = Path(ckpt_dir).resolve()
+    for d in (start, *start.parents):
+        if (d / MODEL_CONFIG).is_file():
+            return config_from_hf(_read_json(d / MODEL_CONFIG))
+    return None
+
+
+def find_model_config(ckpt_dir: str | os.PathLike) -> LlamaConfig:
+    """``recorded_model_config`` or a ValueError that says how to fix it."""
+    found = recorded_model_config(ckpt_dir)
+    if found is not None:
+        return found
+    start = Path(ckpt_dir).resolve()
+    raise ValueError(
+        f"no {MODEL_CONFIG} in {start} or its parents; the trainer writes one in each run directory. Pass the "
+        f"model config explicitly (export_hf(..., cfg=...)) for a checkpoint written elsewhere"
+    )
+
+
+def import_hf(hf_dir: str | os.PathLike, out_ckpt_dir: str | os.PathLike, *, dtype: torch.dtype | None = None) -> LlamaConfig:
+    """Convert an HF directory into a functitan checkpoint holding ``{"params": ...}`` plus its model config.
+
+    The trainer starts from it with ``--checkpoint.load_path=OUT`` (a weights-only load).
     """
+    from ._save import save_sync
+
     cfg, params = load_hf(hf_dir, dtype=dtype)
-    save_fn(params, out_ckpt_dir)
+    save_sync(out_ckpt_dir, {"params": params})
+    write_model_config(cfg, out_ckpt_dir)
     return cfg
 
 
-def export_hf(
-    ckpt_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    *,
-    cfg: LlamaConfig,
-    restore_fn: Callable[[str | os.PathLike], Any],
-    **kwargs: Any,
-) -> None:
-    """Convert a functitan checkpoint into an HF directory: ``restore_fn(ckpt_dir)`` returns the param tree of
-    ``cfg`` (tensors or DTensors), which ``save_hf(..., **kwargs)`` writes."""
-    save_hf(restore_fn(ckpt_dir), cfg, out_dir, **kwargs)
+def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, cfg: LlamaConfig | None = None, **kwargs: Any) -> LlamaConfig:
+    """Convert a functitan checkpoint (a trainer's step directory, or ``import_hf``'s output) into an HF
+    directory. ``cfg`` defaults to the model config recorded beside the checkpoint."""
+    from ._manager import ITEM, restore_params
+    from models import llama
 
+    cfg = cfg or find_model_config(ckpt_dir)
+    item = Path(ckpt_dir) / ITEM if (Path(ckpt_dir) / ITEM).is_dir() else Path(ckpt_dir)
+    # restore in the dtype the checkpoint holds (the exemplar's dtype must match: no silent casts)
+    array = item / "params.embed.weight" / "zarr.json"
+    dtype = getattr(torch, _read_json(array).get("data_type", "float32"), torch.float32) if array.is_file() else torch.float32
+    params = restore_params(item, llama.init(cfg, 0, device="meta", dtype=dtype))
+    save_hf(params, cfg, out_dir, **kwargs)
+    return cfg

@@ -217,3 +217,13 @@ class CheckpointManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def restore_params(path: str | os.PathLike, exemplar: Any) -> Any:
+    """A weights-only load of the ``params`` subtree from a checkpoint: a manager's step directory, its item
+    directory, or ``import_hf``'s output. ``exemplar`` is the params tree with the target placements."""
+    path = os.fspath(path)
+    if os.path.isdir(os.path.join(path, ITEM)):
+        path = os.path.join(path, ITEM)
+    return restore(path, exemplar, only="params")
+
