@@ -103,6 +103,9 @@ class DTensorLayout(Layout):
         y = F.embedding(tokens, table)  # a vocab-sharded table gives a partial result (DTensor's MaskPartial)
         if self._tp is not None:
             y = y.redistribute(self.mesh, self._set_tp(y.placements, self._residual(("batch", "seq", "embed"))))
+            # DTensor cannot redistribute the Partial(sum) gradient of a replicated activation back into the
+            # table's MaskPartial: reduce it to y's placements first (from_local's backward does that)
+            y = DTensor.from_local(y.to_local(), self.mesh, y.placements, shape=y.shape, stride=y.stride())
         return y
 
     def cross_entropy(self, logits: Tensor, targets: Tensor, vocab_size: int) -> Tensor:

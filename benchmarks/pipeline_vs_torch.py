@@ -2,7 +2,7 @@
 
 Both sides run one pipelined forward + backward (no optimizer) of the same model, stages and microbatches:
 
-- ``functitan``: ``pipeline.pipeline_grad_fn`` over ``llama_stages`` (pure functions, DTensor params on the
+- ``functitan``: ``pipeline.pipeline_grad_fn`` over ``llama.stage_model`` (pure functions, DTensor params on the
   stage mesh), schedules ``one_f_one_b`` and ``interleaved_1f1b(v=2)``.
 - ``torch``: ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` over ``PipelineStage``s of an ``nn.Module`` stage
   (``_TorchStage`` below: blocks of ``benchmarks.torch_llama`` holding copies of the same params), with the
@@ -138,7 +138,7 @@ def _worker(pp: int, setup: Setup) -> dict:
     mesh = make_mesh(pp=pp, device=device.type)
     rules = default_rules()
     layout = Layout(pipeline.stage_mesh(mesh), pipeline.stage_rules(rules))
-    model = pipeline.llama_stages(cfg, layout, seq_len=setup.seq)
+    model = llama.stage_model(cfg, layout, seq_len=setup.seq)
     full_params = llama.init(cfg, PRNGKey(0))
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (setup.batch, setup.seq + 1), generator=g)

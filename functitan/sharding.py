@@ -154,6 +154,18 @@ class Layout:
     def sequence_parallel(self) -> bool:
         return self._tp is not None and self._tp.sequence_parallel
 
+    @property
+    def seq_shards(self) -> int:
+        """Into how many pieces the residual stream is split along the sequence (tp under sequence parallel)."""
+        return self._tp.size if self.sequence_parallel else 1
+
+    @property
+    def single_backward(self) -> bool:
+        """True when a block may be backpropagated through only once: selective remat and FSDP's
+        reshard-after-forward both wrap blocks in selective checkpointing. Zero-bubble pipeline schedules
+        (separate input- and weight-gradient passes) need False."""
+        return self.remat == "selective" or (self.remat == "none" and self.reshard_after_forward and self._fsdp)
+
     # -- parameters
     def param(self, p: Tensor) -> Tensor:
         """Storage -> compute: a differentiable local tensor, gathered over the data-parallel axes.

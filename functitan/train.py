@@ -70,7 +70,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                          f"{loader.tokenizer.vocab_size}; set data.tokenizer to the model's tokenizer")
     llama.check_layout(model_cfg, tp=par.tp, seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel)
     if par.pp > 1:
-        stages = pipeline.make_stages(pipeline.llama_stages(model_cfg, layout, seq_len=tcfg.seq_len),
+        stages = pipeline.make_stages(llama.stage_model(model_cfg, layout, seq_len=tcfg.seq_len),
                                       build_schedule(par, tcfg.microbatches), mesh)
         params = pipeline.place_stages(full_params, llama.specs(model_cfg), rules, stages)
         grad_fn, norm_across = pipeline.pipeline_grad_fn(stages), stages.pp_group

@@ -43,6 +43,7 @@ __all__ = [
     "param_shapes",
     "num_params",
     "check_layout",
+    "stage_model",
     "embed",
     "blocks",
     "head",
@@ -341,3 +342,33 @@ def apply(params: dict[str, Any], tokens: Tensor, cfg: LlamaConfig, layout: Layo
 def loss(params: dict[str, Any], batch: dict[str, Tensor], cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
     """Mean next-token cross-entropy over this rank's batch (``batch["inputs"]``, ``batch["targets"]``)."""
     return layout.cross_entropy(apply(params, batch["inputs"], cfg, layout), batch["targets"], cfg.vocab_size)
+
+
+def stage_model(cfg: LlamaConfig, layout: Layout, *, seq_len: int, dtype: torch.dtype = torch.float32) -> Any:
+    """This model as a pipeline ``StageModel``: ``embed``, ``blocks``, ``head`` + cross-entropy.
+
+    Costs are forward FLOPs per token: a block is ``2 * its matrix params + 2 * seq * dim`` (causal attention
+    scores and values), the head ``2 * vocab * dim`` plus a few ops per logit for the loss, the embedding a
+    row copy. ``layout`` is the stages' layout (on ``pipeline.stage_mesh``); ``dtype`` is the activation dtype.
+    """
+    from functitan.pipeline import StageModel
+
+    d = cfg.dim
+    block_params = d * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.kv_heads) + 3 * d * cfg.ffn_dim
+    shards = layout.seq_shards
+    return StageModel(
+        first=lambda params, mb: embed(params, mb["inputs"], cfg, layout),
+        blocks=lambda layers, x: blocks(layers, x, cfg, layout),
+        last=lambda params, x, mb: layout.cross_entropy(head(params, x, cfg, layout), mb["targets"], cfg.vocab_size),
+        # the residual stream between stages: (microbatch, local seq, embed)
+        activation=lambda mb: ((mb["inputs"].shape[0], mb["inputs"].shape[1] // shards, d), dtype),
+        n_blocks=cfg.n_layers,
+        block_cost=float(2 * block_params + 2 * seq_len * d),
+        first_cost=float(d),
+        last_cost=float(2 * cfg.vocab_size * d + 5 * cfg.vocab_size + 4 * d),
+        blocks_key="layers",
+        first_keys=("embed",),
+        last_keys=("norm", "embed") if cfg.tie_embeddings else ("norm", "output"),
+        single_backward=layout.single_backward,
+    )
+

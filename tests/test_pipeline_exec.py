@@ -76,7 +76,7 @@ def _train_schedules(
     mesh = make_mesh(pp=pp, dp_shard=dp_shard, tp=tp)
     rules = default_rules(sequence_parallel=sp)
     layout = Layout(pipeline.stage_mesh(mesh), pipeline.stage_rules(rules), reshard_after_forward=reshard)
-    model = pipeline.llama_stages(CFG, layout, seq_len=SEQ)
+    model = llama.stage_model(CFG, layout, seq_len=SEQ)
     out = {}
     for name in names:
         stages = pipeline.make_stages(model, _schedule(name, pp, m), mesh)
@@ -202,7 +202,7 @@ def test_balance_gives_the_heavy_last_stage_fewer_blocks():
 
 def test_llama_costs_put_the_head_on_a_shorter_last_stage():
     big_vocab = dataclasses.replace(CFG, vocab_size=4096)
-    model = pipeline.llama_stages(big_vocab, Layout(), seq_len=SEQ)
+    model = llama.stage_model(big_vocab, Layout(), seq_len=SEQ)
     assert model.last_cost > 3 * model.block_cost  # a 4096-row head outweighs 3 blocks of dim 32
     layers = pipeline.balance(model.block_cost, 8, 2, first_cost=model.first_cost, last_cost=model.last_cost)
     assert len(layers[1]) < len(layers[0])
@@ -210,7 +210,7 @@ def test_llama_costs_put_the_head_on_a_shorter_last_stage():
 
 def _rank_trees(schedule_name: str):
     mesh = make_mesh(pp=2)
-    model = pipeline.llama_stages(CFG, Layout(pipeline.stage_mesh(mesh)), seq_len=SEQ)
+    model = llama.stage_model(CFG, Layout(pipeline.stage_mesh(mesh)), seq_len=SEQ)
     stages = pipeline.make_stages(model, _schedule(schedule_name, 2, 4), mesh)
     params = pipeline.place_stages(_init(), llama.specs(CFG), default_rules(), stages)
     named = flatten_with_names(params)[0]
@@ -227,19 +227,19 @@ def test_each_rank_holds_only_its_stages_params(pp2):
 
 def _tied_on_loop():
     mesh = make_mesh(pp=2)
-    model = pipeline.llama_stages(dataclasses.replace(CFG, tie_embeddings=True), Layout(), seq_len=SEQ)
+    model = llama.stage_model(dataclasses.replace(CFG, tie_embeddings=True), Layout(), seq_len=SEQ)
     pipeline.make_stages(model, pipeline.one_f_one_b(pp=2, m=2), mesh)
 
 
 def _zb_with_reshard():
     mesh = make_mesh(pp=2, dp_shard=2)
-    model = pipeline.llama_stages(CFG, Layout(pipeline.stage_mesh(mesh), pipeline.stage_rules(default_rules())), seq_len=SEQ)
+    model = llama.stage_model(CFG, Layout(pipeline.stage_mesh(mesh), pipeline.stage_rules(default_rules())), seq_len=SEQ)
     pipeline.make_stages(model, pipeline.zb_v(pp=2, m=4), mesh)
 
 
 def _wrong_degree():
     mesh = make_mesh(pp=2)
-    pipeline.make_stages(pipeline.llama_stages(CFG, Layout(), seq_len=SEQ), pipeline.one_f_one_b(pp=4, m=4), mesh)
+    pipeline.make_stages(llama.stage_model(CFG, Layout(), seq_len=SEQ), pipeline.one_f_one_b(pp=4, m=4), mesh)
 
 
 def test_errors_name_the_fix(pp2):

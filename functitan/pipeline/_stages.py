@@ -20,7 +20,6 @@ other axes compose with the pipeline unchanged.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,82 +68,6 @@ class StageModel:
     first_keys: tuple[str, ...] = ()
     last_keys: tuple[str, ...] = ()
     single_backward: bool = False
-
-
-# ----------------------------------------------------------------------------------------------- Llama
-
-
-def _llama_first(params: Any, mb: Any, *, cfg: Any, layout: Layout) -> Tensor:
-    from models import llama
-
-    return llama.embed(params, mb["inputs"], cfg, layout)
-
-
-def _llama_blocks(layers: list, x: Tensor, *, cfg: Any, layout: Layout) -> Tensor:
-    from models import llama
-
-    return llama.blocks(layers, x, cfg, layout)
-
-
-def _llama_last(params: Any, x: Tensor, mb: Any, *, cfg: Any, layout: Layout) -> Tensor:
-    from models import llama
-
-    return layout.cross_entropy(llama.head(params, x, cfg, layout), mb["targets"], cfg.vocab_size)
-
-
-def _llama_activation(mb: Any, *, dim: int, seq_shards: int, dtype: torch.dtype) -> tuple[tuple[int, ...], torch.dtype]:
-    batch, seq = mb["inputs"].shape
-    return (batch, seq // seq_shards, dim), dtype  # the residual stream: (microbatch, local seq, embed)
-
-
-def llama_stages(cfg: Any, layout: Layout, *, seq_len: int, dtype: torch.dtype = torch.float32) -> StageModel:
-    """`models.llama` as a `StageModel`: ``llama.embed``, ``llama.blocks``, ``llama.head`` + cross-entropy.
-
-    Costs are forward FLOPs per token: a block is ``2 * its matrix params + 2 * seq * dim`` (causal
-    attention scores and values), the head ``2 * vocab * dim`` plus a few ops per logit for the loss,
-    the embedding a row copy.
-
-    Args:
-        cfg: a ``LlamaConfig``.
-        layout: the layout the stages compute with (built on `stage_mesh` with `stage_rules`).
-        seq_len: the training sequence length (attention cost grows with it).
-        dtype: the activation dtype sent between stages (the params' dtype).
-    """
-    d, hd, f, v = cfg.dim, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
-    block_params = d * hd * (2 * cfg.n_heads + 2 * cfg.kv_heads) + 3 * d * f
-    kw = dict(cfg=cfg, layout=layout)
-    return StageModel(
-        first=functools.partial(_llama_first, **kw),
-        blocks=functools.partial(_llama_blocks, **kw),
-        last=functools.partial(_llama_last, **kw),
-        activation=functools.partial(_llama_activation, dim=d, seq_shards=_seq_shards(layout), dtype=dtype),
-        n_blocks=cfg.n_layers,
-        block_cost=float(2 * block_params + 2 * seq_len * d),
-        first_cost=float(d),
-        last_cost=float(2 * v * d + 5 * v + 4 * d),
-        blocks_key="layers",
-        first_keys=("embed",),
-        last_keys=("norm", "embed") if cfg.tie_embeddings else ("norm", "output"),
-        single_backward=_selective_checkpointing(layout),
-    )
-
-
-def _selective_checkpointing(layout: Layout) -> bool:
-    # Layout wraps blocks in selective checkpointing for remat="selective" and for FSDP's reshard after
-    # forward (the all-gathers are recomputed); such a region may be backpropagated through only once
-    if getattr(layout, "remat", "none") == "selective":
-        return True
-    names = (layout.mesh.mesh_dim_names or ()) if layout.mesh is not None else ()
-    fsdp = "dp_shard" in names and layout.mesh.size(names.index("dp_shard")) > 1
-    return fsdp and bool(getattr(layout, "reshard_after_forward", False))
-
-
-def _seq_shards(layout: Layout) -> int:
-    # under sequence parallelism the residual stream between blocks is split over tp along seq
-    if not getattr(layout, "sequence_parallel", False) or layout.mesh is None:
-        return 1
-    names = layout.mesh.mesh_dim_names or ()
-    return layout.mesh.size(names.index("tp")) if "tp" in names else 1
 
 
 # ----------------------------------------------------------------------------------------------- split
