@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import functools
 import statistics
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -145,6 +146,7 @@ class Setup:
     seq: int = 128
     steps: int = 10
     warmup: int = 2
+    repeats: int = 3
 
 
 def _worker(case: str, s: Setup) -> dict[str, Any]:
@@ -171,23 +173,37 @@ def _worker(case: str, s: Setup) -> dict[str, Any]:
             return dt_grad(params, dbatch)
 
     fns = {"local": lambda: local_grad(params, batch), "dtensor": run_dtensor}
-    wall, cpu, outs = timed_rounds(fns, steps=s.steps, warmup=s.warmup)
+    first_call_s = {}
+    for k, fn in fns.items():  # cold: DTensor's sharding propagation fills its cache on the first step
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor(time.perf_counter() - t0)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        first_call_s[k] = float(t)
+    reps = []
+    for _ in range(s.repeats):  # repeated timing blocks in the same processes (the cold start costs minutes)
+        wall, cpu, outs = timed_rounds(fns, steps=s.steps, warmup=s.warmup)
+        med = {k: statistics.median(v) for k, v in wall.items()}
+        med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+        reps.append({"median_ms": {k: 1e3 * v for k, v in med.items()}, "median_cpu_ms": {k: 1e3 * v for k, v in med_cpu.items()},
+                     "ratio": med["dtensor"] / med["local"], "ratio_cpu": med_cpu["dtensor"] / med_cpu["local"],
+                     "step_ms": {k: [round(1e3 * x, 2) for x in v] for k, v in wall.items()}})
     # same math: the gradients agree (the local loss is this rank's mean; the DTensor loss the global mean)
     (lo_loss, lo_g), (dt_loss, dt_g) = outs["local"][-1], outs["dtensor"][-1]
     diffs = [float((a.full_tensor() - b.full_tensor()).abs().max()) for a, b in zip(optree.tree_leaves(lo_g), optree.tree_leaves(dt_g))]
     mean_local = lo_loss.clone()
     dist.all_reduce(mean_local)
-    med = {k: statistics.median(v) for k, v in wall.items()}
-    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     return {
-        "median_ms": {k: 1e3 * v for k, v in med.items()},
-        "median_cpu_ms": {k: 1e3 * v for k, v in med_cpu.items()},
-        "ratio": med["dtensor"] / med["local"],
-        "ratio_cpu": med_cpu["dtensor"] / med_cpu["local"],
+        "ratio": statistics.median(r["ratio"] for r in reps),
+        "ratio_cpu": statistics.median(r["ratio_cpu"] for r in reps),
+        "ratio_per_repeat": [r["ratio"] for r in reps],
+        "ratio_cpu_per_repeat": [r["ratio_cpu"] for r in reps],
+        "first_call_s": first_call_s,
         "loss": {"local_mean_over_ranks": float(mean_local) / n,
                  "dtensor": float(dt_loss.full_tensor() if isinstance(dt_loss, DTensor) else dt_loss)},
         "grad_max_abs_diff": max(diffs),
-        "step_ms": {k: [round(1e3 * x, 2) for x in v] for k, v in wall.items()},
+        "repeats": reps,
     }
 
 
@@ -198,11 +214,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="timing blocks per case, in the same processes")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--out", default=str(RESULTS / "dtensor_vs_local.json"))
     a = ap.parse_args(argv)
-    s = Setup(config=a.config, batch=a.batch, seq=a.seq, steps=a.steps, warmup=a.warmup)
+    s = Setup(config=a.config, batch=a.batch, seq=a.seq, steps=a.steps, warmup=a.warmup, repeats=a.repeats)
     results = {}
     for case in (c for c in a.cases.split(",") if c):
         if case not in CASES:
@@ -211,14 +228,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if r["grad_max_abs_diff"] > 1e-5:
             raise RuntimeError(f"{case}{a.world}: gradients differ by {r['grad_max_abs_diff']:.2e}: the variants disagree")
         results[f"{case}{a.world}"] = r
-        print(f"{case}{a.world:<2} local {r['median_ms']['local']:7.1f} ms, dtensor {r['median_ms']['dtensor']:7.1f} ms: "
-              f"dtensor/local {r['ratio']:.3f} wall, {r['ratio_cpu']:.3f} CPU; grads agree to {r['grad_max_abs_diff']:.1e}", flush=True)
+        per = ", ".join(f"{x:.3f}" for x in r["ratio_per_repeat"])
+        print(f"{case}{a.world:<2} dtensor/local {r['ratio']:.3f} wall (repeats {per}), {r['ratio_cpu']:.3f} CPU; first step "
+              f"{r['first_call_s']['dtensor']:.1f} s dtensor, {r['first_call_s']['local']:.1f} s local; grads agree to "
+              f"{r['grad_max_abs_diff']:.1e}", flush=True)
     cfg = llama.config(a.config)
     out = {
         "ratios": {k: v["ratio"] for k, v in results.items()},
         "ratios_cpu": {k: v["ratio_cpu"] for k, v in results.items()},
         "results": results,
-        "config": {"model": a.config, **dataclasses.asdict(cfg), "batch": a.batch, "seq": a.seq, "steps": a.steps, "warmup": a.warmup},
+        "config": {"model": a.config, **dataclasses.asdict(cfg), "batch": a.batch, "seq": a.seq, "steps": a.steps, "warmup": a.warmup,
+                   "repeats": a.repeats},
         "env": _common.environment(1, torch.device("cpu")),
     }
     print(f"wrote {_common.write_json(a.out, out)}")

@@ -399,6 +399,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--world", default="2,4", help="comma-separated world sizes")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {CASES}")
     ap.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False on both sides (FSDP)")
+    ap.add_argument("--runs", type=int, default=1, help="repeat everything this many times (fresh processes)")
     ap.add_argument("--prototype", action="store_true", help="also time functitan with the proposed _tp.py fix")
     ap.add_argument("--profile", type=int, default=0, help="also profile this many steps per side (rank 0)")
     ap.add_argument("--out", default=str(RESULTS / "parallel_vs_torch.json"))
@@ -410,27 +411,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     s = Setup(config=a.config, batch=a.batch, seq=a.seq, steps=a.steps, warmup=a.warmup,
               reshard_after_forward=not a.no_reshard, prototype=a.prototype, profile=a.profile,
               profile_dir=str(Path(a.out).parent))
-    results: dict[str, Any] = {}
-    for world in (int(w) for w in a.world.split(",")):
-        for case in (c for c in a.cases.split(",") if c):
-            if case not in CASES:
-                raise ValueError(f"--cases: unknown case {case!r}; choose among {CASES}")
-            r = run_distributed(_worker, world, case, s, timeout=1800.0, threads=s.threads)[0]
-            if r["first_loss_abs_diff"] > 1e-4:
-                raise RuntimeError(f"{case}{world}: first-step losses differ by {r['first_loss_abs_diff']:.2e} "
-                                   f"({r['first_loss']}): the two sides do not compute the same model")
-            results[f"{case}{world}"] = r
-            extra = f", fix/torch {r['ratio_fix']:.3f} wall {r['ratio_fix_cpu']:.3f} CPU" if "ratio_fix" in r else ""
-            print(f"{case}{world:<2} functitan {r['median_step_ms']['functitan']:7.1f} ms, torch {r['median_step_ms']['torch']:7.1f} ms: "
-                  f"functitan/torch {r['ratio']:.3f} wall, {r['ratio_cpu']:.3f} CPU; first loss diff {r['first_loss_abs_diff']:.1e}{extra}",
-                  flush=True)
+    runs: list[dict[str, Any]] = []
+    for run in range(a.runs):  # each run starts fresh process trees
+        results: dict[str, Any] = {}
+        for world in (int(w) for w in a.world.split(",")):
+            for case in (c for c in a.cases.split(",") if c):
+                if case not in CASES:
+                    raise ValueError(f"--cases: unknown case {case!r}; choose among {CASES}")
+                r = run_distributed(_worker, world, case, s, timeout=1800.0, threads=s.threads)[0]
+                if r["first_loss_abs_diff"] > 1e-4:
+                    raise RuntimeError(f"{case}{world}: first-step losses differ by {r['first_loss_abs_diff']:.2e} "
+                                       f"({r['first_loss']}): the two sides do not compute the same model")
+                results[f"{case}{world}"] = r
+                extra = f", fix/torch {r['ratio_fix']:.3f} wall {r['ratio_fix_cpu']:.3f} CPU" if "ratio_fix" in r else ""
+                print(f"run {run + 1} {case}{world:<2} functitan {r['median_step_ms']['functitan']:7.1f} ms, torch "
+                      f"{r['median_step_ms']['torch']:7.1f} ms: functitan/torch {r['ratio']:.3f} wall, {r['ratio_cpu']:.3f} CPU; "
+                      f"first loss diff {r['first_loss_abs_diff']:.1e}{extra}", flush=True)
+        runs.append(results)
+    keys = list(runs[0])
+    summary = {}
+    for field in ("ratio", "ratio_cpu", "ratio_fix", "ratio_fix_cpu"):
+        if field in runs[0][keys[0]]:
+            per = {k: [r[k][field] for r in runs] for k in keys}
+            summary[field] = {"median": {k: statistics.median(v) for k, v in per.items()}, "per_run": per}
     cfg = llama.config(a.config)
     out = {
-        "ratios": {k: v["ratio"] for k, v in results.items()},
-        "ratios_cpu": {k: v["ratio_cpu"] for k, v in results.items()},
-        "results": results,
+        "ratios": summary["ratio"]["median"],  # functitan / torch step time, median over runs (wall)
+        "summary": summary,
+        "first_loss": {k: runs[0][k]["first_loss"] for k in keys},
+        "runs": runs,
         "config": {"model": a.config, **dataclasses.asdict(cfg), "batch": a.batch, "seq": a.seq, "steps": a.steps,
-                   "warmup": a.warmup, "reshard_after_forward": s.reshard_after_forward,
+                   "warmup": a.warmup, "runs": a.runs, "reshard_after_forward": s.reshard_after_forward,
                    "optimizer": {"lr": LR, "b1": B1, "b2": B2, "eps": EPS, "weight_decay": WD}},
         "env": _common.environment(s.threads, torch.device("cpu")),
     }

@@ -36,39 +36,30 @@ __all__ = ["main", "run"]
 
 
 def run(cfg: JobConfig) -> dict[str, Any]:
-    """Train as ``cfg`` says; returns a summary (first/last loss, steps, run directory)."""
+    """Train as ``cfg`` says; returns a summary (first/last loss, steps, run directory, final state)."""
     from models import llama
 
     device = _init_process(cfg.training)
-    # 1. mesh: every layout is a choice of degrees
     par, tcfg = cfg.parallelism, cfg.training
     if cfg.checkpoint.enable and par.pp > 1:
         raise ValueError("checkpoint.enable with parallelism.pp > 1 is not supported yet (each pipeline rank holds "
                          "a different part of the tree); train with pp=1 to checkpoint, or disable checkpoints")
+    # 1. mesh: every layout is a choice of degrees; pipeline stages compute on the mesh without pp
     mesh = make_mesh(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, device=device.type)
     rules = default_rules(sequence_parallel=par.sequence_parallel and par.tp > 1)
-    # with pipeline stages, each stage computes on the mesh without the pp axis
     compute_mesh, compute_rules = (pipeline.stage_mesh(mesh), pipeline.stage_rules(rules)) if par.pp > 1 else (mesh, rules)
     layout = Layout(compute_mesh, compute_rules, remat=tcfg.remat, compile=tcfg.compile,
                     reshard_after_forward=par.reshard_after_forward,
                     param_dtype=getattr(torch, tcfg.param_dtype), reduce_dtype=getattr(torch, tcfg.reduce_dtype))
-    local_batch = _local_batch(tcfg, layout.dp_size)
-    loader = build_loader(cfg.data, batch_size=local_batch, seq_len=tcfg.seq_len,
+    loader = build_loader(cfg.data, batch_size=_local_batch(tcfg, layout.dp_size), seq_len=tcfg.seq_len,
                           dp_rank=layout.dp_rank, dp_size=layout.dp_size, device=device)
 
-    # 2. init, identical on every rank and mesh; 3. place: each rank keeps its shards (and its stages)
+    # 2. init: identical on every rank and mesh (or weights from load_path)
     rng = key(tcfg.seed)
-    load_path = cfg.checkpoint.load_path
-    if load_path and is_hf_dir(load_path):  # a Hugging Face model: its config and weights
-        model_cfg, full_params = load_hf(load_path, device=device, dtype=torch.float32)
-    else:  # the model config recorded with a checkpoint to start from wins over [model]
-        model_cfg = recorded_model_config(load_path) if load_path else None
-        model_cfg = model_cfg or _model_config(cfg.model, vocab_size=loader.tokenizer.vocab_size)
-        full_params = llama.init(model_cfg, fold_in(rng, "params"), device=device)
-    if model_cfg.vocab_size < loader.tokenizer.vocab_size:
-        raise ValueError(f"the model's vocab_size {model_cfg.vocab_size} is smaller than the tokenizer's "
-                         f"{loader.tokenizer.vocab_size}; set data.tokenizer to the model's tokenizer")
+    model_cfg, full_params = _init_model(cfg, rng, vocab=loader.tokenizer.vocab_size, device=device)
     llama.check_layout(model_cfg, tp=par.tp, seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel)
+
+    # 3. place: each rank keeps its shards (and only its pipeline stages); the grad_fn follows the layout
     if par.pp > 1:
         stages = pipeline.make_stages(llama.stage_model(model_cfg, layout, seq_len=tcfg.seq_len),
                                       build_schedule(par, tcfg.microbatches), mesh)
@@ -82,15 +73,13 @@ def run(cfg: JobConfig) -> dict[str, Any]:
 
     # 4. optimizer and step
     optimizer = build_optimizer(cfg.optimizer, tcfg.steps)
-    lr_at = learning_rate_schedule(cfg.optimizer, tcfg.steps)
     state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=loader.init_state(), rng=rng)
     train_step = make_train_step(grad_fn, optimizer, max_norm=cfg.optimizer.max_norm, norm_across=norm_across,
                                  on_nonfinite=tcfg.on_nonfinite)
 
     # 5. checkpoint: resume from the newest complete checkpoint of this run, else a weights-only load_path
     run_dir = _run_dir(cfg)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0:
+    if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
     write_model_config(model_cfg, run_dir)  # lets `functitan export hf` rebuild the model
@@ -101,20 +90,44 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     restored = ckpt.restore_latest(state) if ckpt is not None else None
     if restored is not None:
         state = restored
-    elif load_path and not is_hf_dir(load_path):
-        state = state._replace(params=restore_params(load_path, state.params))
+    elif cfg.checkpoint.load_path and not is_hf_dir(cfg.checkpoint.load_path):
+        state = state._replace(params=restore_params(cfg.checkpoint.load_path, state.params))
 
-    # 6. metrics
-    fpt = M.transformer_flops_per_token(n_params=llama.num_params(model_cfg, embedding=False), n_layers=model_cfg.n_layers, n_heads=model_cfg.n_heads,
-                                        head_dim=model_cfg.head_dim, seq_len=cfg.training.seq_len)
-    meter = M.Meter(world_size=world, flops_per_token=fpt, peak=M.peak_flops(device, torch.float32))
-    sinks = M.make_sinks(run_dir, cfg.training.steps, rank=rank)
+    # 6. metrics, and the loop
+    fpt = M.transformer_flops_per_token(n_params=llama.num_params(model_cfg, embedding=False), n_layers=model_cfg.n_layers,
+                                        n_heads=model_cfg.n_heads, head_dim=model_cfg.head_dim, seq_len=tcfg.seq_len)
+    meter = M.Meter(world_size=dist.get_world_size(), flops_per_token=fpt,
+                    peak=M.peak_flops(device, layout.param_dtype or torch.float32))
+    return _loop(cfg, state, train_step, loader, meter, ckpt, run_dir, device)
+
+
+def _init_model(cfg: JobConfig, rng: int, *, vocab: int, device: torch.device) -> tuple[Any, Any]:
+    """``(model config, full params)``: from an HF directory, or fresh (with the config recorded beside a
+    checkpoint to start from, else ``[model]``)."""
+    from models import llama
+
+    load_path = cfg.checkpoint.load_path
+    if load_path and is_hf_dir(load_path):
+        model_cfg, params = load_hf(load_path, device=device, dtype=torch.float32)
+    else:
+        model_cfg = (recorded_model_config(load_path) if load_path else None) or _model_config(cfg.model, vocab_size=vocab)
+        params = llama.init(model_cfg, fold_in(rng, "params"), device=device)
+    if model_cfg.vocab_size < vocab:
+        raise ValueError(f"the model's vocab_size {model_cfg.vocab_size} is smaller than the tokenizer's {vocab}; "
+                         f"set data.tokenizer to the model's tokenizer")
+    return model_cfg, params
+
+
+def _loop(cfg: JobConfig, state: TrainState, train_step: Any, loader: Any, meter: Any, ckpt: Any,
+          run_dir: Path, device: torch.device) -> dict[str, Any]:
+    steps = cfg.training.steps
+    lr_at = learning_rate_schedule(cfg.optimizer, steps)
+    sinks = M.make_sinks(run_dir, steps, rank=dist.get_rank())
     tokens_per_step = cfg.training.batch_size * cfg.training.seq_len
-
     first_loss = last_loss = float("nan")
     try:
         M.reset_peak_memory(device)
-        while state.step < cfg.training.steps:
+        while state.step < steps:
             t0 = time.perf_counter()
             batch, data_state = loader.next(state.data_state)
             t_data = time.perf_counter() - t0
@@ -122,17 +135,16 @@ def run(cfg: JobConfig) -> dict[str, Any]:
             meter.update(wall_s=time.perf_counter() - t0, data_s=t_data, tokens=tokens_per_step)
             first_loss = out["loss"] if state.step == 1 else first_loss
             last_loss = out["loss"]
-            if state.step % cfg.metrics.log_every == 0 or state.step in (1, cfg.training.steps):
-                record = {**out, "lr": lr_at(state.step - 1), **meter.flush(), **M.peak_memory(device)}
-                sinks.write(state.step, record)
+            if state.step % cfg.metrics.log_every == 0 or state.step in (1, steps):
+                sinks.write(state.step, {**out, "lr": lr_at(state.step - 1), **meter.flush(), **M.peak_memory(device)})
                 M.reset_peak_memory(device)
             if ckpt is not None:
-                ckpt.maybe_save(state, force=state.step == cfg.training.steps)
+                ckpt.maybe_save(state, force=state.step == steps)
     finally:
         sinks.close()
         if ckpt is not None:
             ckpt.close()  # waits for the last async save
-    if rank == 0:
+    if dist.get_rank() == 0:
         print(f"functitan: {state.step} steps, first loss {first_loss:.4f} -> last loss {last_loss:.4f}; logs in {run_dir}")
     return {"steps": state.step, "first_loss": first_loss, "last_loss": last_loss, "run_dir": str(run_dir), "state": state}
 
