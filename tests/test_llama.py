@@ -137,3 +137,14 @@ def test_config_errors_name_the_key_and_the_fix():
         llama.config("llama9")
     with pytest.raises(ValueError, match=r"sequence length 65 exceeds model.max_seq_len=64"):
         llama.apply(llama.init(TINY, key(0)), torch.zeros(1, 65, dtype=torch.long), TINY)
+
+
+def test_layouts_that_cannot_split_the_model_fail_before_launch():
+    cfg = llama.config("debug")  # 8 heads, 4 kv heads, ffn 768
+    with pytest.raises(ValueError, match=r"parallelism.tp=3 does not divide model.n_heads=8, model.n_kv_heads=4; .* A tp that works for this model: 2"):
+        llama.check_layout(cfg, tp=3)
+    with pytest.raises(ValueError, match=r"parallelism.tp=8 does not divide model.n_kv_heads=4; .*A tp that works for this model: 4"):
+        llama.check_layout(cfg, tp=8)
+    with pytest.raises(ValueError, match=r"sequence parallelism with parallelism.tp=4 needs training.seq_len divisible by 4, got 130; use seq_len=128"):
+        llama.check_layout(cfg, tp=4, seq_len=130, sequence_parallel=True)
+    llama.check_layout(cfg, tp=4, seq_len=128, sequence_parallel=True)  # fine

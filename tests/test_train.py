@@ -92,3 +92,22 @@ def test_bf16_compute_keeps_fp32_master_weights_and_matches_fsdp(reference, tmp_
     # bf16 compute tracks the fp32 run to bf16 precision, and FSDP in bf16 tracks one bf16 process closely
     torch.testing.assert_close(torch.tensor(one[0]), torch.tensor(reference[0]), atol=5e-2, rtol=0)
     torch.testing.assert_close(torch.tensor(two[0]), torch.tensor(one[0]), atol=2e-2, rtol=0)
+
+
+def test_nproc_flag_launches_torchrun(tmp_path):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "functitan.cli", "train", "--nproc", "2", "--parallelism.dp_shard=2",
+           *[f"--{k}={v}" for k, v in SMALL.items()], "--training.steps=2", f"--metrics.run_dir={tmp_path}", "--metrics.run_name=np"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "functitan: 2 steps, first loss" in out.stdout
+    with open(tmp_path / "np" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2]
+
+
+def test_compiled_blocks_train_like_eager(reference, tmp_path):
+    compiled = run_distributed(_train, 1, {"training.compile": True, "training.steps": 2, "metrics.run_dir": str(tmp_path),
+                                           "metrics.run_name": "compiled"}, timeout=600)[0]
+    torch.testing.assert_close(torch.tensor(compiled[0]), torch.tensor(reference[0][:2]), atol=1e-5, rtol=1e-5)
