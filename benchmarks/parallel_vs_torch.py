@@ -46,7 +46,6 @@ from typing import Any, Callable
 import optree
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.profiler import ProfilerActivity, profile, record_function

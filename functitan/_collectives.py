@@ -50,7 +50,7 @@ def _gather(x: Tensor, dim: int, full: int, group: dist.ProcessGroup) -> Tensor:
     c = -(-full // n)
     moved = _pad_to(x.movedim(dim, 0), c).contiguous()
     out = moved.new_empty((c * n, *moved.shape[1:]))
-    dist.all_gather_into_tensor(out, moved, group=group)
+    dist.all_gather_single(out, moved, group=group)
     return out[:full].movedim(0, dim)
 
 
@@ -61,7 +61,7 @@ def _scatter(g: Tensor, dim: int, group: dist.ProcessGroup, scale: float) -> Ten
     moved = _pad_to(g.movedim(dim, 0), c * n)
     moved = (moved * scale if scale != 1.0 else moved).contiguous()
     out = moved.new_empty((c, *moved.shape[1:]))
-    dist.reduce_scatter_tensor(out, moved, op=dist.ReduceOp.SUM, group=group)
+    dist.reduce_scatter_single(out, moved, op=dist.ReduceOp.SUM, group=group)
     return out[: chunk_sizes(full, n)[dist.get_rank(group)]].movedim(0, dim)
 
 
@@ -179,7 +179,7 @@ class _BucketGather(torch.autograd.Function):
             pieces.append(moved.reshape(-1))
         flat = torch.cat(pieces)
         out = flat.new_empty(n * flat.numel())
-        dist.all_gather_into_tensor(out, flat, group=group)
+        dist.all_gather_single(out, flat, group=group)
         out = out.view(n, flat.numel())
         results, off = [], 0
         for (c, rest), dim, full in zip(ctx.layout, dims, fulls):
@@ -204,7 +204,7 @@ class _BucketGather(torch.autograd.Function):
             flat = flat * ctx.scale
         flat = flat.contiguous()
         out = flat.new_empty(flat.shape[1])
-        dist.reduce_scatter_tensor(out, flat.reshape(-1), op=dist.ReduceOp.SUM, group=ctx.group)
+        dist.reduce_scatter_single(out, flat.reshape(-1), op=dist.ReduceOp.SUM, group=ctx.group)
         results, off = [], 0
         for (c, rest), dim, full, dtype in zip(ctx.layout, ctx.dims, ctx.fulls, ctx.in_dtypes):
             size = c * math.prod(rest)

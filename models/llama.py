@@ -336,7 +336,9 @@ def head(params: dict[str, Any], x: Tensor, cfg: LlamaConfig, layout: Layout = L
 
 def apply(params: dict[str, Any], tokens: Tensor, cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
     """Logits ``(batch, seq, vocab)`` for ``tokens (batch, seq)``."""
-    return head(params, blocks(params["layers"], embed(params, tokens, cfg, layout), cfg, layout), cfg, layout)
+    # embedding, final norm and head gathered together: one collective (FSDP2's root group), held to the end
+    top = layout.params({k: v for k, v in params.items() if k != "layers"})
+    return head(top, blocks(params["layers"], embed(top, tokens, cfg, layout), cfg, layout), cfg, layout)
 
 
 def loss(params: dict[str, Any], batch: dict[str, Tensor], cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
