@@ -84,35 +84,40 @@ def test_trainer_with_pipeline_stages_equals_one_process(schedule, reference, tm
         torch.testing.assert_close(p, ref_params[key], **PARAM_TOL, msg=lambda m, k=key: f"pp2/{schedule} {k}: {m}")
 
 
-def _forward_peak_mib(reshard: bool) -> float:
-    """Peak RSS growth (MiB) of one FSDP-2 forward of a model whose weights dwarf its activations."""
-    import gc
+def _gathered_alive_after_forward(reshard: bool) -> tuple[int, int]:
+    """(gathered block params whose storage is still alive after an FSDP-2 forward, how many were gathered)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
 
-    from functitan import metrics
+    from functitan import _collectives
     from functitan.mesh import make_mesh
     from functitan.random import key
     from functitan.sharding import Layout, default_rules, place
     from models import llama
 
-    cfg = llama.LlamaConfig(vocab_size=64, dim=1024, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=4096)
+    refs = []
+    gather = _collectives.bucket_all_gather
+
+    def recording(*args, **kwargs):
+        out = gather(*args, **kwargs)
+        if torch.is_grad_enabled():  # forward gathers (the backward's re-gathers run without grad)
+            refs.append([StorageWeakRef(t.untyped_storage()) for t in out])
+        return out
+
+    _collectives.bucket_all_gather = recording
+    cfg = llama.LlamaConfig(vocab_size=64, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=128)
     mesh = make_mesh(dp_shard=2)
     layout = Layout(mesh, default_rules(), reshard_after_forward=reshard)
     params = place(llama.init(cfg, key(0)), llama.specs(cfg), layout.rules, mesh)
-    tokens = torch.zeros(1, 8, dtype=torch.long)
-    gc.collect()
-    metrics.reset_peak_memory("cpu")
-    base = metrics.peak_memory("cpu")["mem_max_rss_gib"]
+    tokens = torch.zeros(2, 8, dtype=torch.long)
     loss = llama.loss(params, {"inputs": tokens, "targets": tokens}, cfg, layout)
-    peak = metrics.peak_memory("cpu")["mem_max_rss_gib"]
+    block_refs = [r for call in refs[1:] for r in call]  # refs[0]: embedding/norm/head, held like FSDP2's root
+    alive = sum(not r.expired() for r in block_refs)
     loss.backward()  # the re-gather in backward works
-    return (peak - base) * 1024
+    return alive, len(block_refs)
 
 
 def test_reshard_after_forward_frees_gathered_params():
-    # 4 blocks of 16.8M fp32 params (64 MiB each gathered); activations are a few KiB
-    kept = run_distributed(_forward_peak_mib, 2, False)[0]
-    freed = run_distributed(_forward_peak_mib, 2, True)[0]
-    print(f"forward peak growth: kept {kept:.0f} MiB, resharded {freed:.0f} MiB")
-    assert kept > 180, kept  # all four gathered blocks (4 x 64 MiB) stay alive until backward
-    # resharded, the peak is one block being gathered (its bucket plus the per-param copies), not all four
-    assert freed < kept - 64, (freed, kept)
+    alive, gathered = run_distributed(_gathered_alive_after_forward, 2, False)[0]
+    assert gathered == 4 * 9 and alive == gathered  # 4 blocks x 9 params, all kept for backward
+    alive, gathered = run_distributed(_gathered_alive_after_forward, 2, True)[0]
+    assert gathered == 4 * 9 and alive == 0  # resharded: every block's gathered params died after its forward
