@@ -150,9 +150,9 @@ def _world4_worker() -> dict:
     """One 4-process run for the 4-rank layouts: PP 4 (every schedule), PP 2 x FSDP 2, PP 2 x TP 2 (+ SP)."""
     return {
         "pp4": _train_schedules(4, 8, SCHEDULES),
-        # FSDP's reshard-after-forward (a selective checkpoint) allows one backward: B/W schedules keep the gather
-        "fsdp": {**_train_schedules(2, 4, ("1f1b",), dp_shard=2), **_train_schedules(2, 4, ("zb_v",), dp_shard=2, reshard=False)},
-        "reshard_error": _error(_zb_with_reshard),
+        # reshard-after-forward re-gathers in each backward pass, so B/W schedules run with it too
+        "fsdp": {**_train_schedules(2, 4, ("1f1b",), dp_shard=2), **_train_schedules(2, 4, ("zb_v",), dp_shard=2)},
+        "selective_error": _error(_zb_with_selective_remat),
         "tp": _train_schedules(2, 4, ("1f1b", "zb_v"), tp=2),
         "tp+sp": _train_schedules(2, 4, ("zb_v",), tp=2, sp=True),
     }
@@ -175,8 +175,8 @@ def test_pp4_trains_like_one_process(name, world4, reference8):
 
 @pytest.mark.parametrize("name", ["1f1b", "zb_v"])
 def test_pp2_x_fsdp2_trains_like_one_process(name, world4, reference4):
-    assert "splits the backward into B and W" in world4[0]["reshard_error"]
-    assert "build the Layout with reshard_after_forward=False" in world4[0]["reshard_error"]
+    assert "splits the backward into B and W" in world4[0]["selective_error"]
+    assert "build the Layout with remat 'none' or 'full'" in world4[0]["selective_error"]
     results = [r["fsdp"] for r in world4]  # ranks 0, 1: stage-0 side (dp_shard 0, 1); ranks 2, 3: the other
     _check(results, name, reference4)
     w = "layers.0.mlp.w_up"  # the dp replicas of one pipeline rank gathered the same full params
@@ -231,9 +231,10 @@ def _tied_on_loop():
     pipeline.make_stages(model, pipeline.one_f_one_b(pp=2, m=2), mesh)
 
 
-def _zb_with_reshard():
+def _zb_with_selective_remat():
     mesh = make_mesh(pp=2, dp_shard=2)
-    model = llama.stage_model(CFG, Layout(pipeline.stage_mesh(mesh), pipeline.stage_rules(default_rules())), seq_len=SEQ)
+    layout = Layout(pipeline.stage_mesh(mesh), pipeline.stage_rules(default_rules()), remat="selective")
+    model = llama.stage_model(CFG, layout, seq_len=SEQ)
     pipeline.make_stages(model, pipeline.zb_v(pp=2, m=4), mesh)
 
 
