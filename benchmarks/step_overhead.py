@@ -38,6 +38,7 @@ from functitan.job_config import OptimizerConfig, build_optimizer, learning_rate
 from functitan.mesh import make_mesh
 from functitan.random import fold_in, key
 from functitan.sharding import Layout, default_rules, place
+from functitan.hostmem import keep_freed_memory
 from functitan.step import make_train_step
 from functitan.train_state import TrainState
 from functitan.transforms import accumulate, value_and_grad
@@ -99,10 +100,10 @@ def functitan_variant(s: Setup, *, mesh: Any) -> Variant:
     box = [TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=None, rng=rng)]
     grad_fn = accumulate(value_and_grad(functools.partial(llama.loss, cfg=s.cfg, layout=layout)), 1)
     optimizer = optim.GradientTransformation(optimizer.init, _tagged("optimizer.update", optimizer.update, s.tag))
-    train_step = make_train_step(_tagged("grad_fn", grad_fn, s.tag), optimizer)
+    train_step = make_train_step(_tagged("grad_fn", grad_fn, s.tag), optimizer, max_norm=s.opt_cfg.max_norm)
     last: list[Any] = [None]
     # the same step with the gradients of the last grad() handed in: everything but forward and backward
-    update_step = make_train_step(lambda params, batch: last[0], optimizer)
+    update_step = make_train_step(lambda params, batch: last[0], optimizer, max_norm=s.opt_cfg.max_norm)
 
     def step() -> list[float]:
         box[0], out = train_step(box[0], s.batches[box[0].step % len(s.batches)])
@@ -209,6 +210,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--breakdown", type=int, default=0, help="also time the grad and update phases separately, this many rounds each")
     ap.add_argument("--profile", type=int, default=0, help="also profile this many steps of each variant")
     ap.add_argument("--profile-rows", type=int, default=30)
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="keep glibc's default thresholds (the trainer applies functitan.hostmem.keep_freed_memory; "
+                         "it speeds both sides, functional updates more)")
     ap.add_argument("--out", default=str(RESULTS / "step_overhead.json"))
     return ap.parse_args(argv)
 
@@ -238,6 +242,8 @@ def _ratios(med: dict[str, float]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
+    if not a.default_malloc:
+        keep_freed_memory()  # as functitan.train does, for every variant alike (one process)
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype)
     variants = tuple(v for v in a.variants.split(",") if v)
@@ -264,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cpu_times_s": cpu,
         "last_loss_and_grad_norm": last,  # the variants train the same model on the same data: these agree
         "config": {"model": a.config, **dataclasses.asdict(cfg), "batch": a.batch, "seq": a.seq, "steps": a.steps,
-                   "warmup": a.warmup, "dtype": a.dtype, "torch_foreach": a.torch_foreach,
+                   "warmup": a.warmup, "dtype": a.dtype, "torch_foreach": a.torch_foreach, "default_malloc": a.default_malloc,
                    "optimizer": dataclasses.asdict(s.opt_cfg)},
         "env": _common.environment(a.threads, device),
     }

@@ -24,6 +24,7 @@ from . import pipeline
 from .config import parse_config, to_dict
 from .checkpoint import CheckpointManager, is_hf_dir, load_hf, recorded_model_config, restore_params, write_model_config
 from .data import build_loader
+from .hostmem import keep_freed_memory
 from .job_config import JobConfig, ModelConfig, build_optimizer, build_schedule, learning_rate_schedule
 from .mesh import make_mesh
 from .random import fold_in, key
@@ -155,6 +156,8 @@ def _init_process(tcfg: Any) -> torch.device:
         torch.set_num_threads(tcfg.threads)
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        keep_freed_memory()  # functional updates allocate every step: don't page-fault them in each time
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo")
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")

@@ -364,3 +364,21 @@ def test_clip_and_adamw_on_2d_fsdp_tp_shards_equal_the_unsharded_run():
     assert placements["w2"] == ["(Replicate(), Replicate(), Shard(dim=1), Shard(dim=0))"] * 4
     assert placements["sub"] == ["(Shard(dim=0), Shard(dim=1))"] * 4
     assert [r[4] for r in results] == [[10.0, 10.0, 4.0], [10.0, 10.0, 6.0], [10.0, 10.0, 4.0], [10.0, 10.0, 6.0]]
+
+
+def test_fused_adamw_equals_its_chain_of_transforms():
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 3, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64), "embed": torch.randn(5, 3, dtype=torch.float64)}
+    schedule = optim.warmup_cosine(1e-2, 2, 10)
+    fused = optim.adamw(schedule, b1=0.8, b2=0.9, weight_decay=0.3)
+    chained = optim.chain(optim.scale_by_adam(b1=0.8, b2=0.9), optim.add_decayed_weights(0.3, mask=optim.default_decay_mask),
+                          optim.scale_by_learning_rate(schedule))
+    sf, sc, pf, pc = fused.init(params), chained.init(params), params, params
+    for step in range(5):
+        grads = {k: torch.randn_like(v) for k, v in params.items()}
+        uf, sf = fused.update(grads, sf, pf)
+        uc, sc = chained.update(grads, sc, pc)
+        pf, pc = optim.apply_updates(pf, uf), optim.apply_updates(pc, uc)
+    for k in params:
+        torch.testing.assert_close(pf[k], pc[k], atol=1e-14, rtol=1e-12)
+    assert int(sf[0].count) == int(sc[0].count) == 5 and int(sf[2].count) == 5

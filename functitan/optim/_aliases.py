@@ -1,13 +1,20 @@
-"""Named optimizers, each a single ``chain`` of transforms (as in optax)."""
+"""Named optimizers, each defined as a ``chain`` of transforms (as in optax); ``adamw`` runs that chain fused."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import torch
+
+from functitan.optim import _local
 from functitan.optim._base import GradientTransformation, chain
 from functitan.optim._transforms import (
     Mask,
     Schedule,
+    ScaleByAdamState,
+    ScaleByScheduleState,
+    _resolve_mask,
     add_decayed_weights,
     default_decay_mask,
     scale_by_adam,
@@ -36,11 +43,60 @@ def adamw(
 
     State: ``(ScaleByAdamState(count, mu, nu), EmptyState(), ScaleByScheduleState(count) or EmptyState())``.
     """
-    return chain(
+    composed = chain(
         scale_by_adam(b1=b1, b2=b2, eps=eps),
         add_decayed_weights(weight_decay, mask=mask),
         scale_by_learning_rate(learning_rate),
     )
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        # The same arithmetic as ``composed.update``, fused: the three transforms would allocate a new
+        # buffer per leaf each; here Adam's denominator buffer becomes the update (step_overhead measured
+        # the composed update at ~1.8x torch.optim.AdamW's step on the debug model).
+        if params is None:
+            raise ValueError("adamw needs the params for weight decay: call update(grads, state, params)")
+        adam, empty, sched = state
+        mu = _local.flatten(adam.mu, "state.mu")
+        nu = _local.flatten_like(mu, adam.nu, ("state.mu", "state.nu"))
+        g = _local.flatten_like(mu, grads, ("optimizer state", "grads"))
+        p = _local.flatten_like(mu, params, ("optimizer state", "params"))
+        t = int(adam.count) + 1
+        lr = _learning_rate(learning_rate, sched)
+        with torch.no_grad():
+            gl = [x if x.dtype == m.dtype else x.to(m.dtype) for x, m in zip(g.locals, mu.locals)]
+            new_mu = torch._foreach_lerp(mu.locals, gl, 1 - b1)
+            new_nu = torch._foreach_mul(nu.locals, b2)
+            torch._foreach_addcmul_(new_nu, gl, gl, value=1 - b2)
+            u = torch._foreach_sqrt(new_nu)
+            torch._foreach_div_(u, math.sqrt(1 - b2**t))
+            torch._foreach_add_(u, eps)
+            torch._foreach_reciprocal_(u)
+            torch._foreach_mul_(u, new_mu)
+            torch._foreach_mul_(u, -lr / (1 - b1**t))
+            idx = decay_indices(p) if weight_decay else []
+            if idx:
+                torch._foreach_add_([u[i] for i in idx], [p.locals[i] for i in idx], alpha=-lr * weight_decay)
+        new_adam = ScaleByAdamState(adam.count + 1, _local.unflatten(mu, new_mu), _local.unflatten(mu, new_nu))
+        new_sched = ScaleByScheduleState(count=sched.count + 1) if isinstance(sched, ScaleByScheduleState) else sched
+        return _local.unflatten(g, u), (new_adam, empty, new_sched)
+
+    def decay_indices(p: Any) -> list[int]:
+        if p.treedef not in mask_cache:
+            mask_cache[p.treedef] = [i for i, m in enumerate(_resolve_mask(mask, p.tree)) if m]
+        return mask_cache[p.treedef]
+
+    mask_cache: dict[Any, list[int]] = {}
+    return GradientTransformation(composed.init, update)
+
+
+def _learning_rate(learning_rate: float | Schedule, sched: Any) -> float:
+    if not callable(learning_rate):
+        return float(learning_rate)
+    step = int(sched.count)
+    lr = float(learning_rate(step))
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"the learning-rate schedule returned {lr} at step {step}; fix it")
+    return lr
 
 
 def sgd(learning_rate: float | Schedule, *, momentum: float = 0.0, nesterov: bool = False) -> GradientTransformation:
