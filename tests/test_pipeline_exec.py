@@ -151,9 +151,9 @@ def _world4_worker() -> dict:
     return {
         "pp4": _train_schedules(4, 8, SCHEDULES),
         # reshard-after-forward re-gathers in each backward pass, so B/W schedules run with it too
-        "fsdp": {**_train_schedules(2, 4, ("1f1b",), dp_shard=2), **_train_schedules(2, 4, ("zb_v",), dp_shard=2)},
+        "fsdp": _train_schedules(2, 4, SCHEDULES, dp_shard=2),
         "selective_error": _error(_zb_with_selective_remat),
-        "tp": _train_schedules(2, 4, ("1f1b", "zb_v"), tp=2),
+        "tp": _train_schedules(2, 4, SCHEDULES, tp=2),
         "tp+sp": _train_schedules(2, 4, ("zb_v",), tp=2, sp=True),
     }
 
@@ -173,7 +173,7 @@ def test_pp4_trains_like_one_process(name, world4, reference8):
     _check([r["pp4"] for r in world4], name, reference8)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb_v"])
+@pytest.mark.parametrize("name", SCHEDULES)
 def test_pp2_x_fsdp2_trains_like_one_process(name, world4, reference4):
     assert "splits the backward into B and W" in world4[0]["selective_error"]
     assert "build the Layout with remat 'none' or 'full'" in world4[0]["selective_error"]
@@ -183,7 +183,7 @@ def test_pp2_x_fsdp2_trains_like_one_process(name, world4, reference4):
     torch.testing.assert_close(results[0][name][2][w], results[1][name][2][w], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize(("layout", "name"), [("tp", "1f1b"), ("tp", "zb_v"), ("tp+sp", "zb_v")])
+@pytest.mark.parametrize(("layout", "name"), [*(("tp", n) for n in SCHEDULES), ("tp+sp", "zb_v")])
 def test_pp2_x_tp2_trains_like_one_process(layout, name, world4, reference4):
     # with sequence parallelism the activations between stages are (microbatch, seq / tp, embed) shards
     _check([r[layout] for r in world4], name, reference4)
