@@ -43,7 +43,6 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable
 
-import optree
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -116,65 +115,15 @@ class _SharedInputTP(TPContext):
         return super().einsum(pattern, x, w)
 
 
-class _Regather:
-    """A ``saved_tensors_hooks`` pair that frees a block's gathered params after its forward (reshard) and
-    all-gathers them again, in one bucketed collective, when the backward first unpacks one of them.
-
-    Autograd saves only a few tensors per op (e.g. the weight of each matmul for the input gradient); a saved
-    tensor that lives in the storage of a gathered param is packed as ``(leaf index, size, stride, offset)``
-    instead, so the gathered storage dies with the block's forward, as in FSDP2.
-    """
-
-    def __init__(self, layout: Layout, params: Any) -> None:
-        self.layout, self.params = layout, params
-        self.where: dict[int, int] = {}  # storage address of a gathered leaf -> its index
-        self.cache: list[Tensor] | None = None
-        self.pending = 0
-
-    def track(self, gathered: list[Tensor]) -> None:
-        self.where = {t.untyped_storage().data_ptr(): i for i, t in enumerate(gathered)}
-
-    def pack(self, t: Tensor) -> Any:
-        i = self.where.get(t.untyped_storage().data_ptr()) if type(t) is Tensor else None
-        if i is None:
-            return t
-        self.pending += 1
-        return (i, t.size(), t.stride(), t.storage_offset())
-
-    def unpack(self, packed: Any) -> Tensor:
-        if isinstance(packed, Tensor):
-            return packed
-        i, size, stride, offset = packed
-        if self.cache is None:
-            with torch.no_grad():
-                self.cache = optree.tree_leaves(self.layout.params(self.params))
-        out = torch.as_strided(self.cache[i], size, stride, offset)
-        self.pending -= 1
-        if self.pending == 0:  # the block's backward has taken all it saved: free the re-gathered params
-            self.cache = None
-        return out
-
-
 @dataclasses.dataclass(frozen=True)
 class _FixedLayout(Layout):
-    """Layout with the two changes proposed for the library (see ``_Regather`` and ``_SharedInputTP``)."""
+    """Layout with the change proposed for ``functitan/_tp.py`` (``_SharedInputTP``); the FSDP reshard fix that
+    this benchmark also prototyped (saved-tensor hooks instead of a selective checkpoint) is in the library."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self._tp is not None:
             object.__setattr__(self, "_tp", _SharedInputTP(self.mesh, self.rules))
-
-    def block(self, fn: Callable[..., Tensor], params: Any, *args: Any) -> Tensor:
-        # reshard-after-forward without a TorchDispatchMode: selective checkpointing intercepts every op of
-        # the block in Python (forward and the replay in backward); saved-tensor hooks run once per saved tensor
-        if not (torch.is_grad_enabled() and self.remat == "none" and self.reshard_after_forward and self._fsdp
-                and not self.compile):
-            return super().block(fn, params, *args)
-        rg = _Regather(self, params)
-        with torch.autograd.graph.saved_tensors_hooks(rg.pack, rg.unpack):
-            compute = self.params(params)
-            rg.track(optree.tree_leaves(compute))
-            return fn(compute, *args)
 
 
 # ----------------------------------------------------------------------------------------------- the two sides
