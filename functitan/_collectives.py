@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from torch import Tensor
 # these ops in backward (FSDP's reshard-after-forward) and keeps every other activation.
 GATHERING: contextvars.ContextVar[bool] = contextvars.ContextVar("functitan_gathering", default=False)
 
-__all__ = ["all_gather", "bucket_all_gather", "reduce_scatter", "all_reduce", "grad_all_reduce", "chunk_sizes"]
+__all__ = ["all_gather", "bucket_all_gather", "start_bucket_gather", "PendingGather", "reduce_scatter", "all_reduce", "grad_all_reduce", "chunk_sizes"]
 
 
 def chunk_sizes(full: int, n: int) -> list[int]:
@@ -153,41 +154,62 @@ def grad_all_reduce(x: Tensor, group: dist.ProcessGroup, *, reduce: str = "mean"
     return _GradAllReduce.apply(x, group, reduce, reduce_dtype)
 
 
+class PendingGather(NamedTuple):
+    """A bucketed all-gather started ahead of use (FSDP prefetch): wait on ``work`` before reading ``out``."""
+
+    out: Tensor  # (world * numel,) the gathered buckets
+    flat: Tensor  # this rank's packed bucket (kept alive until the collective finished)
+    layout: list  # per shard: (chunk rows, trailing shape)
+    work: Any  # the async collective's handle
+
+
+def _pack(shards, dims, fulls, n: int, compute_dtype) -> tuple[Tensor, list]:
+    pieces, layout = [], []
+    for x, dim, full in zip(shards, dims, fulls):
+        if compute_dtype is not None:
+            x = x.to(compute_dtype)
+        c = -(-full // n)
+        moved = _pad_to(x.movedim(dim, 0), c)
+        layout.append((c, tuple(moved.shape[1:])))
+        pieces.append(moved.reshape(-1))
+    return torch.cat(pieces), layout
+
+
+def start_bucket_gather(shards, dims, fulls, group: dist.ProcessGroup, *, compute_dtype=None) -> PendingGather:
+    """Start ``bucket_all_gather``'s collective now, asynchronously; pass the result as ``pending`` later."""
+    with torch.no_grad():
+        flat, layout = _pack(shards, dims, fulls, dist.get_world_size(group), compute_dtype)
+        out = flat.new_empty(dist.get_world_size(group) * flat.numel())
+        work = dist.all_gather_single(out, flat, group=group, async_op=True)
+    return PendingGather(out, flat, layout, work)
+
+
 class _BucketGather(torch.autograd.Function):
     """All-gather many shards in ONE collective (FSDP's per-block bucket); backward: one reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, group, dims, fulls, compute_dtype, reduce_dtype, scale, *shards):
+    def forward(ctx, group, dims, fulls, compute_dtype, reduce_dtype, scale, pending, *shards):
         token = GATHERING.set(True)
         try:
-            return _BucketGather._gather(ctx, group, dims, fulls, compute_dtype, reduce_dtype, scale, shards)
+            n = dist.get_world_size(group)
+            ctx.group, ctx.dims, ctx.fulls, ctx.reduce_dtype, ctx.scale = group, dims, fulls, reduce_dtype, scale
+            ctx.in_dtypes = [s.dtype for s in shards]
+            if pending is None:
+                flat, ctx.layout = _pack(shards, dims, fulls, n, compute_dtype)
+                out = flat.new_empty(n * flat.numel())
+                dist.all_gather_single(out, flat, group=group)
+            else:
+                pending.work.wait()
+                out, ctx.layout = pending.out, pending.layout
+            out = out.view(n, -1)
+            results, off = [], 0
+            for (c, rest), dim, full in zip(ctx.layout, dims, fulls):
+                size = c * math.prod(rest)
+                results.append(out[:, off:off + size].reshape(n * c, *rest)[:full].movedim(0, dim))
+                off += size
+            return tuple(results)
         finally:
             GATHERING.reset(token)
-
-    @staticmethod
-    def _gather(ctx, group, dims, fulls, compute_dtype, reduce_dtype, scale, shards):
-        n = dist.get_world_size(group)
-        ctx.group, ctx.dims, ctx.fulls, ctx.reduce_dtype, ctx.scale = group, dims, fulls, reduce_dtype, scale
-        ctx.in_dtypes = [s.dtype for s in shards]
-        pieces, ctx.layout = [], []
-        for x, dim, full in zip(shards, dims, fulls):
-            if compute_dtype is not None:
-                x = x.to(compute_dtype)
-            c = -(-full // n)
-            moved = _pad_to(x.movedim(dim, 0), c)
-            ctx.layout.append((c, tuple(moved.shape[1:])))
-            pieces.append(moved.reshape(-1))
-        flat = torch.cat(pieces)
-        out = flat.new_empty(n * flat.numel())
-        dist.all_gather_single(out, flat, group=group)
-        out = out.view(n, flat.numel())
-        results, off = [], 0
-        for (c, rest), dim, full in zip(ctx.layout, dims, fulls):
-            size = c * math.prod(rest)
-            t = out[:, off:off + size].reshape(n * c, *rest)[:full].movedim(0, dim)
-            results.append(t)
-            off += size
-        return tuple(results)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -212,11 +234,15 @@ class _BucketGather(torch.autograd.Function):
             t = out[off:off + size].reshape(c, *rest)[:mine].movedim(0, dim)
             results.append(t if ctx.reduce_dtype is not None else t.to(dtype))
             off += size
-        return (None, None, None, None, None, None, *results)
+        return (None, None, None, None, None, None, None, *results)
 
 
 def bucket_all_gather(shards: list[Tensor], dims: list[int], fulls: list[int], group: dist.ProcessGroup, *,
                       reduce: str = "mean", compute_dtype: torch.dtype | None = None,
-                      reduce_dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
-    """``all_gather`` for a list of shards in one collective (and one reduce-scatter in backward)."""
-    return _BucketGather.apply(group, tuple(dims), tuple(fulls), compute_dtype, reduce_dtype, _scale(reduce, group), *shards)
+                      reduce_dtype: torch.dtype | None = None, pending: PendingGather | None = None) -> tuple[Tensor, ...]:
+    """``all_gather`` for a list of shards in one collective (and one reduce-scatter in backward).
+
+    ``pending`` is the same gather started earlier by ``start_bucket_gather`` (prefetch): only waited on here.
+    """
+    return _BucketGather.apply(group, tuple(dims), tuple(fulls), compute_dtype, reduce_dtype, _scale(reduce, group),
+                               pending, *shards)

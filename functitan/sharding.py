@@ -150,6 +150,7 @@ class Layout:
         names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
         object.__setattr__(self, "_fsdp", "dp_shard" in names and self.mesh["dp_shard"].size() > 1)
         object.__setattr__(self, "_compiled", {})
+        object.__setattr__(self, "_prefetched", {})  # (id(tree), id(group), cast) -> (tree, PendingGather)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -183,27 +184,51 @@ class Layout:
 
     def params(self, tree: Any) -> Any:
         """``param`` over a tree, with the FSDP all-gathers of all leaves bucketed into one collective per
-        process group (and one reduce-scatter in backward), as FSDP2 does per module."""
-        leaves, treedef = optree.tree_flatten(tree)
+        process group (and one reduce-scatter in backward), as FSDP2 does per module. A gather started by
+        ``prefetch(tree)`` is waited on instead of issued."""
+        leaves, treedef, buckets = self._buckets(tree)
         out: list[Any] = list(leaves)
-        buckets: dict[Any, list[tuple[int, Tensor, int, int, bool]]] = {}
-        for i, p in enumerate(leaves):
-            if not isinstance(p, DTensor):
-                out[i] = self.param(p)
-                continue
-            local, shards, cast = self._prepare(p)
-            if len(shards) == 1:
-                group, dim, full = shards[0]
-                buckets.setdefault((group, cast), []).append((i, local, dim, full, cast))
-            else:
-                out[i] = self.param(p)
+        bucketed = {i for items in buckets.values() for i, *_ in items}
+        for i, leaf in enumerate(leaves):
+            if i not in bucketed:
+                out[i] = self.param(leaf)
         for (group, cast), items in buckets.items():
+            pending = self._prefetched.pop((id(tree), id(group), cast), None) if torch.is_grad_enabled() else None
+            if pending is not None and pending[0] is not tree:
+                pending = None
             gathered = _collectives.bucket_all_gather(
-                [x for _, x, _, _, _ in items], [d for _, _, d, _, _ in items], [f for _, _, _, f, _ in items], group,
-                compute_dtype=self.param_dtype if cast else None, reduce_dtype=self.reduce_dtype if cast else None)
+                [x for _, x, _, _ in items], [d for _, _, d, _ in items], [f for _, _, _, f in items], group,
+                compute_dtype=self.param_dtype if cast else None, reduce_dtype=self.reduce_dtype if cast else None,
+                pending=pending[1] if pending is not None else None)
             for (i, *_), g in zip(items, gathered):
                 out[i] = g
         return optree.tree_unflatten(treedef, out)
+
+    def prefetch(self, tree: Any) -> None:
+        """Start the FSDP all-gathers of ``tree`` (the next block's params) now, asynchronously, so they
+        overlap this block's compute; the next ``params(tree)`` waits on them instead of gathering."""
+        if not (self._fsdp and torch.is_grad_enabled()):
+            return
+        with torch.no_grad():
+            _, _, buckets = self._buckets(tree)
+            for (group, cast), items in buckets.items():
+                pending = _collectives.start_bucket_gather(
+                    [x for _, x, _, _ in items], [d for _, _, d, _ in items], [f for _, _, _, f in items], group,
+                    compute_dtype=self.param_dtype if cast else None)
+                # the tree itself is kept with the entry: its id cannot be reused while the entry exists
+                self._prefetched[(id(tree), id(group), cast)] = (tree, pending)
+
+    def _buckets(self, tree: Any) -> tuple[list, Any, dict]:
+        """The leaves, treedef and {(group, cast): [(leaf index, local, dim, full)]} of one-axis FSDP shards."""
+        leaves, treedef = optree.tree_flatten(tree)
+        buckets: dict[Any, list[tuple[int, Tensor, int, int]]] = {}
+        for i, p in enumerate(leaves):
+            if isinstance(p, DTensor):
+                local, shards, cast = self._prepare(p)
+                if len(shards) == 1:
+                    group, dim, full = shards[0]
+                    buckets.setdefault((group, cast), []).append((i, local, dim, full))
+        return leaves, treedef, buckets
 
     def _prepare(self, p: Tensor) -> tuple[Tensor, list[tuple[Any, int, int]], bool]:
         """(local tensor with DDP grad all-reduces applied, [(group, dim, full)] to gather, cast pending)."""
@@ -227,8 +252,12 @@ class Layout:
         return local, shards, cast
 
     # -- blocks
-    def block(self, fn: Callable[..., Tensor], params: Any, *args: Any) -> Tensor:
-        """``fn(compute_params, *args)`` with the params gathered inside the block's remat region."""
+    def block(self, fn: Callable[..., Tensor], params: Any, *args: Any, prefetch: Any = None) -> Tensor:
+        """``fn(compute_params, *args)`` with the params gathered inside the block's remat region.
+
+        ``prefetch``: the next block's params, whose all-gather starts once this block's has (FSDP without
+        activation checkpointing, whose recomputation would gather again anyway).
+        """
         if self.compile:
             if fn not in self._compiled:
                 self._compiled[fn] = torch.compile(fn)
@@ -241,12 +270,17 @@ class Layout:
             return run(params, *args)
         if self.remat == "none":
             if not (self.reshard_after_forward and self._fsdp):
-                return run(params, *args)
+                compute = self.params(params)
+                if prefetch is not None:
+                    self.prefetch(prefetch)
+                return fn(compute, *args)
             if not self.compile:
                 regather = _Regather(self, params)
                 with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
                     compute = self.params(params)
                     regather.track(optree.tree_leaves(compute))
+                    if prefetch is not None:
+                        self.prefetch(prefetch)
                     return fn(compute, *args)
             # compiled blocks: recompute just the gathers through a selective-checkpoint policy
             return checkpoint(run, params, *args, use_reentrant=False,

@@ -322,8 +322,9 @@ def embed(params: dict[str, Any], tokens: Tensor, cfg: LlamaConfig, layout: Layo
 
 def blocks(layers: list[dict[str, Any]], x: Tensor, cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
     """A run of transformer blocks (all of them, or one pipeline stage's)."""
-    for p in layers:
-        x = layout.block(block, p, x, cfg, layout)
+    for i, p in enumerate(layers):
+        nxt = layers[i + 1] if i + 1 < len(layers) else None  # FSDP: its all-gather overlaps this block
+        x = layout.block(block, p, x, cfg, layout, prefetch=nxt)
     return x
 
 

@@ -104,6 +104,9 @@ def _gathered_alive_after_forward(reshard: bool) -> tuple[int, int]:
         return out
 
     _collectives.bucket_all_gather = recording
+    start = _collectives.start_bucket_gather
+    prefetches = []
+    _collectives.start_bucket_gather = lambda *a, **k: prefetches.append(1) or start(*a, **k)
     cfg = llama.LlamaConfig(vocab_size=64, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=128)
     mesh = make_mesh(dp_shard=2)
     layout = Layout(mesh, default_rules(), reshard_after_forward=reshard)
@@ -113,6 +116,7 @@ def _gathered_alive_after_forward(reshard: bool) -> tuple[int, int]:
     block_refs = [r for call in refs[1:] for r in call]  # refs[0]: embedding/norm/head, held like FSDP2's root
     alive = sum(not r.expired() for r in block_refs)
     loss.backward()  # the re-gather in backward works
+    assert len(prefetches) == 3  # blocks 1-3 were gathered while the previous block computed
     return alive, len(block_refs)
 
 
