@@ -13,6 +13,7 @@ runs on plain tensors: eager DTensor dispatch costs 15-60 us per op, which domin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass, field
@@ -103,11 +104,6 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _reshard_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    # keep every activation, recompute only the parameter all-gathers: FSDP's reshard-after-forward
-    return CheckpointPolicy.PREFER_RECOMPUTE if _collectives.GATHERING.get() else CheckpointPolicy.MUST_SAVE
-
-
 @dataclass(frozen=True)
 class Layout:
     """How a model computes on a mesh: the mesh, the rules, remat, precision and compilation.
@@ -163,10 +159,9 @@ class Layout:
 
     @property
     def single_backward(self) -> bool:
-        """True when a block may be backpropagated through only once: selective remat and FSDP's
-        reshard-after-forward both wrap blocks in selective checkpointing. Zero-bubble pipeline schedules
-        (separate input- and weight-gradient passes) need False."""
-        return self.remat == "selective" or (self.remat == "none" and self.reshard_after_forward and self._fsdp and self.compile)
+        """True when a block may be backpropagated through only once (selective remat's checkpointing).
+        Zero-bubble pipeline schedules (separate input- and weight-gradient passes) need False."""
+        return self.remat == "selective"
 
     # -- parameters
     def param(self, p: Tensor) -> Tensor:
@@ -269,22 +264,15 @@ class Layout:
         if not torch.is_grad_enabled():
             return run(params, *args)
         if self.remat == "none":
-            if not (self.reshard_after_forward and self._fsdp):
+            regather = _Regather(self, params) if self.reshard_after_forward and self._fsdp else None
+            hooks = torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack) if regather else contextlib.nullcontext()
+            with hooks:
                 compute = self.params(params)
+                if regather is not None:
+                    regather.track(optree.tree_leaves(compute))
                 if prefetch is not None:
                     self.prefetch(prefetch)
                 return fn(compute, *args)
-            if not self.compile:
-                regather = _Regather(self, params)
-                with torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack):
-                    compute = self.params(params)
-                    regather.track(optree.tree_leaves(compute))
-                    if prefetch is not None:
-                        self.prefetch(prefetch)
-                    return fn(compute, *args)
-            # compiled blocks: recompute just the gathers through a selective-checkpoint policy
-            return checkpoint(run, params, *args, use_reentrant=False,
-                              context_fn=functools.partial(create_selective_checkpoint_contexts, _reshard_policy))
         if self.remat == "full":
             return checkpoint(run, params, *args, use_reentrant=False)
         return checkpoint(run, params, *args, use_reentrant=False,

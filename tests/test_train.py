@@ -108,6 +108,7 @@ def test_nproc_flag_launches_torchrun(tmp_path):
 
 
 def test_compiled_blocks_train_like_eager(reference, tmp_path):
-    compiled = run_distributed(_train, 1, {"training.compile": True, "training.steps": 2, "metrics.run_dir": str(tmp_path),
-                                           "metrics.run_name": "compiled"}, timeout=600)[0]
+    # FSDP 2 with compiled blocks: the gathers, reshard hooks and prefetch sit around the compiled block
+    compiled = run_distributed(_train, 2, {"training.compile": True, "training.steps": 2, "parallelism.dp_shard": 2,
+                                           "metrics.run_dir": str(tmp_path), "metrics.run_name": "compiled"}, timeout=600)[0]
     torch.testing.assert_close(torch.tensor(compiled[0]), torch.tensor(reference[0][:2]), atol=1e-5, rtol=1e-5)

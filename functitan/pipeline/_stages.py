@@ -211,10 +211,9 @@ def make_stages(model: StageModel, schedule: Schedule, mesh: DeviceMesh, *, laye
     if model.single_backward and split_pairs(schedule):
         raise ValueError(
             f"schedule {schedule.name!r} splits the backward into B and W, two backward passes through each "
-            f"stage, but the stages use selective activation checkpointing (remat='selective', or FSDP's "
-            f"reshard_after_forward with compiled blocks), which allows one; build the Layout with remat 'none' or "
-            f"'full' (and, when compiling, reshard_after_forward=False), or use a schedule without B/W (gpipe, "
-            f"one_f_one_b, interleaved_1f1b)"
+            f"stage, but the stages use selective activation checkpointing (remat='selective'), which allows one; "
+            f"build the Layout with remat 'none' or 'full', or use a schedule without B/W (gpipe, one_f_one_b, "
+            f"interleaved_1f1b)"
         )
     shared = set(model.first_keys) & set(model.last_keys)
     if shared and n > 1 and schedule.stage_to_rank[0] != schedule.stage_to_rank[-1]:
