@@ -94,3 +94,24 @@ def test_layout_param_grads_equal_single_process(degrees):
         torch.testing.assert_close(g, ref, rtol=0, atol=1e-14)
     if degrees.get("dp_shard", 1) == 4:  # 5 columns over 4 shards: uneven, still exact
         assert placements[2] == Shard(1)
+
+
+def _constrain_activation():
+    from functitan.sharding import constrain
+
+    mesh = make_mesh(dp_shard=2)
+    x = torch.arange(8.0).reshape(4, 2)  # (batch, embed): this rank's view of the full value
+    sharded = constrain(x, ("batch", "embed"), default_rules(), mesh)
+    whole = constrain(sharded, (None, None), default_rules(), mesh)  # redistributed: all-gathered
+    by_embed = constrain(whole, (None, "embed"), default_rules(), mesh)  # the same table: embed -> dp_shard
+    return (tuple(sharded.placements), sharded.to_local().tolist(), tuple(whole.placements), whole.to_local().tolist(),
+            tuple(by_embed.placements))
+
+
+def test_constrain_lays_out_activations_by_name():
+    R = Replicate()
+    for rank, (pl, local, whole_pl, whole, by_embed) in enumerate(run_distributed(_constrain_activation, 2)):
+        assert pl == (R, R, Shard(0), R)  # batch -> (dp_replicate, dp_shard); dp_replicate has size 1
+        assert local == torch.arange(8.0).reshape(4, 2)[2 * rank:2 * rank + 2].tolist()
+        assert whole_pl == (R, R, R, R) and whole == torch.arange(8.0).reshape(4, 2).tolist()
+        assert by_embed == (R, R, Shard(1), R)
