@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -15,6 +14,8 @@ from functitan.optim._transforms import (
     ScaleByAdamState,
     ScaleByScheduleState,
     _resolve_mask,
+    adam_moments,
+    learning_rate_at,
     add_decayed_weights,
     default_decay_mask,
     scale_by_adam,
@@ -61,15 +62,9 @@ def adamw(
         g = _local.flatten_like(mu, grads, ("optimizer state", "grads"))
         p = _local.flatten_like(mu, params, ("optimizer state", "params"))
         t = int(adam.count) + 1
-        lr = _learning_rate(learning_rate, sched)
+        lr = learning_rate_at(learning_rate, int(sched.count)) if callable(learning_rate) else float(learning_rate)
         with torch.no_grad():
-            gl = [x if x.dtype == m.dtype else x.to(m.dtype) for x, m in zip(g.locals, mu.locals)]
-            new_mu = torch._foreach_lerp(mu.locals, gl, 1 - b1)
-            new_nu = torch._foreach_mul(nu.locals, b2)
-            torch._foreach_addcmul_(new_nu, gl, gl, value=1 - b2)
-            u = torch._foreach_sqrt(new_nu)
-            torch._foreach_div_(u, math.sqrt(1 - b2**t))
-            torch._foreach_add_(u, eps)
+            new_mu, new_nu, u = adam_moments(mu, nu, g, b1=b1, b2=b2, eps=eps, t=t)
             torch._foreach_reciprocal_(u)
             torch._foreach_mul_(u, new_mu)
             torch._foreach_mul_(u, -lr / (1 - b1**t))
@@ -87,16 +82,6 @@ def adamw(
 
     mask_cache: dict[Any, list[int]] = {}
     return GradientTransformation(composed.init, update)
-
-
-def _learning_rate(learning_rate: float | Schedule, sched: Any) -> float:
-    if not callable(learning_rate):
-        return float(learning_rate)
-    step = int(sched.count)
-    lr = float(learning_rate(step))
-    if not (math.isfinite(lr) and lr >= 0):
-        raise ValueError(f"the learning-rate schedule returned {lr} at step {step}; fix it")
-    return lr
 
 
 def sgd(learning_rate: float | Schedule, *, momentum: float = 0.0, nesterov: bool = False) -> GradientTransformation:

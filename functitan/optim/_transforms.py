@@ -98,15 +98,38 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
         return ScaleByScheduleState(count=_zero_count())
 
     def update(updates: Any, state: ScaleByScheduleState, params: Any = None) -> tuple[Any, ScaleByScheduleState]:
-        step = int(state.count)
-        lr = float(learning_rate(step))
-        _check(math.isfinite(lr) and lr >= 0, f"the learning-rate schedule returned {lr} at step {step}; fix it")
+        lr = learning_rate_at(learning_rate, int(state.count))
         u = _local.flatten(updates, "updates")
         with torch.no_grad():
             out = _local.unflatten(u, torch._foreach_mul(u.locals, -lr))
         return out, ScaleByScheduleState(count=state.count + 1)
 
     return GradientTransformation(init, update)
+
+
+def adam_moments(mu: _local.Flat, nu: _local.Flat, g: _local.Flat, *, b1: float, b2: float, eps: float, t: int) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Adam's new moments and denominator ``sqrt(nu / (1 - b2**t)) + eps`` on local shards (call under no_grad).
+
+    The arithmetic follows ``torch.optim.AdamW`` (``lerp`` for mu, ``addcmul`` for nu); shared by
+    ``scale_by_adam`` and the fused ``adamw``.
+    """
+    gl = [x if x.dtype == m.dtype else x.to(m.dtype) for x, m in zip(g.locals, mu.locals)]
+    new_mu = torch._foreach_lerp(mu.locals, gl, 1 - b1)
+    new_nu = torch._foreach_mul(nu.locals, b2)
+    torch._foreach_addcmul_(new_nu, gl, gl, value=1 - b2)
+    denom = torch._foreach_sqrt(new_nu)
+    torch._foreach_div_(denom, math.sqrt(1 - b2**t))
+    torch._foreach_add_(denom, eps)
+    return new_mu, new_nu, denom
+
+
+def learning_rate_at(learning_rate: float | Schedule, step: int) -> float:
+    """The rate a constant or a schedule gives at ``step``; a schedule's bad value is an error naming the step."""
+    if not callable(learning_rate):
+        return float(learning_rate)
+    lr = float(learning_rate(step))
+    _check(math.isfinite(lr) and lr >= 0, f"the learning-rate schedule returned {lr} at step {step}; fix it")
+    return lr
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
@@ -127,17 +150,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         nu = _local.flatten_like(mu, state.nu, ("state.mu", "state.nu"))
         g = _local.flatten_like(mu, grads, ("optimizer state", "grads"))
         t = int(state.count) + 1
-        bc1, bc2 = 1 - b1**t, 1 - b2**t
         with torch.no_grad():
-            gl = [x if x.dtype == m.dtype else x.to(m.dtype) for x, m in zip(g.locals, mu.locals)]
-            new_mu = torch._foreach_lerp(mu.locals, gl, 1 - b1)
-            new_nu = torch._foreach_mul(nu.locals, b2)
-            torch._foreach_addcmul_(new_nu, gl, gl, value=1 - b2)
-            denom = torch._foreach_sqrt(new_nu)
-            torch._foreach_div_(denom, math.sqrt(bc2))
-            torch._foreach_add_(denom, eps)
+            new_mu, new_nu, denom = adam_moments(mu, nu, g, b1=b1, b2=b2, eps=eps, t=t)
             out = torch._foreach_div(new_mu, denom)
-            torch._foreach_div_(out, bc1)
+            torch._foreach_div_(out, 1 - b1**t)
             new_state = ScaleByAdamState(state.count + 1, _local.unflatten(mu, new_mu), _local.unflatten(mu, new_nu))
             return _local.unflatten(g, out), new_state
 
