@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from functitan.model import Param, is_param
 from functitan.tree import map_with_names
 from models import llama
 from models.llama import LlamaConfig
@@ -183,7 +184,7 @@ def from_functional(params: Any, cfg: LlamaConfig, *, device: torch.device | str
     """
     full: dict[str, Tensor] = {}
 
-    def one(name: str, info: llama.ParamInfo, p: Any) -> None:
+    def one(name: str, info: Param, p: Any) -> None:
         t = p.full_tensor() if isinstance(p, DTensor) else p
         if not isinstance(t, Tensor) or tuple(t.shape) != info.shape:
             found = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else f"a {type(t).__name__}"
@@ -193,7 +194,7 @@ def from_functional(params: Any, cfg: LlamaConfig, *, device: torch.device | str
             )
         full[module_name(name)] = t.detach()
 
-    map_with_names(one, llama.param_shapes(cfg), params, is_leaf=lambda x: isinstance(x, llama.ParamInfo),
+    map_with_names(one, llama.params(cfg), params, is_leaf=is_param,
                    what=("the config's params", "params"))
     first = next(iter(full.values()))
     device = torch.device(device) if device is not None else first.device
@@ -214,7 +215,7 @@ def to_functional(module: Llama) -> dict[str, Any]:
     cfg = module.cfg
     module_params = dict(module.named_parameters(remove_duplicate=False))
 
-    def one(name: str, info: llama.ParamInfo) -> Tensor:
+    def one(name: str, info: Param) -> Tensor:
         return module_params[module_name(name)].detach().clone()
 
-    return map_with_names(one, llama.param_shapes(cfg), is_leaf=lambda x: isinstance(x, llama.ParamInfo))
+    return map_with_names(one, llama.params(cfg), is_leaf=is_param)

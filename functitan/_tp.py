@@ -104,7 +104,10 @@ class TPContext:
             return op(x, w)
         if sharded is not None and sharded in xn and sharded not in out:  # row parallel
             return self.reduce(op(x, w), out)
-        if x_seq and "seq" not in wn:  # replicated w applied to sequence shards: partial gradient
+        # w replicated over tp. Under sequence parallelism Layout.param already sums its gradient over tp (every
+        # activation is split then). Without it only activations split by feature (heads, mlp) give a partial
+        # gradient, e.g. per-head q/k norm weights: sum it here.
+        if sharded is None and not self.sequence_parallel and _axis_of(xn, self.rules, self.axis) is not None:
             w = C.grad_all_reduce(w, self.group, reduce="sum")
         return op(x, w)
 
@@ -129,24 +132,28 @@ class TPContext:
         lo = sum(sizes[: self.rank])
         return lo, lo + vocab_local
 
-    def embed(self, tokens: Tensor, table: Tensor, vocab: int) -> Tensor:
-        """Token embedding, vocab-parallel when the table is sharded on the vocab dim."""
-        if _axis_of(("vocab", "embed"), self.rules, self.axis) == "vocab":
-            lo, hi = self._vocab_range(table.shape[0], vocab)
+    def embed(self, tokens: Tensor, table: Tensor, rows: int) -> Tensor:
+        """Row lookup; vocab-parallel when this rank holds fewer than ``rows`` rows of the table."""
+        if table.shape[0] < rows:
+            lo, hi = self._vocab_range(table.shape[0], rows)
             outside = (tokens < lo) | (tokens >= hi)
             local = F.embedding((tokens - lo).masked_fill(outside, 0), table).masked_fill(outside.unsqueeze(-1), 0.0)
             return self.reduce(local, ("batch", "seq", "embed"))
-        if self.sequence_parallel:
+        if self.sequence_parallel:  # a replicated table: look up this rank's sequence piece only
             seq = tokens.shape[1] // self.size
             tokens = tokens[:, self.rank * seq:(self.rank + 1) * seq]
-            table = C.grad_all_reduce(table, self.group, reduce="sum")
         return F.embedding(tokens, table)
 
     def cross_entropy(self, logits: Tensor, targets: Tensor, vocab: int) -> Tensor:
         """Mean cross-entropy; with vocab-sharded logits, without ever gathering them (loss parallel)."""
-        # logits are vocab-sharded when the head weight (vocab, embed) is: a column-parallel output
-        if _axis_of(("vocab", "embed"), self.rules, self.axis) != "vocab":
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if logits.shape[-1] == vocab:
+            if logits.shape[1] == targets.shape[1]:
+                return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            # logits of this rank's sequence piece (a replicated head under sequence parallelism)
+            lo = self.rank * logits.shape[1]
+            local = targets[:, lo:lo + logits.shape[1]]
+            total = F.cross_entropy(logits.flatten(0, 1).float(), local.flatten(), reduction="sum")
+            return C.all_reduce(total, self.group) / targets.numel()
         z = logits.flatten(0, 1).float()  # (tokens, local_vocab)
         t = targets.flatten()
         with torch.no_grad():

@@ -8,6 +8,7 @@ tuple[str, ...], and ``X | None``). Unknown keys are errors that suggest the nea
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import sys
@@ -31,12 +32,24 @@ def _sections(cls: type) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+OPEN_FIELD = "overrides"  # a section field of this name takes every key the section does not declare
+
+
+def _is_open(tp: Any) -> bool:
+    return typing.get_origin(tp) in (dict, typing.Mapping, collections.abc.Mapping)
+
+
 def flat_keys(cls: type) -> dict[str, tuple[type, Any, str]]:
-    """``{"section.key": (type, default, help)}`` for every leaf field of a job config class."""
+    """``{"section.key": (type, default, help)}`` for every leaf field of a job config class.
+
+    A section's ``overrides: Mapping[str, Any]`` field is not a key itself: it collects the section's other
+    keys (``--model.n_layers=2`` lands in ``model.overrides``; the model checks them against its config)."""
     out: dict[str, tuple[type, Any, str]] = {}
     for sec_name, sec_cls in _sections(cls).items():
         hints = typing.get_type_hints(sec_cls)
         for f in dataclasses.fields(sec_cls):
+            if f.name == OPEN_FIELD and _is_open(hints[f.name]):
+                continue
             default = f.default if f.default is not dataclasses.MISSING else (
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
             out[f"{sec_name}.{f.name}"] = (hints[f.name], default, f.metadata.get("help", ""))
@@ -98,11 +111,19 @@ def _suggest(key: str, known: Sequence[str]) -> str:
 def apply_overrides(cfg: T, overrides: dict[str, Any], *, source: str = "command line") -> T:
     """A new config with ``{"section.key": value}`` applied (values as strings or TOML-typed)."""
     keys = flat_keys(type(cfg))
+    open_sections = {sec for sec, tp in _sections(type(cfg)).items()
+                     if any(f.name == OPEN_FIELD and _is_open(h) for f, h in
+                            ((f, typing.get_type_hints(tp)[f.name]) for f in dataclasses.fields(tp)))}
     by_section: dict[str, dict[str, Any]] = {}
     for key, value in overrides.items():
+        sec, _, name = key.partition(".")
+        if key not in keys and sec in open_sections and name and "." not in name:
+            extra = dict(by_section.get(sec, {}).get(OPEN_FIELD, getattr(getattr(cfg, sec), OPEN_FIELD)))
+            extra[name] = value  # checked and converted by the section's owner (the model's config)
+            by_section.setdefault(sec, {})[OPEN_FIELD] = extra
+            continue
         if key not in keys:
             raise ConfigError(f"unknown config key {key!r} ({source}){_suggest(key, list(keys))}")
-        sec, name = key.split(".", 1)
         by_section.setdefault(sec, {})[name] = _convert(key, keys[key][0], value)
     changes = {}
     for sec, fields in by_section.items():
@@ -140,6 +161,8 @@ def config_help(cls: type, prog: str = "functitan train") -> str:
             current = sec
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
         lines.append(f"  --{key:<34} {_type_name(tp):<18} default: {shown!r}" + (f"  {text}" if text else ""))
+        if key == "model.flavor":
+            lines.append(f"  --{'model.<field>':<34} {'':<18} any field of the model's config (e.g. --model.n_layers=2)")
     return "\n".join(lines)
 
 

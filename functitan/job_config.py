@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 from . import optim
 from .data import DataConfig
@@ -20,12 +20,16 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    flavor: str = "debug"  # a key of models.llama.CONFIGS
-    n_layers: int | None = None  # overrides of the flavor's shape (None keeps the flavor's value)
-    dim: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    ffn_dim: int | None = None
+    """Which model, and its shape: the model's own config fields are ``--model.<field>=value``.
+
+    ``name`` is a plugin (``llama``, ``gpt2``, ``qwen3``), a module (``pkg.mod:MODEL``) or a file
+    (``path/to/model.py``); see ``functitan.model.load_model``. None keeps the model recorded with
+    ``checkpoint.load_path``, else ``llama``.
+    """
+
+    name: str | None = None
+    flavor: str | None = None  # a key of the model's configs; None: the recorded one, else "debug"
+    overrides: Mapping[str, Any] = field(default_factory=dict)  # --model.<field>=value: the model config's fields
 
 
 @dataclass(frozen=True, kw_only=True)

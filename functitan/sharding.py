@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from . import _collectives
+from ._names import NameTable
 from ._tp import TPContext, parse_einsum
 from ._rules import Rules, Spec, compute_placements, default_rules, is_spec, logical_to_mesh_axes, spec_placements
 from .mesh import DP_AXES
@@ -73,13 +75,21 @@ def placements(params: Any) -> Any:
 def constrain(x: Tensor, spec: Spec, rules: Rules, mesh: DeviceMesh) -> DTensor:
     """Lay out an activation as ``spec`` says (``jax.lax.with_sharding_constraint`` for DTensor values).
 
-    A plain tensor is taken as this rank's full value and distributed without communication; a DTensor is
-    redistributed (the collectives DTensor picks run forward and, dually, backward).
+    Differentiable, so it works on any activation inside a forward. A DTensor is redistributed (the
+    collectives DTensor picks run forward and, dually, backward). A plain tensor is taken as this rank's full
+    value (the same on every rank): each rank keeps its slice without communication, and the backward
+    all-gathers the slices' gradients as DTensor's ``from_local`` defines.
     """
     pl = spec_placements(spec, rules, mesh, name="activation", ndim=x.ndim)
     if isinstance(x, DTensor):
         return x.redistribute(mesh, pl)
-    return distribute_tensor(x, mesh, pl, src_data_rank=None)
+    local = x
+    for mi, p in enumerate(pl):  # DTensor's nesting: earlier mesh axes split first, torch.chunk sizes
+        if isinstance(p, Shard):
+            n, r = mesh.size(mi), mesh.get_local_rank(mi)
+            sizes = _collectives.chunk_sizes(local.shape[p.dim], n)
+            local = local.narrow(p.dim, sum(sizes[:r]), sizes[r])
+    return DTensor.from_local(local, mesh, pl, run_check=False, shape=x.shape, stride=x.stride())
 
 
 # ----------------------------------------------------------------------------------------------- Layout
@@ -109,10 +119,13 @@ class Layout:
     """How a model computes on a mesh: the mesh, the rules, remat, precision and compilation.
 
     A model takes a Layout as an argument and routes five things through it: parameters (``param``), blocks
-    (``block``: a block's params are gathered inside its remat region, FSDP's reshard-after-forward),
-    contractions with parameters (``einsum``, named by logical axes: the names decide the tensor-parallel
-    collectives), the token embedding and the loss. With ``Layout()`` (no mesh) each is the plain
-    single-device op, so the model reads as single-device code.
+    (``blocks``: a block's params are gathered inside its remat region, FSDP's reshard-after-forward, and the
+    next block's gather is prefetched), contractions with parameters (``einsum``, named by logical axes: the
+    names decide the tensor-parallel collectives), the token embedding and the loss. With ``Layout()`` (no
+    mesh) each is the plain single-device op, so the model reads as single-device code.
+
+    A Layout is configuration only: it holds no per-step state, so one instance (or a default argument) can be
+    shared by any number of steps, threads and models.
 
     Args:
         mesh: the named mesh (``functitan.mesh.make_mesh``); None for one device without a process group.
@@ -121,11 +134,13 @@ class Layout:
             attention outputs, recompute elementwise ops).
         param_dtype: compute dtype of params (e.g. bfloat16); shards are cast before the all-gather.
         reduce_dtype: dtype in which gradients are reduced (float32 keeps fp32 master gradients).
-        compile: ``torch.compile`` each block function (once per function).
+        compile: ``torch.compile`` each block function (dynamo caches per function).
         reshard_after_forward: free a block's gathered params after its forward and all-gather them again in
             backward (FSDP2's default; saves the memory of the gathered params for the cost of one more
             all-gather; see ``_Regather``). Only matters with ``dp_shard > 1``; full and selective remat
             always reshard.
+        names: check mode (``functitan.model.check_names``): the declared names of each parameter tensor; every
+            contraction compares its pattern with them and raises on a mismatch.
     """
 
     mesh: DeviceMesh | None = None
@@ -135,6 +150,7 @@ class Layout:
     reduce_dtype: torch.dtype | None = None
     compile: bool = False
     reshard_after_forward: bool = True
+    names: NameTable | None = None
 
     def __post_init__(self) -> None:
         if self.remat not in REMAT_POLICIES:
@@ -142,11 +158,10 @@ class Layout:
         tp = None
         if self.mesh is not None and "tp" in (self.mesh.mesh_dim_names or ()) and self.mesh["tp"].size() > 1:
             tp = TPContext(self.mesh, self.rules)
-        object.__setattr__(self, "_tp", tp)
         names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
+        # derived once from the (immutable) mesh and rules; not state
+        object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_fsdp", "dp_shard" in names and self.mesh["dp_shard"].size() > 1)
-        object.__setattr__(self, "_compiled", {})
-        object.__setattr__(self, "_prefetched", {})  # (id(tree), id(group), cast) -> (tree, PendingGather)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -156,6 +171,21 @@ class Layout:
     def seq_shards(self) -> int:
         """Into how many pieces the residual stream is split along the sequence (tp under sequence parallel)."""
         return self._tp.size if self.sequence_parallel else 1
+
+    def seq_range(self, seq_len: int) -> tuple[int, int]:
+        """``(start, stop)`` of this rank's positions in a sequence of ``seq_len``: its piece of the residual
+        stream under sequence parallelism, else the whole sequence. Learned position tables index with it."""
+        if not self.sequence_parallel:
+            return 0, seq_len
+        if seq_len % self._tp.size:
+            raise ValueError(f"sequence parallelism over tp={self._tp.size} needs the sequence length divisible by "
+                             f"{self._tp.size}, got {seq_len}; change training.seq_len or set parallelism.sequence_parallel=false")
+        n = seq_len // self._tp.size
+        return self._tp.rank * n, (self._tp.rank + 1) * n
+
+    def positions(self, seq_len: int, device: torch.device | str = "cpu") -> Tensor:
+        """This rank's position ids ``(local_seq,)`` (see ``seq_range``)."""
+        return torch.arange(*self.seq_range(seq_len), device=device)
 
     @property
     def single_backward(self) -> bool:
@@ -168,7 +198,10 @@ class Layout:
         """Storage -> compute: a differentiable local tensor, gathered over the data-parallel axes.
 
         Tensor-parallel shards stay local. Replicated data-parallel axes get DDP's gradient all-reduce;
-        sharded ones FSDP's all-gather / reduce-scatter, in ``param_dtype`` / ``reduce_dtype``.
+        sharded ones FSDP's all-gather / reduce-scatter, in ``param_dtype`` / ``reduce_dtype``. Under sequence
+        parallelism a param replicated over tp gets a gradient sum over tp: every activation is then split
+        over tp (by sequence or by feature), so each rank holds a part of its gradient, however the model uses it
+        (``x + bias``, a norm weight, a position table).
         """
         local, shards, cast = self._prepare(p)
         for group, dim, full in shards:
@@ -177,10 +210,10 @@ class Layout:
             cast = False
         return local.to(self.param_dtype) if cast else local
 
-    def params(self, tree: Any) -> Any:
+    def params(self, tree: Any, pending: Any = None) -> Any:
         """``param`` over a tree, with the FSDP all-gathers of all leaves bucketed into one collective per
-        process group (and one reduce-scatter in backward), as FSDP2 does per module. A gather started by
-        ``prefetch(tree)`` is waited on instead of issued."""
+        process group (and one reduce-scatter in backward), as FSDP2 does per module. ``pending``: what
+        ``prefetch(tree)`` returned; its gathers are waited on instead of issued."""
         leaves, treedef, buckets = self._buckets(tree)
         out: list[Any] = list(leaves)
         bucketed = {i for items in buckets.values() for i, *_ in items}
@@ -188,30 +221,28 @@ class Layout:
             if i not in bucketed:
                 out[i] = self.param(leaf)
         for (group, cast), items in buckets.items():
-            pending = self._prefetched.pop((id(tree), id(group), cast), None) if torch.is_grad_enabled() else None
-            if pending is not None and pending[0] is not tree:
-                pending = None
+            started = pending.get((id(group), cast)) if pending and torch.is_grad_enabled() else None
             gathered = _collectives.bucket_all_gather(
                 [x for _, x, _, _ in items], [d for _, _, d, _ in items], [f for _, _, _, f in items], group,
                 compute_dtype=self.param_dtype if cast else None, reduce_dtype=self.reduce_dtype if cast else None,
-                pending=pending[1] if pending is not None else None)
+                pending=started)
             for (i, *_), g in zip(items, gathered):
                 out[i] = g
         return optree.tree_unflatten(treedef, out)
 
-    def prefetch(self, tree: Any) -> None:
+    def prefetch(self, tree: Any) -> dict[Any, Any]:
         """Start the FSDP all-gathers of ``tree`` (the next block's params) now, asynchronously, so they
-        overlap this block's compute; the next ``params(tree)`` waits on them instead of gathering."""
+        overlap this block's compute; pass the result to ``params(tree, pending=...)``."""
         if not (self._fsdp and torch.is_grad_enabled()):
-            return
+            return {}
+        started = {}
         with torch.no_grad():
             _, _, buckets = self._buckets(tree)
             for (group, cast), items in buckets.items():
-                pending = _collectives.start_bucket_gather(
+                started[(id(group), cast)] = _collectives.start_bucket_gather(
                     [x for _, x, _, _ in items], [d for _, _, d, _ in items], [f for _, _, _, f in items], group,
                     compute_dtype=self.param_dtype if cast else None)
-                # the tree itself is kept with the entry: its id cannot be reused while the entry exists
-                self._prefetched[(id(tree), id(group), cast)] = (tree, pending)
+        return started
 
     def _buckets(self, tree: Any) -> tuple[list, Any, dict]:
         """The leaves, treedef and {(group, cast): [(leaf index, local, dim, full)]} of one-axis FSDP shards."""
@@ -226,19 +257,24 @@ class Layout:
         return leaves, treedef, buckets
 
     def _prepare(self, p: Tensor) -> tuple[Tensor, list[tuple[Any, int, int]], bool]:
-        """(local tensor with DDP grad all-reduces applied, [(group, dim, full)] to gather, cast pending)."""
+        """(local tensor with DDP / SP grad all-reduces applied, [(group, dim, full)] to gather, cast pending)."""
         cast = self.param_dtype is not None and p.dtype != self.param_dtype
         if not isinstance(p, DTensor):
             return p, [], cast
         mesh = p.device_mesh
         names = mesh.mesh_dim_names or ()
         local = _ToLocal.apply(p)
+        reduce_dtype = self.reduce_dtype if cast else None
+        if self.sequence_parallel and "tp" in names:
+            ti = names.index("tp")
+            if not isinstance(p.placements[ti], Shard):  # before the gathers: reduce the shard, not the whole
+                local = _collectives.grad_all_reduce(local, mesh.get_group(ti), reduce="sum", reduce_dtype=reduce_dtype)
         shards = []
         for mi, pl in enumerate(p.placements):
             if names[mi] not in DP_AXES or mesh.size(mi) == 1:
                 continue
             if isinstance(pl, Replicate):  # before the gathers: its backward then runs after the reduce-scatter
-                local = _collectives.grad_all_reduce(local, mesh.get_group(mi), reduce_dtype=self.reduce_dtype if cast else None)
+                local = _collectives.grad_all_reduce(local, mesh.get_group(mi), reduce_dtype=reduce_dtype)
             elif isinstance(pl, Shard):
                 _check_only_dp_on_dim(p, pl.dim)
                 shards.append((mesh.get_group(mi), pl.dim, p.shape[pl.dim]))
@@ -247,62 +283,78 @@ class Layout:
         return local, shards, cast
 
     # -- blocks
-    def block(self, fn: Callable[..., Tensor], params: Any, *args: Any, prefetch: Any = None) -> Tensor:
-        """``fn(compute_params, *args)`` with the params gathered inside the block's remat region.
+    def blocks(self, fn: Callable[..., Tensor], layers: Sequence[Any], x: Tensor, *args: Any) -> Tensor:
+        """``x = fn(compute_params, x, *args)`` for each block's params in ``layers``, in order.
 
-        ``prefetch``: the next block's params, whose all-gather starts once this block's has (FSDP without
-        activation checkpointing, whose recomputation would gather again anyway).
+        Each block's params are gathered inside its remat region (``block``); under FSDP without activation
+        checkpointing the next block's all-gather starts once this block's has, and overlaps its compute.
         """
+        pending = None
+        for i, p in enumerate(layers):
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            x, pending = self._block(fn, p, (x, *args), pending, nxt)
+        return x
+
+    def block(self, fn: Callable[..., Tensor], params: Any, *args: Any) -> Tensor:
+        """``fn(compute_params, *args)`` with the params gathered inside the block's remat region."""
+        return self._block(fn, params, args, None, None)[0]
+
+    def _block(self, fn: Callable[..., Tensor], params: Any, args: tuple, pending: Any, nxt: Any) -> tuple[Tensor, Any]:
         if self.compile:
-            if fn not in self._compiled:
-                self._compiled[fn] = torch.compile(fn)
-            fn = self._compiled[fn]
+            fn = torch.compile(fn)  # dynamo's cache lives with fn's code: compiled once, whatever the wrapper
 
         def run(p: Any, *a: Any) -> Tensor:
             return fn(self.params(p), *a)
 
         if not torch.is_grad_enabled():
-            return run(params, *args)
+            return run(params, *args), None
         if self.remat == "none":
             regather = _Regather(self, params) if self.reshard_after_forward and self._fsdp else None
             hooks = torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack) if regather else contextlib.nullcontext()
             with hooks:
-                compute = self.params(params)
+                compute = self.params(params, pending)
                 if regather is not None:
                     regather.track(optree.tree_leaves(compute))
-                if prefetch is not None:
-                    self.prefetch(prefetch)
-                return fn(compute, *args)
+                started = self.prefetch(nxt) if nxt is not None else None
+                return fn(compute, *args), started
         if self.remat == "full":
-            return checkpoint(run, params, *args, use_reentrant=False)
+            return checkpoint(run, params, *args, use_reentrant=False), None
         return checkpoint(run, params, *args, use_reentrant=False,
-                          context_fn=functools.partial(create_selective_checkpoint_contexts, _selective_policy))
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, _selective_policy)), None
 
     # -- activations
     def einsum(self, pattern: str, *operands: Tensor) -> Tensor:
         """A contraction written with logical axis names, e.g. ``"batch seq embed, heads embed -> batch seq heads"``.
 
-        The last operand is a (compute) parameter. The names decide the tensor-parallel collectives (see
-        functitan._tp); on one device or under pure data parallelism it is the plain op: ``F.linear`` for a
+        The last operand is a (compute) parameter, and its names in the pattern must be its declared names
+        (``functitan.model.check_names`` checks every call). The names decide the tensor-parallel collectives
+        (see functitan._tp); on one device or under pure data parallelism it is the plain op: ``F.linear`` for a
         projection, a broadcast multiply for a scale, ``torch.einsum`` otherwise.
         """
+        if self.names is not None:
+            self.names.check_einsum(pattern, operands[-1], sys._getframe(1))
         if self._tp is not None and len(operands) == 2:
             return self._tp.einsum(pattern, *operands)
         return parse_einsum(pattern, len(operands))[2](*operands)
 
-    def embed(self, tokens: Tensor, table: Tensor, vocab_size: int) -> Tensor:
-        """Token embedding: ``tokens (batch, seq)``, ``table (vocab, embed)`` -> ``(batch, seq, embed)``.
+    def embed(self, tokens: Tensor, table: Tensor, num_rows: int) -> Tensor:
+        """Row lookup: ``tokens (batch, seq)`` ids into ``table (num_rows, embed)`` -> ``(batch, seq, embed)``.
 
-        Vocab-parallel when the rules shard ``vocab`` over tp; the result is in the residual layout.
+        Token embeddings and learned position tables alike: a table whose local rows are fewer than
+        ``num_rows`` is vocab-parallel (sharded over tp), any other is replicated; the result is in the
+        residual layout (this rank's sequence piece under sequence parallelism).
         """
+        if self.names is not None:
+            self.names.check_rows(table, num_rows, sys._getframe(1))
         if self._tp is not None:
-            return self._tp.embed(tokens, table, vocab_size)
+            return self._tp.embed(tokens, table, num_rows)
         return F.embedding(tokens, table)
 
     def cross_entropy(self, logits: Tensor, targets: Tensor, vocab_size: int) -> Tensor:
         """Mean next-token cross-entropy in fp32: ``logits (batch, seq, vocab)``, ``targets (batch, seq)``.
 
-        Loss parallel when the logits are vocab-sharded: the full logits are never gathered.
+        Loss parallel when the logits are vocab-sharded (fewer than ``vocab_size`` local columns): the full
+        logits are never gathered. Logits of this rank's sequence piece are averaged over all ranks' tokens.
         """
         if self._tp is not None:
             return self._tp.cross_entropy(logits, targets, vocab_size)

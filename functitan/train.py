@@ -21,11 +21,14 @@ import torch.distributed as dist
 
 from . import metrics as M
 from . import pipeline
-from .config import parse_config, to_dict
 from .checkpoint import CheckpointManager, is_hf_dir, load_hf, recorded_model_config, restore_params, write_model_config
+from .config import ConfigError, parse_config, to_dict
 from .data import build_loader
 from .hostmem import keep_freed_memory
-from .job_config import JobConfig, ModelConfig, build_optimizer, build_schedule, learning_rate_schedule
+from .job_config import JobConfig, build_optimizer, build_schedule, learning_rate_schedule
+from .model import Model, check_names, config_from_dict, config_to_dict, load_model
+from .model import init as init_params
+from .model import specs as model_specs
 from .mesh import make_mesh
 from .random import fold_in, key
 from .sharding import Layout, default_rules, place
@@ -36,10 +39,14 @@ from .transforms import accumulate, value_and_grad
 __all__ = ["main", "run"]
 
 
-def run(cfg: JobConfig) -> dict[str, Any]:
-    """Train as ``cfg`` says; returns a summary (first/last loss, steps, run directory, final state)."""
-    from models import llama
+DEFAULT_MODEL = "llama"
 
+
+def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
+    """Train as ``cfg`` says; returns a summary (first/last loss, steps, run directory, final state).
+
+    ``model``: the Model value to train (default: the one ``cfg.model.name`` resolves to).
+    """
     device = _init_process(cfg.training)
     par, tcfg = cfg.parallelism, cfg.training
     if cfg.checkpoint.enable and par.pp > 1:
@@ -55,20 +62,21 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     loader = build_loader(cfg.data, batch_size=_local_batch(tcfg, layout.dp_size), seq_len=tcfg.seq_len,
                           dp_rank=layout.dp_rank, dp_size=layout.dp_size, device=device)
 
-    # 2. init: identical on every rank and mesh (or weights from load_path)
+    # 2. model and init: identical on every rank and mesh (or weights from load_path)
     rng = key(tcfg.seed)
-    model_cfg, full_params = _init_model(cfg, rng, vocab=loader.tokenizer.vocab_size, device=device)
-    llama.check_layout(model_cfg, tp=par.tp, seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel)
+    name, model, model_cfg, full_params = _init_model(cfg, model, rng, vocab=loader.tokenizer.vocab_size, device=device)
+    _check_model(model, model_cfg, tp=par.tp, pp=par.pp, seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel)
+    specs = model_specs(model.params(model_cfg))
 
     # 3. place: each rank keeps its shards (and only its pipeline stages); the grad_fn follows the layout
     if par.pp > 1:
-        stages = pipeline.make_stages(llama.stage_model(model_cfg, layout, seq_len=tcfg.seq_len),
-                                      build_schedule(par, tcfg.microbatches), mesh)
-        params = pipeline.place_stages(full_params, llama.specs(model_cfg), rules, stages)
+        stage_model = model.stages(model_cfg, layout, seq_len=tcfg.seq_len, dtype=layout.param_dtype or torch.float32)
+        stages = pipeline.make_stages(stage_model, build_schedule(par, tcfg.microbatches), mesh)
+        params = pipeline.place_stages(full_params, specs, rules, stages)
         grad_fn, norm_across = pipeline.pipeline_grad_fn(stages), stages.pp_group
     else:
-        params = place(full_params, llama.specs(model_cfg), rules, mesh)
-        grad_fn = accumulate(value_and_grad(partial(llama.loss, cfg=model_cfg, layout=layout)), tcfg.microbatches)
+        params = place(full_params, specs, rules, mesh)
+        grad_fn = accumulate(value_and_grad(partial(model.loss, cfg=model_cfg, layout=layout)), tcfg.microbatches)
         norm_across = None
     del full_params
 
@@ -79,11 +87,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                                  on_nonfinite=tcfg.on_nonfinite)
 
     # 5. checkpoint: resume from the newest complete checkpoint of this run, else a weights-only load_path
-    run_dir = _run_dir(cfg)
+    run_dir = _run_dir(cfg, name)
+    ran = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=name, overrides=config_to_dict(model_cfg)))
     if dist.get_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2, default=str))
-    write_model_config(model_cfg, run_dir)  # lets `functitan export hf` rebuild the model
+        (run_dir / "config.json").write_text(json.dumps(to_dict(ran), indent=2, default=str))  # what ran
+    write_model_config(name, model_cfg, run_dir)  # lets `functitan export hf` rebuild the model
     ckpt = None
     if cfg.checkpoint.enable:
         ckpt = CheckpointManager(run_dir / cfg.checkpoint.folder, interval=cfg.checkpoint.interval,
@@ -95,28 +104,64 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         state = state._replace(params=restore_params(cfg.checkpoint.load_path, state.params))
 
     # 6. metrics, and the loop
-    fpt = M.transformer_flops_per_token(n_params=llama.num_params(model_cfg, embedding=False), n_layers=model_cfg.n_layers,
-                                        n_heads=model_cfg.n_heads, head_dim=model_cfg.head_dim, seq_len=tcfg.seq_len)
-    meter = M.Meter(world_size=dist.get_world_size(), flops_per_token=fpt,
+    meter = M.Meter(world_size=dist.get_world_size(), flops_per_token=model.flops_per_token(model_cfg, tcfg.seq_len),
                     peak=M.peak_flops(device, layout.param_dtype or torch.float32))
     return _loop(cfg, state, train_step, loader, meter, ckpt, run_dir, device)
 
 
-def _init_model(cfg: JobConfig, rng: int, *, vocab: int, device: torch.device) -> tuple[Any, Any]:
-    """``(model config, full params)``: from an HF directory, or fresh (with the config recorded beside a
-    checkpoint to start from, else ``[model]``)."""
-    from models import llama
+def _init_model(cfg: JobConfig, model: Model | None, rng: int, *, vocab: int,
+                device: torch.device) -> tuple[str, Model, Any, Any]:
+    """``(model name, Model, model config, full params)``.
 
-    load_path = cfg.checkpoint.load_path
+    The config comes from an HF directory at ``checkpoint.load_path``, else from the model recorded beside a
+    functitan ``load_path`` (flags that contradict it are an error naming both values), else from ``[model]``.
+    """
+    mcfg, load_path = cfg.model, cfg.checkpoint.load_path
+    recorded = recorded_model_config(load_path) if load_path and not is_hf_dir(load_path) else None
+    name = mcfg.name or (recorded[0] if recorded else DEFAULT_MODEL)
+    model = model or load_model(name)
     if load_path and is_hf_dir(load_path):
-        model_cfg, params = load_hf(load_path, device=device, dtype=torch.float32)
+        model_cfg, params = load_hf(load_path, model, device=device, dtype=torch.float32)
+        return name, model, _with_overrides(model, model_cfg, mcfg, f"the Hugging Face model in {load_path}"), params
+    if recorded is not None:
+        if mcfg.name is not None and mcfg.name != recorded[0]:
+            raise ConfigError(f"model.name={mcfg.name!r} conflicts with the checkpoint's model {recorded[0]!r} "
+                              f"(recorded beside {load_path}); drop --model.name or choose another checkpoint.load_path")
+        model_cfg = config_from_dict(model.config_type, recorded[1])
+        if mcfg.flavor is not None:
+            flagged = model.config(mcfg.flavor, **{**dict(mcfg.overrides), "vocab_size": model_cfg.vocab_size})
+            _no_conflict(flagged, model_cfg, f"the checkpoint's model (recorded beside {load_path})")
+        model_cfg = _with_overrides(model, model_cfg, mcfg, f"the checkpoint's model (recorded beside {load_path})")
     else:
-        model_cfg = (recorded_model_config(load_path) if load_path else None) or _model_config(cfg.model, vocab_size=vocab)
-        params = llama.init(model_cfg, fold_in(rng, "params"), device=device)
+        model_cfg = model.config(mcfg.flavor or "debug", **{"vocab_size": vocab, **dict(mcfg.overrides)})
     if model_cfg.vocab_size < vocab:
         raise ValueError(f"the model's vocab_size {model_cfg.vocab_size} is smaller than the tokenizer's {vocab}; "
                          f"set data.tokenizer to the model's tokenizer")
-    return model_cfg, params
+    return name, model, model_cfg, init_params(model.params(model_cfg), fold_in(rng, "params"), device=device)
+
+
+def _with_overrides(model: Model, base: Any, mcfg: Any, what: str) -> Any:
+    """``base``, checked against every ``--model.<field>`` flag: a flag that differs from it is a ConfigError."""
+    _no_conflict(model.replace(base, **dict(mcfg.overrides)), base, what)
+    return base
+
+
+def _no_conflict(flagged: Any, recorded: Any, what: str) -> None:
+    diff = [f"{f.name}={getattr(flagged, f.name)!r} vs {getattr(recorded, f.name)!r}"
+            for f in dataclasses.fields(recorded) if getattr(flagged, f.name) != getattr(recorded, f.name)]
+    if diff:
+        raise ConfigError(f"[model] flags conflict with {what}: {'; '.join(diff)} (flag vs checkpoint); drop the "
+                          f"[model] flags to train the checkpoint's model, or drop checkpoint.load_path")
+
+
+def _check_model(model: Model, model_cfg: Any, *, tp: int, pp: int, seq_len: int, sequence_parallel: bool) -> None:
+    """Before any collective: the model can take this layout, and its contractions name params as declared."""
+    if pp > 1 and model.stages is None:
+        raise ValueError(f"parallelism.pp={pp}: model {model.name!r} declares no pipeline stages (Model.stages); "
+                         f"use pp=1")
+    if model.check_layout is not None:
+        model.check_layout(model_cfg, tp=tp, seq_len=seq_len, sequence_parallel=sequence_parallel)
+    check_names(model, model_cfg)
 
 
 def _loop(cfg: JobConfig, state: TrainState, train_step: Any, loader: Any, meter: Any, ckpt: Any,
@@ -173,22 +218,13 @@ def _local_batch(tcfg: Any, dp_size: int) -> int:
     return per_rank
 
 
-def _model_config(mcfg: ModelConfig, *, vocab_size: int):
-    from models import llama
-
-    overrides = {k: v for k, v in dataclasses.asdict(mcfg).items() if k != "flavor" and v is not None}
-    if mcfg.flavor not in llama.CONFIGS:
-        raise ValueError(f"model.flavor={mcfg.flavor!r} is unknown; choose one of {sorted(llama.CONFIGS)}")
-    return llama.config(mcfg.flavor, vocab_size=vocab_size, **overrides)
-
-
-def _run_dir(cfg: JobConfig) -> Path:
+def _run_dir(cfg: JobConfig, model_name: str) -> Path:
     name = cfg.metrics.run_name
     if name is None:  # one timestamp for all ranks
         stamp = torch.tensor([int(time.time())], dtype=torch.int64)
         if dist.get_world_size() > 1:
             dist.broadcast(stamp, src=0)
-        name = f"{cfg.model.flavor}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(int(stamp.item())))}"
+        name = f"{Path(model_name.split(':')[0]).stem}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(int(stamp.item())))}"
     return Path(cfg.metrics.run_dir) / name
 
 

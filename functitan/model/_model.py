@@ -1,0 +1,170 @@
+"""The model interface: everything the trainer, the CLI, pipelines, checkpoints, HF interop, metrics and the
+planner need from a model, passed as one value.
+
+A model family is a module exposing ``MODEL = Model(...)``; the trainer receives that value (``--model.name``
+resolves it, see ``load_model``). Nothing in ``functitan`` imports a model: the library receives one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Callable, Mapping
+
+from torch import Tensor
+
+__all__ = ["Model", "HFMap", "HFTensor", "config_to_dict", "config_from_dict", "transformers_major"]
+
+
+def transformers_major(version: str | None = None) -> int:
+    """The major version of transformers (installed, or ``version``); 4 when it is not installed (the 4.x
+    config layout is read by 4.x and 5.x alike)."""
+    if version is None:
+        try:
+            version = metadata.version("transformers")
+        except metadata.PackageNotFoundError:
+            return 4
+    return int(version.split(".")[0])
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFTensor:
+    """Where one of our parameters lives in a Hugging Face state dict, and how its layout differs.
+
+    ``to_hf(ours) -> hf`` and ``from_hf(hf) -> ours`` convert the tensor (a transpose for GPT-2's Conv1D, a
+    reshape for a fused projection); None means the same layout.
+    """
+
+    key: str
+    to_hf: Callable[[Tensor], Tensor] | None = None
+    from_hf: Callable[[Tensor], Tensor] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFMap:
+    """A model's Hugging Face counterpart: its architecture, config conversion and tensor names.
+
+    Args:
+        architecture: the transformers class name (``"LlamaForCausalLM"``), written to and checked in config.json.
+        config_to_hf: ``cfg -> config.json dict`` (without ``dtype``; the exporter adds it).
+        config_from_hf: ``config.json dict -> cfg``; raises ValueError naming a key the model does not implement.
+        tensors: ``cfg -> {our dotted name: HFTensor}`` for every parameter of ``cfg``.
+        tied: ``cfg -> {HF key: HF key it must equal}`` for tied weights HF may also save (``lm_head.weight``).
+        ignored: HF keys that carry no parameter (regular expressions, e.g. old rotary buffers).
+    """
+
+    architecture: str
+    config_to_hf: Callable[[Any], dict[str, Any]]
+    config_from_hf: Callable[[Mapping[str, Any]], Any]
+    tensors: Callable[[Any], dict[str, HFTensor]]
+    tied: Callable[[Any], dict[str, str]] = lambda cfg: {}
+    ignored: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model:
+    """One model family as a value: what the trainer and every tool take instead of importing a module.
+
+    Config objects are frozen dataclasses with at least ``vocab_size`` (the trainer sets it from the tokenizer).
+
+    Args:
+        name: the family's name (``"llama"``), recorded with each run and checkpoint.
+        configs: named flavors (``{"debug": Cfg(...), "8b": Cfg(...)}``); ``config(flavor, **overrides)``.
+        params: ``cfg -> tree of Param``: the one declaration of every parameter (shape, names, init).
+        loss: ``(params, batch, cfg, layout) -> scalar``: mean loss over this rank's ``batch``
+            (``batch["inputs"]``, ``batch["targets"]``), on compute params routed through the Layout.
+        apply: ``(params, tokens, cfg, layout) -> logits (batch, seq, vocab)``.
+        flops_per_token: ``(cfg, seq_len) -> float``: training FLOPs per token (forward + backward), for MFU
+            and the planner.
+        stages: ``(cfg, layout, *, seq_len, dtype) -> pipeline.StageModel``; None: no pipeline parallelism.
+        check_layout: ``(cfg, *, tp, seq_len, sequence_parallel) -> None``: raises ValueError naming a layout
+            that works when this one cannot split the model; None: only the generic checks.
+        hf: the Hugging Face mapping, or None (no HF import/export).
+    """
+
+    name: str
+    configs: Mapping[str, Any]
+    params: Callable[[Any], Any]
+    loss: Callable[..., Tensor]
+    apply: Callable[..., Tensor]
+    flops_per_token: Callable[[Any, int], float]
+    stages: Callable[..., Any] | None = None
+    check_layout: Callable[..., None] | None = None
+    hf: HFMap | None = None
+    config_type: type = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.configs:
+            raise ValueError(f"model {self.name!r} declares no configs; give at least one flavor")
+        types = {type(c) for c in self.configs.values()}
+        if len(types) != 1 or not dataclasses.is_dataclass(next(iter(types))):
+            raise TypeError(f"model {self.name!r}: configs must be instances of one dataclass, found {types}")
+        object.__setattr__(self, "config_type", types.pop())
+        if "vocab_size" not in {f.name for f in dataclasses.fields(self.config_type)}:
+            raise TypeError(f"model {self.name!r}: {self.config_type.__name__} needs a vocab_size field")
+
+    def config(self, flavor: str, **overrides: Any) -> Any:
+        """The named flavor with field overrides (strings from the command line are converted by type).
+
+        An unknown flavor or field raises ValueError with the known ones and the nearest match.
+        """
+        if flavor not in self.configs:
+            raise ValueError(f"model.flavor={flavor!r} is not a {self.name} flavor; choose one of {sorted(self.configs)}"
+                             + _nearest(flavor, list(self.configs)))
+        return self.replace(self.configs[flavor], **overrides)
+
+    def replace(self, cfg: Any, **overrides: Any) -> Any:
+        """``cfg`` with fields replaced; an unknown field raises ValueError naming the nearest one."""
+        known = {f.name for f in dataclasses.fields(self.config_type) if f.init}
+        hints = typing.get_type_hints(self.config_type)
+        values = {}
+        for key, value in overrides.items():
+            if key not in known:
+                raise ValueError(f"model.{key} is not a field of {self.name}'s config ({self.config_type.__name__})"
+                                 + _nearest(key, sorted(known)) + f"; fields: {sorted(known)}")
+            values[key] = _convert(f"model.{key}", hints[key], value)
+        return dataclasses.replace(cfg, **values)
+
+    def shape_names(self) -> list[str]:
+        """The config fields a user may override (``--model.<field>=value``)."""
+        return [f.name for f in dataclasses.fields(self.config_type) if f.init]
+
+
+def _nearest(key: str, known: list[str]) -> str:
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _convert(key: str, tp: Any, value: Any) -> Any:
+    if not isinstance(value, str) or tp is str:
+        return value
+    from ..config import _convert as convert_scalar
+
+    return convert_scalar(key, tp, value)
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-ready dict of a (nested) frozen config dataclass."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(cls: type, d: Mapping[str, Any]) -> Any:
+    """The inverse of ``config_to_dict``: nested dataclass fields (``X | None`` too) are rebuilt by type."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no fields {unknown}; known: {sorted(known)}")
+    values = {}
+    for k, v in d.items():
+        tp = hints[k]
+        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)] or ([tp] if dataclasses.is_dataclass(tp) else [])
+        if isinstance(v, Mapping) and inner:
+            v = config_from_dict(inner[0], v)
+        elif isinstance(v, list):
+            v = tuple(v)
+        values[k] = v
+    return cls(**values)
