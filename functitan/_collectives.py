@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# True while a parameter all-gather runs: the remat policy of ``reshard_after_forward`` recomputes exactly
-# these ops in backward (FSDP's reshard-after-forward) and keeps every other activation.
+# True while a parameter all-gather runs. Selective remat's policy (sharding._selective_policy) recomputes
+# these ops in backward instead of saving the gathered params, so a checkpointed block also reshards after
+# forward. (Without remat, reshard-after-forward uses saved-tensor hooks instead: sharding._Regather.)
 GATHERING: contextvars.ContextVar[bool] = contextvars.ContextVar("functitan_gathering", default=False)
 
 __all__ = ["all_gather", "bucket_all_gather", "start_bucket_gather", "PendingGather", "reduce_scatter", "all_reduce", "grad_all_reduce", "chunk_sizes"]

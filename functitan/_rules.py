@@ -4,17 +4,19 @@ A *spec* is a tuple with one logical name (or None) per tensor dim, e.g. ``("hea
 ``[n_heads * head_dim, dim]`` projection. A *rules table* is an ordered tuple of ``(logical_name, mesh_axes)``
 pairs; ``mesh_axes`` is one mesh axis name, a tuple of them, or None (replicate).
 
-Precedence (as in flax ``logical_to_mesh_axes``): the dims are resolved left to right; for each dim, the
-rules are scanned in order, and the FIRST rule whose logical name matches the dim and none of whose mesh
-axes is already used by an earlier dim of the same tensor wins. A dim with no winning rule is replicated.
+Precedence (exactly flax's ``logical_to_mesh_axes``): the RULES are applied in order, so an earlier rule
+wins. Each rule looks at the first dim carrying its logical name; it assigns its mesh axes there when that
+dim has none yet and none of the axes is used by another dim of the same tensor. A dim that no rule assigned
+is replicated.
 
-Worked example, rules ``(("mlp", "tp"), ("embed", "dp_shard"), ("mlp", "dp_shard"))``:
+Worked example, rules ``(("mlp", "tp"), ("embed", "tp"), ("embed", "dp_shard"))``:
 
-- ``w_gate`` with spec ``("mlp", "embed")``: dim 0 "mlp" -> rule 1 gives ``tp``; dim 1 "embed" -> rule 2
-  gives ``dp_shard``. Result ``(("tp",), ("dp_shard",))``: Megatron column-parallel plus FSDP.
-- ``w_foo`` with spec ``("embed", "mlp")``: dim 0 "embed" -> ``dp_shard``; dim 1 "mlp" -> rule 1 ``tp``.
-- ``w_bar`` with spec ``("mlp", "mlp")``: dim 0 -> ``tp``; dim 1: rule 1 is skipped (tp already used), rule 3
-  gives ``dp_shard``. Result ``(("tp",), ("dp_shard",))``.
+- ``w_down`` with spec ``("embed", "mlp")``: rule 1 gives dim 1 ``tp``; rule 2 would give dim 0 ``tp``, which
+  is taken; rule 3 gives dim 0 ``dp_shard``. Result ``(("dp_shard",), ("tp",))``: row-parallel plus FSDP, not
+  ``(("tp",), ())`` as a left-to-right scan of the dims would give.
+- ``w_norm`` with spec ``("embed",)``: rule 2 gives dim 0 ``tp``.
+- ``w_sq`` with spec ``("mlp", "mlp")``: rule 1 gives dim 0 ``tp``; no rule reaches dim 1 (a rule looks at
+  the first dim of its name only), so it is replicated: ``(("tp",), ())``.
 
 A mesh axis of size 1 yields ``Replicate()``, so one table serves every layout: with ``tp=1`` the "tp"
 rules shard nothing, and FSDP, HSDP, TP and their products are chosen by the mesh degrees alone.
@@ -33,7 +35,6 @@ __all__ = [
     "default_rules",
     "logical_to_mesh_axes",
     "spec_placements",
-    "compute_placements",
     "is_spec",
 ]
 
@@ -92,23 +93,21 @@ def _check_rules(rules: Rules, mesh_axes: Iterable[str] | None) -> None:
 def logical_to_mesh_axes(spec: Spec, rules: Rules, *, mesh_axes: Iterable[str] | None = None) -> tuple[tuple[str, ...], ...]:
     """Resolve a spec to the mesh axes of each dim with flax precedence (see the module docstring).
 
-    >>> logical_to_mesh_axes(("mlp", "mlp"), (("mlp", "tp"), ("embed", "dp_shard"), ("mlp", "dp_shard")))
-    (('tp',), ('dp_shard',))
+    >>> logical_to_mesh_axes(("embed", "mlp"), (("mlp", "tp"), ("embed", "tp"), ("embed", "dp_shard")))
+    (('dp_shard',), ('tp',))
     """
     _check_rules(rules, mesh_axes)
+    out: list[tuple[str, ...] | None] = [None] * len(spec)
     used: set[str] = set()
-    out = []
-    for name in spec:
-        chosen: tuple[str, ...] = ()
-        if name is not None:
-            for rule_name, axes in rules:
-                axes_t = _axes_tuple(axes)
-                if rule_name == name and axes_t and not used.intersection(axes_t):
-                    chosen = axes_t
-                    break
-        used.update(chosen)
-        out.append(chosen)
-    return tuple(out)
+    for rule_name, axes in rules:
+        axes_t = _axes_tuple(axes)
+        if not axes_t or rule_name not in spec:
+            continue
+        pos = spec.index(rule_name)
+        if out[pos] is None and not used.intersection(axes_t):
+            out[pos] = axes_t
+            used.update(axes_t)
+    return tuple(a if a is not None else () for a in out)
 
 
 def spec_placements(spec: Spec, rules: Rules, mesh: DeviceMesh, *, name: str = "tensor", ndim: int | None = None) -> tuple[Placement, ...]:
@@ -135,14 +134,3 @@ def spec_placements(spec: Spec, rules: Rules, mesh: DeviceMesh, *, name: str = "
         else:
             placements.append(Shard(tensor_dim))
     return tuple(placements)
-
-
-def compute_placements(placements: Sequence[Placement], mesh: DeviceMesh, gathered_axes: Iterable[str]) -> tuple[Placement, ...]:
-    """Storage placements with the ``gathered_axes`` (the data-parallel axes for FSDP) set to Replicate.
-
-    Keeping storage (sharded) and compute (gathered) placements apart is how FSDP is expressed: the same
-    param is Shard on dp_shard at rest and Replicate on dp_shard while a block computes with it.
-    """
-    gathered = set(gathered_axes)
-    names = tuple(mesh.mesh_dim_names or ())
-    return tuple(Replicate() if names[i] in gathered else p for i, p in enumerate(placements))

@@ -9,7 +9,7 @@ USAGE = """usage: functitan <command> [args]
 
 commands:
   train [--config FILE.toml] [--section.key=value ...] [--nproc N]   train a model (--help lists every key)
-  pipeline show --schedule zbv --pp 4 --microbatches 8 [--out t.png]   draw a pipeline schedule
+  pipeline show --schedule zb_v --pp 4 --microbatches 8 [--out t.png]   draw a pipeline schedule
   export hf CHECKPOINT OUT_DIR                                          write a Hugging Face model directory
   import hf HF_DIR OUT_CHECKPOINT                                       make a functitan checkpoint from HF
 """

@@ -11,6 +11,8 @@ from typing import Any, Literal, Mapping
 
 from . import optim
 from .data import DataConfig
+from .pipeline._generators import ScheduleName
+from .step import NonFinitePolicy
 
 __all__ = [
     "ModelConfig", "TrainingConfig", "OptimizerConfig", "ParallelismConfig", "MetricsConfig",
@@ -43,7 +45,7 @@ class TrainingConfig:
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype (master weights stay fp32)
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # gradient reduction dtype
     compile: bool = False  # torch.compile each block
-    on_nonfinite: Literal["stop", "skip"] = "stop"
+    on_nonfinite: NonFinitePolicy = "stop"
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # CPU threads per process; 0 leaves torch's default
 
@@ -71,7 +73,7 @@ class ParallelismConfig:
     pp: int = 1
     sequence_parallel: bool = True  # with tp > 1: shard norms and the residual stream along the sequence
     reshard_after_forward: bool = True  # FSDP: free gathered params after each block's forward
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"] = "1f1b"  # with pp > 1
+    pipeline_schedule: ScheduleName = "1f1b"  # with pp > 1
     stages_per_rank: int = 2  # interleaved_1f1b only (zb_v always has 2)
 
 
@@ -126,7 +128,5 @@ def build_schedule(par: ParallelismConfig, microbatches: int):
     """The pipeline schedule the config names, for ``pp`` ranks and ``microbatches`` microbatches."""
     from . import pipeline
 
-    name, pp, m = par.pipeline_schedule, par.pp, microbatches
-    if name == "interleaved_1f1b":
-        return pipeline.interleaved_1f1b(pp, par.stages_per_rank, m)
-    return {"gpipe": pipeline.gpipe, "1f1b": pipeline.one_f_one_b, "zb_h1": pipeline.zb_h1, "zb_v": pipeline.zb_v}[name](pp, m)
+    v = par.stages_per_rank if par.pipeline_schedule == "interleaved_1f1b" else None
+    return pipeline.make_schedule(par.pipeline_schedule, par.pp, microbatches, v)

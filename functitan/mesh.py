@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["AXES", "DP_AXES", "make_mesh", "resolve_degrees", "default_device_type", "axis_size"]
+__all__ = ["AXES", "DP_AXES", "make_mesh", "resolve_degrees", "default_device_type"]
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 DP_AXES = ("dp_replicate", "dp_shard")
@@ -85,9 +85,3 @@ def _init_single_process(device: str) -> None:
     """A one-rank process group in memory, so a single process runs the same code path as N."""
     backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
-def axis_size(mesh: DeviceMesh, axis: str) -> int:
-    """The size of a named mesh axis (1 for an axis the mesh does not have)."""
-    names = mesh.mesh_dim_names or ()
-    return mesh.size(names.index(axis)) if axis in names else 1

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from . import _collectives
 from ._names import NameTable
 from ._tp import TPContext, parse_einsum
-from ._rules import Rules, Spec, compute_placements, default_rules, is_spec, logical_to_mesh_axes, spec_placements
+from ._rules import Rules, Spec, default_rules, is_spec, logical_to_mesh_axes, spec_placements
 from .mesh import DP_AXES
 from .tree import map_with_names, tree_map
 
@@ -42,7 +42,6 @@ __all__ = [
     "default_rules",
     "logical_to_mesh_axes",
     "spec_placements",
-    "compute_placements",
     "place",
     "placements",
     "constrain",

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,8 @@ from .train_state import TrainState
 
 __all__ = ["make_train_step", "NonFiniteLossError", "NONFINITE_POLICIES"]
 
-NONFINITE_POLICIES = ("stop", "skip")
+NonFinitePolicy = Literal["stop", "skip"]
+NONFINITE_POLICIES: tuple[str, ...] = get_args(NonFinitePolicy)
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -76,7 +75,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
         grad_fn, norm_across = pipeline.pipeline_grad_fn(stages), stages.pp_group
     else:
         params = place(full_params, specs, rules, mesh)
-        grad_fn = accumulate(value_and_grad(partial(model.loss, cfg=model_cfg, layout=layout)), tcfg.microbatches)
+        grad_fn = accumulate(value_and_grad(lambda p, b: model.loss(p, b, model_cfg, layout)), tcfg.microbatches)
         norm_across = None
     del full_params
 

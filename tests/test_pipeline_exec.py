@@ -28,15 +28,13 @@ from models import llama
 
 CFG = llama.config("debug", dim=32, n_layers=8, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
 SEQ, BATCH, STEPS, LR, MAX_NORM = 16, 8, 5, 1e-2, 0.5
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1", "zb_v")
+SCHEDULES = pipeline.SCHEDULE_NAMES
 TOL = dict(atol=2e-5, rtol=1e-4)
 PARAM_TOL = dict(atol=1e-4, rtol=1e-3)
 
 
 def _schedule(name: str, pp: int, m: int) -> pipeline.Schedule:
-    if name == "interleaved":
-        return pipeline.interleaved_1f1b(pp=pp, v=2, m=m)
-    return {"gpipe": pipeline.gpipe, "1f1b": pipeline.one_f_one_b, "zb_h1": pipeline.zb_h1, "zb_v": pipeline.zb_v}[name](pp=pp, m=m)
+    return pipeline.make_schedule(name, pp, m)
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:

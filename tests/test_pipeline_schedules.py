@@ -340,7 +340,7 @@ def test_csv_errors_name_file_row_and_cell(tmp_path):
 def test_cli_show_prints_timeline_and_bubble_and_writes_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "timeline.png"
-    argv = ["show", "--schedule", "zbv", "--pp", "4", "--microbatches", "8", "--costs", "1,1,1,0", "--out", str(out)]
+    argv = ["show", "--schedule", "zb_v", "--pp", "4", "--microbatches", "8", "--costs", "1,1,1,0", "--out", str(out)]
     assert cli_main(argv) == 0
     printed = capsys.readouterr().out
     lines = printed.splitlines()
@@ -350,8 +350,8 @@ def test_cli_show_prints_timeline_and_bubble_and_writes_png(tmp_path, capsys):
 
 
 def test_cli_reports_bad_input(tmp_path, capsys):
-    assert cli_main(["show", "--schedule", "zbv", "--stages-per-rank", "3"]) == 2
-    assert "--stages-per-rank applies to --schedule interleaved only" in capsys.readouterr().err
+    assert cli_main(["show", "--schedule", "zb_v", "--stages-per-rank", "3"]) == 2
+    assert "--stages-per-rank applies to --schedule interleaved_1f1b only" in capsys.readouterr().err
     path = tmp_path / "s.csv"
     P.save_csv(P.one_f_one_b(2, 4), path)
     assert cli_main(["show", "--csv", str(path)]) == 0
@@ -359,3 +359,16 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["show", "--schedule", "1f1b", "--costs", "1,2"])
     assert "expected four non-negative numbers f,b,w,p2p" in capsys.readouterr().err
+
+
+def test_one_spelling_per_schedule_name():
+    # the config's Literal, the CLI's choices and make_schedule share SCHEDULE_NAMES
+    import typing
+
+    from functitan.job_config import ParallelismConfig
+
+    hint = typing.get_type_hints(ParallelismConfig)["pipeline_schedule"]
+    assert typing.get_args(hint) == P.SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v")
+    assert [P.make_schedule(n, 2, 4).name for n in P.SCHEDULE_NAMES] == list(P.SCHEDULE_NAMES)
+    with pytest.raises(ValueError, match=r"pipeline schedule 'zbv' is unknown; choose one of"):
+        P.make_schedule("zbv", 2, 4)

@@ -10,13 +10,17 @@ from functitan.sharding import Layout, default_rules, logical_to_mesh_axes, plac
 from functitan.testing import run_distributed
 
 FLAX_EXAMPLE = (("mlp", "tp"), ("embed", "dp_shard"), ("mlp", "dp_shard"))
+DOC_EXAMPLE = (("mlp", "tp"), ("embed", "tp"), ("embed", "dp_shard"))  # docs/parallelism.md and _rules.py
 
 
-def test_precedence_first_unused_rule_wins():
+def test_precedence_earlier_rule_wins_as_in_flax():
     assert logical_to_mesh_axes(("mlp", "embed"), FLAX_EXAMPLE) == (("tp",), ("dp_shard",))
     assert logical_to_mesh_axes(("embed", "mlp"), FLAX_EXAMPLE) == (("dp_shard",), ("tp",))
-    # dim 1 cannot reuse tp, so the later ("mlp", "dp_shard") rule wins
-    assert logical_to_mesh_axes(("mlp", "mlp"), FLAX_EXAMPLE) == (("tp",), ("dp_shard",))
+    # the documented example: rules apply in order, not dims left to right
+    assert logical_to_mesh_axes(("embed", "mlp"), DOC_EXAMPLE) == (("dp_shard",), ("tp",))
+    assert logical_to_mesh_axes(("embed",), DOC_EXAMPLE) == (("tp",),)
+    # a rule looks at the first dim of its name only (flax's array_dim_names.index)
+    assert logical_to_mesh_axes(("mlp", "mlp"), FLAX_EXAMPLE) == (("tp",), ())
     # an unknown name, or None, is replicated
     assert logical_to_mesh_axes((None, "unknown"), FLAX_EXAMPLE) == ((), ())
     # a rule may map to several axes: batch over both data-parallel axes
@@ -41,7 +45,7 @@ def _placements_on_2x2():
         "wq": spec_placements(("heads", "embed"), rules, mesh),
         "wo": spec_placements(("embed", "heads"), rules, mesh),
         "norm": spec_placements(("embed",), rules, mesh),
-        "flax": spec_placements(("mlp", "mlp"), FLAX_EXAMPLE, mesh),
+        "doc": spec_placements(("embed", "mlp"), DOC_EXAMPLE, mesh),
     }
     tp1 = make_mesh(dp_shard=4, tp=1)  # size-1 tp: the "heads" rule shards nothing
     got["wq_tp1"] = spec_placements(("heads", "embed"), rules, tp1)
@@ -55,7 +59,7 @@ def test_rules_to_placements_on_a_real_mesh():
     assert got["wq"] == (R, R, Shard(1), Shard(0))  # FSDP on embed, TP column-parallel on heads
     assert got["wo"] == (R, R, Shard(0), Shard(1))  # TP row-parallel
     assert got["norm"] == (R, R, Shard(0), R)
-    assert got["flax"] == (R, R, Shard(1), Shard(0))
+    assert got["doc"] == (R, R, Shard(0), Shard(1))  # the documented precedence example
     assert got["wq_tp1"] == (R, R, Shard(1), R)  # size-1 axes mean Replicate
 
 

@@ -52,6 +52,7 @@ __all__ = [
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
@@ -190,7 +191,7 @@ def save_hf(
     cfg: Any,
     out_dir: str | os.PathLike,
     *,
-    max_shard_bytes: int = 5 * 10**9,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
     dtype: torch.dtype | None = None,
     extra_config: Mapping[str, Any] | None = None,
 ) -> None:

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from ..model import Model, load_model, model_for_architecture
-from ._hf import CONFIG_NAME, _read_json, export_hf, import_hf, recorded_model
+from ._hf import CONFIG_NAME, MAX_SHARD_BYTES, _read_json, export_hf, import_hf, recorded_model
 
 
 def _model_of(hf_dir: str, name: str | None) -> tuple[str, Model]:
@@ -28,9 +28,9 @@ def _model_of(hf_dir: str, name: str | None) -> tuple[str, Model]:
 def main(command: str, argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog=f"functitan {command} hf")
     if command == "export":
-        parser.add_argument("checkpoint", help="a functitan checkpoint (runs/<name>/checkpoints/step-N)")
+        parser.add_argument("checkpoint", help="a functitan checkpoint (a step directory: runs/<name>/checkpoints/<step>)")
         parser.add_argument("out", help="the Hugging Face directory to write")
-        parser.add_argument("--max-shard-bytes", type=int, default=5 * 10**9)
+        parser.add_argument("--max-shard-bytes", type=int, default=MAX_SHARD_BYTES)
     else:
         parser.add_argument("hf_dir", help="a local Hugging Face model directory (config.json + safetensors)")
         parser.add_argument("out", help="the functitan checkpoint directory to write")

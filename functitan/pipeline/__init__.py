@@ -14,7 +14,16 @@ into balanced stages and `pipeline_grad_fn` runs a rank's list as a train-step g
 from functitan.pipeline._comms import with_comms
 from functitan.pipeline._csvfile import load_csv, save_csv
 from functitan.pipeline._executor import Span, StepTimeline, pipeline_grad_fn
-from functitan.pipeline._generators import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
+from functitan.pipeline._generators import (
+    SCHEDULE_NAMES,
+    ScheduleName,
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
+    zb_h1,
+    zb_v,
+)
 from functitan.pipeline._render import render_png, render_text, summary
 from functitan.pipeline._schedule import (
     KINDS,
@@ -42,6 +51,8 @@ from functitan.pipeline._validate import validate
 
 __all__ = [
     "KINDS",
+    "SCHEDULE_NAMES",
+    "ScheduleName",
     "Action",
     "Comm",
     "Costs",
@@ -57,6 +68,7 @@ __all__ = [
     "interleaved_1f1b",
     "load_csv",
     "loop_placement",
+    "make_schedule",
     "make_stages",
     "one_f_one_b",
     "pipeline_grad_fn",

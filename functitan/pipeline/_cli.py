@@ -1,6 +1,6 @@
 """`functitan pipeline show`: print a schedule's timeline and bubble, optionally draw it to a PNG.
 
-    functitan pipeline show --schedule zbv --pp 4 --microbatches 8 --costs 1,1,1,0 --out timeline.png
+    functitan pipeline show --schedule zb_v --pp 4 --microbatches 8 --costs 1,1,1,0 --out timeline.png
     functitan pipeline show --csv my_schedule.csv
 """
 
@@ -10,13 +10,10 @@ import argparse
 import sys
 
 from functitan.pipeline._csvfile import load_csv
-from functitan.pipeline._generators import gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_v
+from functitan.pipeline._generators import SCHEDULE_NAMES, make_schedule
 from functitan.pipeline._render import render_png, render_text, summary
 from functitan.pipeline._schedule import Schedule
 from functitan.pipeline._simulate import Costs, simulate
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
-
 
 def _costs(text: str) -> Costs:
     parts = text.split(",")
@@ -34,11 +31,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     show = sub.add_parser("show", help="print a schedule's timeline and bubble fraction; --out draws a PNG")
     source = show.add_mutually_exclusive_group(required=True)
-    source.add_argument("--schedule", choices=SCHEDULES, help="a built-in schedule")
+    source.add_argument("--schedule", choices=SCHEDULE_NAMES, help="a built-in schedule")
     source.add_argument("--csv", help="a custom schedule (torch's compute-only CSV format, one row per rank)")
     show.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
     show.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
-    show.add_argument("--stages-per-rank", type=int, default=None, help="v; interleaved only (default 2)")
+    show.add_argument("--stages-per-rank", type=int, default=None, help="v; interleaved_1f1b only (default 2)")
     show.add_argument("--costs", type=_costs, default=Costs(), help="f,b,w,p2p per action (default 1,1,1,0)")
     show.add_argument("--out", help="write the timeline as a PNG here (needs matplotlib)")
     return parser
@@ -47,13 +44,9 @@ def _parser() -> argparse.ArgumentParser:
 def _build(args: argparse.Namespace) -> Schedule:
     if args.csv:
         return load_csv(args.csv)
-    v = args.stages_per_rank
-    if v is not None and args.schedule != "interleaved":
-        raise ValueError(f"--stages-per-rank applies to --schedule interleaved only; {args.schedule} fixes it")
-    p, m = args.pp, args.microbatches
-    if args.schedule == "interleaved":
-        return interleaved_1f1b(p, 2 if v is None else v, m)
-    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zbh1": zb_h1, "zbv": zb_v}[args.schedule](p, m)
+    if args.stages_per_rank is not None and args.schedule != "interleaved_1f1b":
+        raise ValueError(f"--stages-per-rank applies to --schedule interleaved_1f1b only; {args.schedule} fixes it")
+    return make_schedule(args.schedule, args.pp, args.microbatches, args.stages_per_rank)
 
 
 def main(argv: list[str]) -> int:

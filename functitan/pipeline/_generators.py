@@ -16,6 +16,8 @@ Each returns a `Schedule` for p ranks and m microbatches. The orders follow the 
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from functitan.pipeline._schedule import Action, Schedule, loop_placement, v_placement
 
 
@@ -169,3 +171,19 @@ def zb_v(pp: int, m: int) -> Schedule:
     return Schedule(
         name="zb_v", pp=pp, stages_per_rank=2, microbatches=m, stage_to_rank=v_placement(pp), actions=rows
     )
+
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"]
+SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)  # one spelling for the config, the CLI and the code
+
+
+def make_schedule(name: str, pp: int, microbatches: int, stages_per_rank: int | None = None) -> Schedule:
+    """The built-in schedule ``name`` (one of ``SCHEDULE_NAMES``); ``stages_per_rank`` is interleaved_1f1b's v
+    (default 2; the other schedules fix it)."""
+    if name not in SCHEDULE_NAMES:
+        raise ValueError(f"pipeline schedule {name!r} is unknown; choose one of {list(SCHEDULE_NAMES)}")
+    if name == "interleaved_1f1b":
+        return interleaved_1f1b(pp, 2 if stages_per_rank is None else stages_per_rank, microbatches)
+    if stages_per_rank is not None:
+        raise ValueError(f"stages_per_rank applies to interleaved_1f1b only; {name} fixes it")
+    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zb_v": zb_v}[name](pp, microbatches)

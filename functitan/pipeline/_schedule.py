@@ -53,7 +53,7 @@ class Schedule:
     """Per-rank ordered compute actions for `pp` ranks, each holding `stages_per_rank` stages.
 
     Attributes:
-        name: a label for pictures and messages ("1f1b", "zbv", a CSV file name, ...).
+        name: a label for pictures and messages ("1f1b", "zb_v", a CSV file name, ...).
         pp: number of pipeline ranks.
         stages_per_rank: v, the number of model chunks (stages) each rank holds.
         microbatches: m, the number of microbatches in one step.

@@ -1,0 +1,121 @@
+"""The model interface: one declaration per param, resolution by name, the name check and the gradient check."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from functitan.model import Param, check_names, count, gradcheck, init, load_model, normal, ones, specs
+from functitan.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = f"{ROOT / 'tests' / 'assets' / 'tiny_gpt.py'}"
+
+
+def test_functitan_imports_no_model():
+    offenders = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "functitan").rglob("*.py")
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if re.match(r"\s*(from|import)\s+models\b", line)]
+    assert offenders == []
+
+
+def test_one_declaration_gives_init_specs_and_counts():
+    decl = {"w": Param((3, 4), ("mlp", "embed"), normal(0.5)), "n": {"weight": Param((4,), ("embed",), ones())}}
+    assert specs(decl) == {"w": ("mlp", "embed"), "n": {"weight": ("embed",)}}
+    assert count(decl) == 16 and count(decl, exclude=lambda name, p: name == "w") == 4
+    a, b = init(decl, 7), init(decl, 7)
+    assert torch.equal(a["w"], b["w"]) and torch.equal(a["n"]["weight"], torch.ones(4))
+    assert 0.2 < a["w"].std().item() < 1.0  # drawn with std 0.5
+    assert init(decl, 7, device="meta")["w"].is_meta
+    with pytest.raises(ValueError, match=r"Param shape \(3, 4\) has 2 dims but names \('mlp',\) has 1"):
+        Param((3, 4), ("mlp",))
+
+
+def test_llama_declaration_keeps_its_values_and_counts():
+    llama = load_model("llama")
+    cfg = llama.config("llama3_8b")
+    assert count(llama.params(cfg)) == 8_030_261_248
+    debug = llama.config("debug")
+    params = init(llama.params(debug), 0)
+    # drawn from fold_in(key, dotted name) in fp32: the same values as before the declaration existed
+    assert params["layers"][0]["attn"]["wq"].shape == (256, 256)
+    assert torch.equal(params["norm"]["weight"], torch.ones(256))
+
+
+def test_load_model_by_plugin_module_and_file():
+    assert load_model("llama").name == "llama"
+    assert load_model("models.llama").name == "llama"
+    assert load_model(TINY).name == "tiny_gpt" and load_model(f"{TINY}:BAD").name == "tiny_gpt_bad"
+    with pytest.raises(ValueError, match=r"model.name='lama' is not an installed model; choose one of \[.*'llama'"):
+        load_model("lama")
+    with pytest.raises(ValueError, match=r"file 'nope/model.py' does not exist"):
+        load_model("nope/model.py")
+    with pytest.raises(ValueError, match=r"has no attribute 'NOPE'"):
+        load_model(f"{TINY}:NOPE")
+    m = load_model("llama")
+    assert m.config("debug", n_layers="3").n_layers == 3  # strings from the command line are converted
+    with pytest.raises(ValueError, match=r"model.n_layer is not a field of llama's config \(LlamaConfig\) \(did you mean 'n_layers'\?\)"):
+        m.config("debug", n_layer=3)
+    with pytest.raises(ValueError, match=r"model.flavor='8b' is not a llama flavor"):
+        m.config("8b")
+
+
+def test_check_names_names_the_param_both_lists_and_the_call_site():
+    good = load_model(TINY)
+    used = check_names(good, good.config("debug"))
+    assert "layers.0.fc" in used and "wpe" in used
+    bad = load_model(f"{TINY}:BAD")
+    with pytest.raises(ValueError, match=r"param 'layers\.0\.fc' is declared with names \['mlp', 'embed'\] but the "
+                                         r"contraction at .*tiny_gpt\.py:\d+ in block calls its dims \['hidden', 'embed'\]"):
+        check_names(bad, bad.config("debug"))
+
+
+def _train_bad(argv):
+    from functitan.config import parse_config
+    from functitan.job_config import JobConfig
+    from functitan.train import run
+
+    try:
+        run(parse_config(JobConfig, argv))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("layout", [["--parallelism.tp=2", "--parallelism.dp_shard=1"], ["--parallelism.dp_shard=2"]],
+                         ids=["tp2", "fsdp2"])
+def test_trainer_refuses_a_misnamed_contraction_before_any_collective(tmp_path, layout):
+    argv = [f"--model.name={TINY}:BAD", "--training.steps=1", "--training.seq_len=16", "--training.batch_size=4",
+            "--data.max_corpus_bytes=50000", f"--metrics.run_dir={tmp_path}", *layout]
+    errors = run_distributed(_train_bad, 2, argv)
+    assert all(e is not None and "param 'layers.0.fc' is declared with names ['mlp', 'embed']" in e for e in errors)
+
+
+def test_gradcheck_passes_for_llama_and_a_gpt_with_biases_and_positions():
+    for name, kw in (("llama", {"overrides": {"dim": 32, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "n_layers": 2}}),
+                     (TINY, {})):
+        report = gradcheck(name, layouts=("fsdp", "tp", "tp_sp", "hsdp", "fsdp_tp_sp"), **kw)
+        assert report == {"fsdp": {}, "tp": {}, "tp_sp": {}, "hsdp": {}, "fsdp_tp_sp": {}}, (name, report)
+
+
+def test_gradcheck_names_exactly_the_params_a_layout_gets_wrong():
+    # q * q_scale on head-sharded q: without SP each tp rank holds part of q_scale's gradient and nothing sums
+    # it (a raw multiply bypasses the Layout); with SP, Layout.param sums every tp-replicated gradient
+    report = gradcheck(TINY, flavor="raw", layouts=("tp", "tp_sp"))
+    assert sorted(report["tp"]) == ["layers.0.q_scale", "layers.1.q_scale"] and report["tp_sp"] == {}
+
+
+def test_cli_trains_a_model_from_a_file(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "functitan.cli", "train", f"--model.name={TINY}", "--training.steps=2",
+                          "--training.seq_len=16", "--training.batch_size=2", "--data.max_corpus_bytes=50000",
+                          f"--metrics.run_dir={tmp_path}", "--metrics.run_name=t"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "2 steps, first loss" in out.stdout
+    record = (tmp_path / "t" / "model_config.json").read_text()
+    assert '"name": "' + TINY in record and '"dim": 32' in record
