@@ -10,6 +10,7 @@ USAGE = """usage: functitan <command> [args]
 commands:
   train [--config FILE.toml] [--section.key=value ...] [--nproc N]   train a model (--help lists every key)
   pipeline show --schedule zb_v --pp 4 --microbatches 8 [--out t.png]   draw a pipeline schedule
+  gradcheck --model.name=NAME [--layouts fsdp,tp_sp]                   a model's gradients under each layout vs one process
   export hf CHECKPOINT OUT_DIR                                          write a Hugging Face model directory
   import hf HF_DIR OUT_CHECKPOINT                                       make a functitan checkpoint from HF
 """
@@ -29,6 +30,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .pipeline._cli import main as pipeline_main
 
         return pipeline_main(rest)
+    if command == "gradcheck":
+        from .model._cli import main as gradcheck_main
+
+        return gradcheck_main(rest)
     if command in ("export", "import"):
         from .checkpoint._hf_cli import main as hf_main
 

@@ -119,3 +119,38 @@ def test_cli_trains_a_model_from_a_file(tmp_path):
     assert "2 steps, first loss" in out.stdout
     record = (tmp_path / "t" / "model_config.json").read_text()
     assert '"name": "' + TINY in record and '"dim": 32' in record
+
+
+def test_cli_gradcheck_lists_the_wrong_params():
+    out = subprocess.run([sys.executable, "-m", "functitan.cli", "gradcheck", f"--model.name={TINY}", "--model.flavor=raw",
+                          "--layouts=tp"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 1 and "tp           2 differ" in out.stdout and "layers.1.q_scale" in out.stdout
+
+
+def _run(overrides):
+    from functitan.config import ConfigError, apply_overrides
+    from functitan.job_config import JobConfig
+    from functitan.train import run
+
+    try:
+        out = run(apply_overrides(JobConfig(), overrides))
+    except ConfigError as e:
+        return str(e)
+    return out["run_dir"]
+
+
+def test_load_path_model_and_flags_never_disagree_silently(tmp_path):
+    import json
+
+    small = {"training.steps": 2, "training.seq_len": 16, "training.batch_size": 2, "data.max_corpus_bytes": 50_000,
+             "metrics.run_dir": str(tmp_path), "checkpoint.interval": 2}
+    first = run_distributed(_run, 1, {**small, "metrics.run_name": "a", "checkpoint.enable": True, "model.dim": 32,
+                                      "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_dim": 64, "model.n_layers": 2})[0]
+    ckpt = f"{first}/checkpoints/2"
+    clash = run_distributed(_run, 1, {**small, "metrics.run_name": "b", "checkpoint.load_path": ckpt, "model.n_layers": 3})[0]
+    assert "[model] flags conflict with the checkpoint's model" in clash and "n_layers=3 vs 2" in clash
+    flavor = run_distributed(_run, 1, {**small, "metrics.run_name": "c", "checkpoint.load_path": ckpt, "model.flavor": "debug"})[0]
+    assert "dim=256 vs 32" in flavor
+    same = run_distributed(_run, 1, {**small, "metrics.run_name": "d", "checkpoint.load_path": ckpt, "model.n_layers": 2})[0]
+    ran = json.loads((tmp_path / "d" / "config.json").read_text())["model"]
+    assert same.endswith("/d") and ran["name"] == "llama" and ran["overrides"]["n_layers"] == 2 and ran["overrides"]["dim"] == 32

@@ -119,3 +119,25 @@ def test_constrain_lays_out_activations_by_name():
         assert local == torch.arange(8.0).reshape(4, 2)[2 * rank:2 * rank + 2].tolist()
         assert whole_pl == (R, R, R, R) and whole == torch.arange(8.0).reshape(4, 2).tolist()
         assert by_embed == (R, R, Shard(1), R)
+
+
+def _constrain_grads():
+    from functitan.sharding import constrain
+
+    mesh = make_mesh(dp_shard=2)
+    x = torch.arange(12, dtype=torch.float32).reshape(4, 3).requires_grad_(True)
+    y = x * 2  # a non-leaf activation, as inside any forward
+    d = constrain(y, ("batch", "embed"), default_rules(), mesh)  # batch over dp_shard
+    assert isinstance(d, DTensor) and d.placements[2] == Shard(0) and d.to_local().shape == (2, 3)
+    (d.to_local() ** 2).sum().backward()  # each rank's share of sum(y**2)
+    g = x.grad.clone()
+    dist.all_reduce(g)
+    again = constrain(d, (None, None), default_rules(), mesh)  # a DTensor is redistributed
+    return g, again.to_local()
+
+
+def test_constrain_works_on_activations_inside_a_forward():
+    x = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    for g, full in run_distributed(_constrain_grads, 2):
+        torch.testing.assert_close(g, 8 * x)  # d/dx sum((2x)^2), whatever the shards
+        torch.testing.assert_close(full, 2 * x)
