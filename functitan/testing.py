@@ -36,6 +36,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    except BaseException:  # noqa: BLE001 - a lost rendezvous (a port taken meanwhile): the parent retries
+        queue.put((rank, "init", traceback.format_exc()))
+        return
+    try:
         # plain pickle: torch's queue reducer would pass tensors as shared-memory fds, which die with the worker
         queue.put((rank, "ok", pickle.dumps(fn(*args, **kwargs))))
     except BaseException:  # noqa: BLE001 - the parent re-raises with the worker's traceback
@@ -45,14 +49,37 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
             dist.destroy_process_group()
 
 
+INIT_ATTEMPTS = 3
+
+
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, threads: int = 1, **kwargs: Any
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo processes; return the per-rank results in rank order.
 
     ``fn`` must be importable (a module-level function) and its result picklable. A failure on any rank raises
-    RuntimeError carrying that rank's traceback; a hang past ``timeout`` seconds kills every process.
+    RuntimeError carrying that rank's traceback; a hang past ``timeout`` seconds kills every process. When the
+    process group cannot form (the free port was taken between choosing and binding it, which happens on a
+    busy machine), the whole run starts again on a new port, up to ``INIT_ATTEMPTS`` times; ``fn`` has not
+    run then.
     """
+    for _ in range(INIT_ATTEMPTS - 1):
+        try:
+            return _run_once(fn, world_size, args, kwargs, timeout, threads)
+        except _InitFailed:
+            continue
+    try:
+        return _run_once(fn, world_size, args, kwargs, timeout, threads)
+    except _InitFailed as e:
+        raise RuntimeError(f"distributed run of {fn.__name__}: the gloo process group did not form in "
+                           f"{INIT_ATTEMPTS} attempts:\n{e}") from None
+
+
+class _InitFailed(Exception):
+    pass
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout: float, threads: int) -> list[Any]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
     queue = ctx.Queue()
@@ -65,6 +92,7 @@ def run_distributed(
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    init_failed = False
     try:
         for _ in range(world_size):
             try:
@@ -73,6 +101,10 @@ def run_distributed(
                 raise RuntimeError(f"distributed run of {fn.__name__} timed out after {timeout}s") from exc
             if status == "ok":
                 results[rank] = pickle.loads(value)
+            elif status == "init":
+                errors.append(f"rank {rank}:\n{value}")
+                init_failed = True
+                break
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 break
@@ -82,6 +114,8 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
                 p.join()
+    if init_failed:
+        raise _InitFailed("\n".join(errors))
     if errors:
         raise RuntimeError(f"distributed run of {fn.__name__} failed on " + "\n".join(errors))
     return [results[r] for r in range(world_size)]

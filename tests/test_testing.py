@@ -26,3 +26,20 @@ def test_run_distributed_reports_the_failing_rank():
 
     with pytest.raises(RuntimeError, match="(?s)rank 1.*boom on purpose"):
         run_distributed(_fail_on_one, 2, timeout=60)
+
+
+def test_run_distributed_retries_when_the_port_was_taken(monkeypatch):
+    import socket
+
+    import functitan.testing as T
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()  # the rendezvous port is taken between choosing and binding it
+    ports = iter([busy.getsockname()[1]])
+    real = T.free_port
+    monkeypatch.setattr(T, "free_port", lambda: next(ports, None) or real())
+    try:
+        assert run_distributed(_allreduce_rank, 2, timeout=120) == [(0, 3.0), (1, 3.0)]
+    finally:
+        busy.close()
