@@ -211,9 +211,10 @@ class CheckpointManager:
                 error = exc
             if self._all_ok(error is None):
                 if errors:
+                    damaged = "; ".join(f"checkpoint step {s} in {self.root} is damaged ({e})" for s, e in errors)
                     warnings.warn(
-                        f"checkpoint step {errors[-1][0]} in {self.root} is damaged ({errors[-1][1]}); "
-                        f"restored step {step} instead",
+                        f"{damaged}; restored step {step} instead (a damaged step is saved again when the run "
+                        f"reaches it)",
                         RuntimeWarning,
                         stacklevel=2,
                     )
