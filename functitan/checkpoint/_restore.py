@@ -28,12 +28,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..errors import UserError
 from . import _layout as L
 
 __all__ = ["restore", "verify", "CheckpointError"]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint directory is incomplete, truncated or corrupted."""
 
 
