@@ -192,7 +192,7 @@ def _loop(cfg: JobConfig, state: TrainState, train_step: Any, loader: Any, meter
         if ckpt is not None:
             ckpt.close()  # waits for the last async save
     if dist.get_rank() == 0:
-        print(_summary_line(start, state.step, steps, first_loss, last_loss, run_dir))
+        print(_summary_line(start, state.step, steps, first_loss, last_loss, run_dir), flush=True)
     return {"steps": state.step, "first_loss": first_loss, "last_loss": last_loss, "run_dir": str(run_dir), "state": state}
 
 
