@@ -13,6 +13,9 @@ commands:
   gradcheck --model.name=NAME [--layouts fsdp,tp_sp]                   a model's gradients under each layout vs one process
   export hf CHECKPOINT OUT_DIR                                          write a Hugging Face model directory
   import hf HF_DIR OUT_CHECKPOINT                                       make a functitan checkpoint from HF
+
+A user error (a bad value, path or checkpoint) prints one line and exits with code 2; add --debug to any
+command to see its traceback.
 """
 
 

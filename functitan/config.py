@@ -3,7 +3,9 @@
 A job config is a frozen dataclass whose fields are section dataclasses (``training``, ``optimizer``, ...),
 each holding only its component's fields. ``parse_config(JobConfig, argv)`` reads ``--config FILE.toml``,
 then applies command-line overrides in order. Types come from the field annotations (int, float, bool, str,
-tuple[str, ...], and ``X | None``). Unknown keys are errors that suggest the nearest known key.
+tuple[str, ...], ``Literal[...]`` and ``X | None``). Unknown keys are errors that suggest the nearest known key.
+Values are checked where they are declared: each section's ``__post_init__`` calls ``check`` (and the job's
+checks the fields that depend on each other), so a bad value fails at parse time, naming its key.
 """
 
 from __future__ import annotations
@@ -18,13 +20,25 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
-__all__ = ["parse_config", "config_help", "flat_keys", "apply_overrides", "to_dict", "ConfigError"]
+from .errors import UserError
+
+__all__ = ["parse_config", "config_help", "flat_keys", "apply_overrides", "to_dict", "ConfigError", "check"]
 
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A bad config key or value; the message names the key and the fix."""
+
+
+def check(ok: bool, key: str, value: Any, expected: str) -> None:
+    """Raise ``ConfigError("<key>=<value>: <expected>")`` unless ``ok``.
+
+    In a section's ``__post_init__`` ``key`` is the field name; ``apply_overrides`` prefixes the section
+    (``steps=0: ...`` -> ``training.steps=0: ...``).
+    """
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {expected}")
 
 
 def _sections(cls: type) -> dict[str, type]:
@@ -108,27 +122,43 @@ def _suggest(key: str, known: Sequence[str]) -> str:
     return f"; did you mean {near[0]!r}?" if near else "; run with --help to list every key"
 
 
+def _open_sections(cls: type) -> set[str]:
+    return {sec for sec, tp in _sections(cls).items()
+            if any(f.name == OPEN_FIELD and _is_open(h) for f, h in
+                   ((f, typing.get_type_hints(tp)[f.name]) for f in dataclasses.fields(tp)))}
+
+
+def _is_open_key(key: str, keys: dict, open_sections: set[str]) -> bool:
+    """A key an open section (``overrides``) collects: ``model.n_layers``."""
+    sec, _, name = key.partition(".")
+    return key not in keys and sec in open_sections and bool(name) and "." not in name
+
+
+def _check_known(key: str, keys: dict, open_sections: set[str], source: str) -> None:
+    if key not in keys and not _is_open_key(key, keys, open_sections):
+        raise ConfigError(f"unknown config key {key!r} ({source}){_suggest(key, list(keys))}")
+
+
 def apply_overrides(cfg: T, overrides: dict[str, Any], *, source: str = "command line") -> T:
     """A new config with ``{"section.key": value}`` applied (values as strings or TOML-typed)."""
     keys = flat_keys(type(cfg))
-    open_sections = {sec for sec, tp in _sections(type(cfg)).items()
-                     if any(f.name == OPEN_FIELD and _is_open(h) for f, h in
-                            ((f, typing.get_type_hints(tp)[f.name]) for f in dataclasses.fields(tp)))}
+    open_sections = _open_sections(type(cfg))
     by_section: dict[str, dict[str, Any]] = {}
     for key, value in overrides.items():
         sec, _, name = key.partition(".")
-        if key not in keys and sec in open_sections and name and "." not in name:
+        if _is_open_key(key, keys, open_sections):
             extra = dict(by_section.get(sec, {}).get(OPEN_FIELD, getattr(getattr(cfg, sec), OPEN_FIELD)))
             extra[name] = value  # checked and converted by the section's owner (the model's config)
             by_section.setdefault(sec, {})[OPEN_FIELD] = extra
             continue
-        if key not in keys:
-            raise ConfigError(f"unknown config key {key!r} ({source}){_suggest(key, list(keys))}")
+        _check_known(key, keys, open_sections, source)
         by_section.setdefault(sec, {})[name] = _convert(key, keys[key][0], value)
     changes = {}
     for sec, fields in by_section.items():
         try:
             changes[sec] = dataclasses.replace(getattr(cfg, sec), **fields)
+        except ConfigError as e:  # from check(): "<field>=<value>: ..." -> "<section>.<field>=<value>: ..."
+            raise ConfigError(f"{sec}.{e}") from None
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return dataclasses.replace(cfg, **changes)
@@ -172,8 +202,8 @@ def parse_config(cls: type[T], argv: Sequence[str] | None = None, *, prog: str =
     if "-h" in argv or "--help" in argv:
         print(config_help(cls, prog))
         raise SystemExit(0)
-    cfg = cls()
-    cli: dict[str, Any] = {}
+    keys, open_sections = flat_keys(cls), _open_sections(cls)
+    overrides: dict[str, Any] = {}  # the files', then the command line's, applied at once: checked once, complete
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -188,11 +218,16 @@ def parse_config(cls: type[T], argv: Sequence[str] | None = None, *, prog: str =
         else:
             key, value = body, "true"
         if key == "config":
-            cfg = apply_overrides(cfg, _toml_overrides(Path(value)), source=value)
+            from_file = _toml_overrides(Path(value))
+            for k in from_file:
+                _check_known(k, keys, open_sections, value)
+                overrides.pop(k, None)
+            overrides.update(from_file)
         else:
-            cli[key] = value
+            overrides.pop(key, None)  # a later value wins
+            overrides[key] = value
         i += 1
-    return apply_overrides(cfg, cli)
+    return apply_overrides(cls(), overrides)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

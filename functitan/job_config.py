@@ -1,23 +1,35 @@
 """The trainer's config: one small frozen dataclass per component, grouped by section.
 
 ``functitan train --help`` lists every key with its default; TOML files (configs/*.toml) and
-``--section.key=value`` overrides land on these dataclasses (see functitan.config).
+``--section.key=value`` overrides land on these dataclasses (see functitan.config). Each section checks its
+own values in ``__post_init__`` and ``JobConfig`` the ones that depend on each other, so every value is
+checked at parse time, before a process starts or a step is computed.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, get_args
 
 from . import optim
+from .config import ConfigError, check
 from .data import DataConfig
 from .pipeline._generators import ScheduleName
 from .step import NonFinitePolicy
 
 __all__ = [
     "ModelConfig", "TrainingConfig", "OptimizerConfig", "ParallelismConfig", "MetricsConfig",
-    "CheckpointConfig", "JobConfig", "build_optimizer", "build_schedule", "learning_rate_schedule",
+    "CheckpointConfig", "JobConfig", "build_optimizer", "build_schedule", "learning_rate_schedule", "Device",
 ]
+
+Device = Literal["auto", "cpu", "cuda"]  # auto: cuda when available, else cpu
+
+
+def _at_least(cfg, names: tuple[str, ...], low: int) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        check(value >= low, name, value, f"must be >= {low}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,8 +58,13 @@ class TrainingConfig:
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # gradient reduction dtype
     compile: bool = False  # torch.compile each block
     on_nonfinite: NonFinitePolicy = "stop"
-    device: str = "auto"  # auto | cpu | cuda
+    device: Device = "auto"
     threads: int = 0  # CPU threads per process; 0 leaves torch's default
+
+    def __post_init__(self) -> None:
+        _at_least(self, ("steps", "batch_size", "seq_len", "microbatches"), 1)
+        _at_least(self, ("threads",), 0)
+        check(self.device in get_args(Device), "device", self.device, f"choose one of {list(get_args(Device))}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +81,17 @@ class OptimizerConfig:
     momentum: float = 0.9  # sgd only
     max_norm: float = 1.0  # global gradient-norm clip; 0 disables
 
+    def __post_init__(self) -> None:
+        check(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "a learning rate is a finite number > 0, e.g. 3e-4")
+        _at_least(self, ("warmup_steps",), 0)
+        check(0 <= self.final_lr_ratio <= 1, "final_lr_ratio", self.final_lr_ratio, "the final lr is lr times a ratio in [0, 1]")
+        for name in ("b1", "b2", "momentum"):
+            value = getattr(self, name)
+            check(0 <= value < 1, name, value, "a decay rate in [0, 1), e.g. 0.9")
+        for name in ("eps", "weight_decay", "max_norm"):
+            value = getattr(self, name)
+            check(math.isfinite(value) and value >= 0, name, value, "must be a finite number >= 0")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelismConfig:
@@ -76,12 +104,22 @@ class ParallelismConfig:
     pipeline_schedule: ScheduleName = "1f1b"  # with pp > 1
     stages_per_rank: int = 2  # interleaved_1f1b only (zb_v always has 2)
 
+    def __post_init__(self) -> None:
+        _at_least(self, ("dp_replicate", "tp", "pp", "stages_per_rank"), 1)
+        check(self.dp_shard == -1 or self.dp_shard >= 1, "dp_shard", self.dp_shard, "must be >= 1, or -1 for the remaining ranks")
+
 
 @dataclass(frozen=True, kw_only=True)
 class MetricsConfig:
     log_every: int = 10
     run_dir: str = "runs"
     run_name: str | None = None  # None: a timestamp
+
+    def __post_init__(self) -> None:
+        _at_least(self, ("log_every",), 1)
+        check(bool(self.run_dir), "run_dir", self.run_dir, "a directory for the runs, e.g. runs")
+        check(self.run_name is None or (self.run_name not in (".", "..") and "/" not in self.run_name), "run_name",
+              self.run_name, "a directory name under run_dir (no '/'), or none for a timestamp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +129,10 @@ class CheckpointConfig:
     interval: int = 100
     keep_last: int = 3
     load_path: str | None = None  # weights to start from: a functitan checkpoint or a Hugging Face directory
+
+    def __post_init__(self) -> None:
+        _at_least(self, ("interval", "keep_last"), 1)
+        check(bool(self.folder), "folder", self.folder, "a directory name, e.g. checkpoints")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +144,18 @@ class JobConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        # the schedule depends on training.steps: build it once here, so that its errors name the keys
+        opt, steps = self.optimizer, self.training.steps
+        try:
+            learning_rate_schedule(opt, steps)
+        except ValueError as e:
+            capped = f" (capped at training.steps={steps})" if opt.warmup_steps > steps else ""
+            raise ConfigError(
+                f"optimizer.schedule={opt.schedule!r} does not fit training.steps={steps} with optimizer.warmup_steps="
+                f"{opt.warmup_steps}{capped}: {e}; lower optimizer.warmup_steps or raise training.steps"
+            ) from None
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optim.Schedule:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import optim
+from .errors import UserError
 from .random import fold_in
 from .train_state import TrainState
 
@@ -28,8 +29,15 @@ NonFinitePolicy = Literal["stop", "skip"]
 NONFINITE_POLICIES: tuple[str, ...] = get_args(NonFinitePolicy)
 
 
-class NonFiniteLossError(FloatingPointError):
-    """The loss or gradient norm was NaN or infinite; the message names the step."""
+class NonFiniteLossError(UserError, FloatingPointError):
+    """The loss or gradient norm was NaN or infinite; the message names which, and the step."""
+
+
+def _nonfinite_message(loss: float, gnorm: float, step: int) -> str:
+    bad = [f"{name} {v}" for name, v in (("loss", loss), ("grad norm", gnorm)) if not math.isfinite(v)]
+    good = [f"{name} {v:.4g}" for name, v in (("loss", loss), ("grad norm", gnorm)) if math.isfinite(v)]
+    return (f"non-finite {' and '.join(bad)}{f' ({good[0]})' if good else ''} at step {step}; lower optimizer.lr, "
+            f"enable clipping (optimizer.max_norm), or set training.on_nonfinite='skip'")
 
 
 def _mean_over_ranks(x: Tensor) -> Tensor:
@@ -78,10 +86,7 @@ def make_train_step(
         # the gradient norm is global and the loss is averaged: every rank takes the same branch
         if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
             if on_nonfinite == "stop":
-                raise NonFiniteLossError(
-                    f"non-finite loss {loss_v} (grad norm {gnorm_v}) at step {state.step + 1}; lower "
-                    f"optimizer.lr, enable clipping (optimizer.max_norm), or set training.on_nonfinite='skip'"
-                )
+                raise NonFiniteLossError(_nonfinite_message(loss_v, gnorm_v, state.step + 1))
             nxt = state._replace(step=state.step + 1, rng=fold_in(state.rng, state.step))
             return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": 1}
         if max_norm > 0:

@@ -23,6 +23,7 @@ from . import pipeline
 from .checkpoint import CheckpointManager, is_hf_dir, load_hf, recorded_model_config, restore_params, write_model_config
 from .config import ConfigError, parse_config, to_dict
 from .data import build_loader
+from .errors import pop_debug, user_errors_exit
 from .hostmem import keep_freed_memory
 from .job_config import JobConfig, build_optimizer, build_schedule, learning_rate_schedule
 from .model import Model, check_names, config_from_dict, config_to_dict, load_model
@@ -169,6 +170,7 @@ def _loop(cfg: JobConfig, state: TrainState, train_step: Any, loader: Any, meter
     lr_at = learning_rate_schedule(cfg.optimizer, steps)
     sinks = M.make_sinks(run_dir, steps, rank=dist.get_rank())
     tokens_per_step = cfg.training.batch_size * cfg.training.seq_len
+    start = state.step  # 0, or the step a checkpoint resumed at
     first_loss = last_loss = float("nan")
     try:
         M.reset_peak_memory(device)
@@ -178,7 +180,7 @@ def _loop(cfg: JobConfig, state: TrainState, train_step: Any, loader: Any, meter
             t_data = time.perf_counter() - t0
             state, out = train_step(state._replace(data_state=data_state), batch)
             meter.update(wall_s=time.perf_counter() - t0, data_s=t_data, tokens=tokens_per_step)
-            first_loss = out["loss"] if state.step == 1 else first_loss
+            first_loss = out["loss"] if state.step == start + 1 else first_loss
             last_loss = out["loss"]
             if state.step % cfg.metrics.log_every == 0 or state.step in (1, steps):
                 sinks.write(state.step, {**out, "lr": lr_at(state.step - 1), **meter.flush(), **M.peak_memory(device)})
@@ -190,11 +192,22 @@ def _loop(cfg: JobConfig, state: TrainState, train_step: Any, loader: Any, meter
         if ckpt is not None:
             ckpt.close()  # waits for the last async save
     if dist.get_rank() == 0:
-        print(f"functitan: {state.step} steps, first loss {first_loss:.4f} -> last loss {last_loss:.4f}; logs in {run_dir}")
+        print(_summary_line(start, state.step, steps, first_loss, last_loss, run_dir), flush=True)
     return {"steps": state.step, "first_loss": first_loss, "last_loss": last_loss, "run_dir": str(run_dir), "state": state}
 
 
+def _summary_line(start: int, end: int, steps: int, first_loss: float, last_loss: float, run_dir: Path) -> str:
+    if end == start:
+        return f"functitan: nothing to train: the run's checkpoint is at step {end}, training.steps={steps}; logs in {run_dir}"
+    resumed = f" (resumed at step {start})" if start else ""
+    first = "first loss" if not start else f"loss at step {start + 1}"
+    return f"functitan: {end} steps{resumed}, {first} {first_loss:.4f} -> last loss {last_loss:.4f}; logs in {run_dir}"
+
+
 def _init_process(tcfg: Any) -> torch.device:
+    if tcfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("training.device='cuda' but torch sees no CUDA device here; use training.device=cpu "
+                         "(or auto, which picks cuda when there is one)")
     use_cuda = tcfg.device == "cuda" or (tcfg.device == "auto" and torch.cuda.is_available())
     if tcfg.threads > 0:
         torch.set_num_threads(tcfg.threads)
@@ -234,17 +247,34 @@ def _launch(nproc: int, argv: Sequence[str]) -> int:
     return subprocess.call(cmd)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+def _nproc(args: list[str]) -> tuple[int | None, list[str]]:
+    """``(N, the other args)`` for ``--nproc N`` / ``--nproc=N``; ``(None, args)`` without it."""
     for i, a in enumerate(args):
         if a == "--nproc" or a.startswith("--nproc="):
-            value = a.split("=", 1)[1] if "=" in a else args[i + 1]
-            rest = args[:i] + args[i + (1 if "=" in a else 2):]
-            return _launch(int(value), rest)
-    run(parse_config(JobConfig, args))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
+            value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"--nproc={value!r}: the number of processes is an integer >= 1, e.g. --nproc 2")
+            return int(value), args[:i] + args[i + (1 if "=" in a else 2):]
+    return None, args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``functitan train``; a user error is one line and exit code 2 on each failing rank (functitan.errors)."""
+    debug, args = pop_debug(sys.argv[1:] if argv is None else argv)
+
+    def body() -> int:
+        nproc, rest = _nproc(args)
+        if nproc is not None:
+            parse_config(JobConfig, rest)  # a bad value is reported once, before any process starts
+            return _launch(nproc, rest + (["--debug"] if debug else []))
+        try:
+            run(parse_config(JobConfig, args))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return 0
+
+    return user_errors_exit(body, debug=debug)
 
 
 if __name__ == "__main__":

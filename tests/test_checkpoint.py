@@ -6,6 +6,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import time
 import warnings
 from typing import NamedTuple
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from functitan.checkpoint import CheckpointError, CheckpointManager, restore, save, save_sync
+from functitan.checkpoint import CheckpointError, CheckpointManager, restore, save, save_sync, verify
 from functitan.mesh import make_mesh
 from functitan.testing import run_distributed
 from functitan.train_state import TrainState
@@ -204,6 +205,25 @@ def test_kill_9_during_async_saves_never_leaves_a_partial_checkpoint(tmp_path):
     assert len(restored_steps) >= 8 and restored_steps == sorted(restored_steps)
     leftovers = [e for e in os.listdir(root) if not e.isdigit()]
     assert all(".tmp-" in e for e in leftovers)
+    # each trial's manager removed the leftovers of the previous kill: at most the last kill's remain
+    assert len(leftovers) <= 2, leftovers
+    CheckpointManager(root, interval=1, keep_last=2).close()  # a restart
+    assert all(e.isdigit() for e in os.listdir(root)), os.listdir(root)
+
+
+def test_a_restart_removes_leftovers_of_cut_short_saves_and_deletes(tmp_path):
+    mgr = CheckpointManager(tmp_path, interval=1, keep_last=3, async_save=False)
+    for step in (1, 2):
+        mgr.maybe_save(_state(step))
+    mgr.close()
+    shutil.copytree(tmp_path / "2", tmp_path / "3.tmp-0a1b2c3d4e5f")  # a save cut short before its rename
+    (tmp_path / "3.tmp-0a1b2c3d4e5f" / "default" / "_COMMIT").unlink()
+    shutil.copytree(tmp_path / "1", tmp_path / "0.tmp-deleting-89abcdef")  # a retention delete cut short
+    (tmp_path / "notes.tmp-keep").mkdir()  # not a step's: left alone
+    mgr = CheckpointManager(tmp_path, interval=1, keep_last=3)
+    assert sorted(os.listdir(tmp_path)) == ["1", "2", "notes.tmp-keep"]
+    _assert_tree_equal(mgr.restore_latest(_zeros_like(_state(0))), _state(2))
+    mgr.close()
 
 
 # ----------------------------------------------------------------------------------------------- corruption
@@ -226,6 +246,36 @@ def test_truncated_newest_checkpoint_warns_and_falls_back(tmp_path):
     with pytest.raises(CheckpointError, match=r"params\.w/c/0/0 has \d+ bytes, the commit marker"):
         restore(tmp_path / "2" / "default", _zeros_like(_state(0)))
     mgr.close()
+
+
+def test_a_damaged_step_is_resaved_in_place_and_never_counts_toward_keep_last(tmp_path):
+    mgr = CheckpointManager(tmp_path, interval=1, keep_last=3, async_save=False)
+    for step in (1, 2, 3):
+        mgr.maybe_save(_state(step))
+    mgr.close()
+    f = _data_file(tmp_path / "2", "params.w")  # the two newest damaged: one truncated, one without _COMMIT
+    f.write_bytes(f.read_bytes()[:-10])
+    (tmp_path / "3" / "default" / "_COMMIT").unlink()
+    mgr = CheckpointManager(tmp_path, interval=1, keep_last=2, async_save=False)
+    with pytest.warns(RuntimeWarning, match=r"step 3 .*damaged.*_COMMIT is missing.*step 2 .*damaged.*truncated.*restored step 1"):
+        got = mgr.restore_latest(_zeros_like(_state(0)))
+    _assert_tree_equal(got, _state(1))
+    # the resumed run reaches step 2 again: saved, replacing the damaged one; the damaged 3 does not count
+    # toward keep_last=2, so the intact step 1 stays and 3 goes (it is re-saved when the run gets there)
+    assert mgr.maybe_save(_state(2)) is not None
+    assert mgr.all_steps() == [1, 2] and sorted(os.listdir(tmp_path)) == ["1", "2"]
+    _assert_tree_equal(mgr.restore(2, _zeros_like(_state(0))), _state(2))
+    assert mgr.maybe_save(_state(3)) is not None and mgr.all_steps() == [2, 3]
+    mgr.close()
+
+
+def test_a_functitan_checkpoint_without_its_commit_marker_is_incomplete(tmp_path):
+    save_sync(tmp_path / "ck", {"w": torch.ones(3)})
+    (tmp_path / "ck" / "_COMMIT").unlink()
+    with pytest.raises(CheckpointError, match=r"ck/_COMMIT is missing: .*ck was written by functitan but never committed"):
+        restore(tmp_path / "ck", {"w": torch.zeros(3)})
+    with pytest.raises(CheckpointError, match="_COMMIT is missing"):
+        verify(tmp_path / "ck")
 
 
 def test_flipped_bits_are_caught_by_the_chunk_checksum(tmp_path):

@@ -1,6 +1,7 @@
 """Exact resume: a run saved at step 10 and resumed reproduces the uninterrupted run's losses bit for bit."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -65,3 +66,57 @@ def test_resume_after_step_10_is_bit_exact(world, layout, tmp_path):
     for name, p in straight_params.items():
         assert torch.equal(resumed_params[name], p), name
     assert data_state["seq"] == 14 * 8
+
+
+# ------------------------------------------------------------------------------------------- crash leftovers, damage
+
+
+def _train_and_capture(overrides: dict, crash_at: int | None = None):
+    """The trainer's run (crashing after step ``crash_at``), returning its summary numbers and warnings."""
+    import warnings
+
+    from test_train import SMALL
+
+    from functitan.config import apply_overrides
+    from functitan.job_config import JobConfig
+    from functitan.train import run
+
+    if crash_at is not None:
+        _crash_at_step(crash_at)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = run(apply_overrides(JobConfig(), {**SMALL, **overrides}))
+        except _Crash:
+            return None
+    return out["first_loss"], out["steps"], [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+
+def _files(step_dir) -> dict[str, bytes]:
+    return {str(p.relative_to(step_dir)): p.read_bytes() for p in sorted(step_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_restarted_trainer_removes_leftovers_and_resaves_a_damaged_newest_step(tmp_path, capfd):
+    import shutil
+
+    run = {**CKPT, "checkpoint.interval": 2, "training.steps": 6, "metrics.run_dir": str(tmp_path), "metrics.run_name": "r"}
+    assert run_distributed(_train_and_capture, 1, run, 4) == [None]  # crashed after step 4 was saved
+    ckpts = tmp_path / "r" / "checkpoints"
+    assert sorted(e.name for e in ckpts.iterdir()) == ["2", "4"]
+    good4 = _files(ckpts / "4")
+    # a crash's leftovers: a save cut short before its rename, a retention delete cut short
+    shutil.copytree(ckpts / "2", ckpts / "6.tmp-0a1b2c3d4e5f")
+    shutil.copytree(ckpts / "2", ckpts / "0.tmp-deleting-89abcdef")
+    # and a damaged newest step: one array file truncated
+    victim = next(p for p in (ckpts / "4" / "default").rglob("c/*") if p.is_file() and "params" in str(p))
+    victim.write_bytes(victim.read_bytes()[:-7])
+    capfd.readouterr()
+
+    first, steps, warned = run_distributed(_train_and_capture, 1, run)[0]
+    assert steps == 6 and math.isfinite(first)  # the first loss this run computed (step 3), not nan
+    assert len(warned) == 1 and "checkpoint step 4" in warned[0] and "restored step 2 instead" in warned[0]
+    printed = capfd.readouterr().out
+    assert "functitan: 6 steps (resumed at step 2), loss at step 3 " in printed and "nan" not in printed
+    # leftovers gone; step 4 saved again in place of the damaged one; keep_last=2 counts intact steps only
+    assert sorted(e.name for e in ckpts.iterdir()) == ["4", "6"]
+    assert _files(ckpts / "4") == good4  # the resumed run is bit-exact, so its step 4 is the original's, byte for byte

@@ -1,19 +1,26 @@
-"""``functitan export hf CKPT OUT`` and ``functitan import hf HF_DIR OUT_CKPT``."""
+"""``functitan export hf CKPT OUT`` and ``functitan import hf HF_DIR OUT_CKPT``.
+
+Paths are checked before any work, so a wrong one is a named error (one line, exit code 2): a checkpoint or
+HF directory that does not exist or is not one, an output path that is a file, or that cannot be created or
+written.
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
+import os
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
-from ..model import Model, load_model, model_for_architecture
-from ._hf import CONFIG_NAME, MAX_SHARD_BYTES, _read_json, export_hf, import_hf, recorded_model
+from ..errors import UserError, pop_debug, user_errors_exit
+from ._hf import MAX_SHARD_BYTES
 
 
-def _model_of(hf_dir: str, name: str | None) -> tuple[str, Model]:
+def _model_of(hf_dir: str, name: str | None):
+    from ..model import load_model, model_for_architecture
+    from ._hf import CONFIG_NAME, _read_json
+
     if name is not None:
         return name, load_model(name)
     config = Path(hf_dir) / CONFIG_NAME
@@ -25,7 +32,51 @@ def _model_of(hf_dir: str, name: str | None) -> tuple[str, Model]:
     return model_for_architecture(archs[0])
 
 
+def _steps_in(d: Path) -> str:
+    steps = sorted((e.name for e in d.iterdir() if e.name.isdigit()), key=int) if d.is_dir() else []
+    return f" (steps in {d}: {', '.join(steps)})" if steps else ""
+
+
+def _checkpoint_in(path: str) -> None:
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"checkpoint {path} does not exist{_steps_in(p.parent)}; pass a step directory such as "
+                        f"runs/<run>/checkpoints/<step>, or import hf's output")
+    if not ((p / "_METADATA").is_file() or (p / "default" / "_METADATA").is_file()):
+        raise UserError(f"{path} is not a functitan checkpoint (no _METADATA in it or in {path}/default)"
+                        f"{_steps_in(p / 'checkpoints') or _steps_in(p)}; pass a step directory such as "
+                        f"runs/<run>/checkpoints/<step>")
+
+
+def _hf_in(path: str) -> None:
+    from ._hf import is_hf_dir
+
+    if not Path(path).is_dir():
+        raise UserError(f"Hugging Face directory {path} does not exist; pass a local model directory "
+                        f"(config.json and *.safetensors)")
+    if not is_hf_dir(path):
+        raise UserError(f"{path} is not a Hugging Face model directory: it needs config.json and model.safetensors "
+                        f"(or model.safetensors.index.json)")
+
+
+def _writable_dir(path: str, *, must_be_new: bool = False) -> None:
+    """``path`` is (or can be made) a writable directory; ``must_be_new``: it must not exist yet."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UserError(f"output {path} exists and is not a directory; pass a new or empty directory")
+    if must_be_new and p.exists():
+        raise UserError(f"output {path} already exists; pass a new directory (a checkpoint is never overwritten)")
+    parent = p if p.exists() else next((d for d in p.absolute().parents if d.exists()), Path("/"))
+    if not parent.is_dir():
+        raise UserError(f"output {path}: {parent} is not a directory; pass a path under a directory")
+    try:  # a probe, not os.access: root passes access() on read-only and virtual file systems
+        os.rmdir(tempfile.mkdtemp(prefix=".functitan-probe-", dir=parent))
+    except OSError as e:
+        raise UserError(f"output {path}: cannot write in {parent} ({e.strerror}); pass a directory you can write to") from None
+
+
 def main(command: str, argv: Sequence[str]) -> int:
+    debug, args = pop_debug(argv)
     parser = argparse.ArgumentParser(prog=f"functitan {command} hf")
     if command == "export":
         parser.add_argument("checkpoint", help="a functitan checkpoint (a step directory: runs/<name>/checkpoints/<step>)")
@@ -37,21 +88,29 @@ def main(command: str, argv: Sequence[str]) -> int:
         parser.add_argument("--model", default=None,
                             help="the model as --model.name spells it (default: the installed model of config.json's architecture)")
         parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    args = list(argv)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     if not args or args[0] != "hf":
         parser.error(f"usage: functitan {command} hf ...")
     ns = parser.parse_args(args[1:])
-    try:
+
+    def body() -> int:
+        import torch
+
+        from ._hf import export_hf, import_hf, recorded_model
+
         if command == "export":
+            _checkpoint_in(ns.checkpoint)
+            _writable_dir(ns.out)
             model, cfg = recorded_model(ns.checkpoint)
             export_hf(ns.checkpoint, ns.out, model=model, cfg=cfg, max_shard_bytes=ns.max_shard_bytes)
             print(f"functitan: wrote a Hugging Face {model.hf.architecture if model.hf else model.name} to {ns.out}")
         else:
+            _hf_in(ns.hf_dir)
+            _writable_dir(ns.out, must_be_new=True)
             name, model = _model_of(ns.hf_dir, ns.model)
             import_hf(ns.hf_dir, ns.out, model, name=name, dtype=getattr(torch, ns.dtype) if ns.dtype else None)
             print(f"functitan: wrote a functitan checkpoint of {ns.hf_dir} to {ns.out}; train from it with "
                   f"--checkpoint.load_path={ns.out}")
-    except ValueError as e:
-        print(f"functitan {command} hf: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return user_errors_exit(body, debug=debug)

@@ -89,6 +89,27 @@ def from_numpy(a: np.ndarray) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------- names
 
 
+def _key_metadata(acc: Any) -> tuple[dict, ...]:
+    """Orbax's ``key_metadata`` of one accessor path (see ``named_leaves``)."""
+    keys = []
+    for entry in acc:
+        if hasattr(entry, "field"):
+            keys.append({"key": str(entry.field), "key_type": 2})
+        elif isinstance(entry, optree.MappingEntry):
+            k = str(entry.key)
+            if "." in k or "/" in k or not k:
+                raise ValueError(
+                    f"{keystr(acc)}: the dict key {entry.key!r} contains '.' or '/' (or is empty); checkpoint "
+                    f"array names join keys with '.', so rename the key (e.g. replace '.' with '_')"
+                )
+            keys.append({"key": k, "key_type": 2})
+        elif isinstance(entry, optree.SequenceEntry):
+            keys.append({"key": str(entry.index), "key_type": 1})
+        else:
+            raise TypeError(f"{keystr(acc)}: pytree node {type(entry).__name__} has no checkpoint key")
+    return tuple(keys)
+
+
 def named_leaves(tree: Any) -> tuple[list[tuple[str, tuple[dict, ...], Any]], optree.PyTreeSpec]:
     """``[(dotted_name, key_metadata, leaf)]`` and the treedef.
 
@@ -97,26 +118,34 @@ def named_leaves(tree: Any) -> tuple[list[tuple[str, tuple[dict, ...], Any]], op
     "." or a "/" would be ambiguous and is rejected.
     """
     accessors, leaves, treedef = optree.tree_flatten_with_accessor(tree)
-    out = []
-    for acc, leaf in zip(accessors, leaves):
-        keys = []
-        for entry in acc:
-            if hasattr(entry, "field"):
-                keys.append({"key": str(entry.field), "key_type": 2})
-            elif isinstance(entry, optree.MappingEntry):
-                k = str(entry.key)
-                if "." in k or "/" in k or not k:
-                    raise ValueError(
-                        f"{keystr(acc)}: the dict key {entry.key!r} contains '.' or '/' (or is empty); checkpoint "
-                        f"array names join keys with '.', so rename the key (e.g. replace '.' with '_')"
-                    )
-                keys.append({"key": k, "key_type": 2})
-            elif isinstance(entry, optree.SequenceEntry):
-                keys.append({"key": str(entry.index), "key_type": 1})
-            else:
-                raise TypeError(f"{keystr(acc)}: pytree node {type(entry).__name__} has no checkpoint key")
-        out.append((keystr(acc), tuple(keys), leaf))
-    return out, treedef
+    return [(keystr(acc), _key_metadata(acc), leaf) for acc, leaf in zip(accessors, leaves)], treedef
+
+
+def _is_empty_node(x: Any) -> bool:
+    return x is None or (isinstance(x, (tuple, list, dict)) and len(x) == 0)
+
+
+def empty_value_type(x: Any) -> str:
+    """The ``value_type`` orbax-checkpoint (0.12, default options) records for an empty node.
+
+    An empty NamedTuple (optax's ``EmptyState()``) is recorded as "None": Orbax writes it so unless its
+    experimental ``support_rich_types`` is on, and reads "NamedTuple" back as None anyway.
+    """
+    if isinstance(x, list):
+        return "List"
+    if isinstance(x, tuple):
+        return "None" if hasattr(x, "_fields") else "Tuple"
+    return "Dict" if isinstance(x, dict) else "None"
+
+
+def empty_nodes(tree: Any) -> list[tuple[str, tuple[dict, ...], str]]:
+    """``[(dotted_name, key_metadata, value_type)]`` of the tree's empty nodes (None, (), [], {}, an empty
+    NamedTuple). They hold no array, but Orbax records each one (``skip_deserialize: true``) so that the
+    indices of a sequence stay contiguous: without ``opt_state.1`` its reader cannot rebuild ``opt_state.2``.
+    """
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, is_leaf=_is_empty_node)
+    return [(keystr(acc), _key_metadata(acc), empty_value_type(x))
+            for acc, x in zip(accessors, leaves) if len(acc) and _is_empty_node(x)]
 
 
 def value_type(leaf: Any, name: str) -> str:
@@ -131,14 +160,17 @@ def value_type(leaf: Any, name: str) -> str:
     )
 
 
-def orbax_metadata(entries: list[tuple[str, tuple[dict, ...], str]]) -> dict:
-    """The Orbax ``_METADATA`` document for ``[(name, key_metadata, value_type)]``."""
+def orbax_metadata(entries: list[tuple[str, tuple[dict, ...], str]],
+                   empty: list[tuple[str, tuple[dict, ...], str]] = ()) -> dict:
+    """The Orbax ``_METADATA`` document for the arrays ``[(name, key_metadata, value_type)]`` and the
+    empty nodes ``empty`` (same shape, from ``empty_nodes``), written as Orbax writes them."""
     tree = {}
-    for _, keys, vtype in entries:
-        tree[str(tuple(k["key"] for k in keys))] = {
-            "key_metadata": list(keys),
-            "value_metadata": {"value_type": vtype, "skip_deserialize": False},
-        }
+    for entries_, skip in ((entries, False), (empty, True)):
+        for _, keys, vtype in entries_:
+            tree[str(tuple(k["key"] for k in keys))] = {
+                "key_metadata": list(keys),
+                "value_metadata": {"value_type": vtype, "skip_deserialize": skip},
+            }
     return {
         "tree_metadata": tree,
         "use_ocdbt": False,
@@ -149,11 +181,18 @@ def orbax_metadata(entries: list[tuple[str, tuple[dict, ...], str]]) -> dict:
 
 
 def names_in_metadata(meta: dict) -> dict[str, str]:
-    """``{dotted_name: value_type}`` of an Orbax ``_METADATA`` document (ours or Orbax's)."""
+    """``{dotted_name: value_type}`` of the arrays an Orbax ``_METADATA`` document (ours or Orbax's) lists.
+
+    Empty nodes (``skip_deserialize: true``: None, (), [], {}) hold no array and are left out; the
+    exemplar's structure brings them back.
+    """
     out = {}
     for entry in meta.get("tree_metadata", {}).values():
+        value = entry.get("value_metadata", {})
+        if value.get("skip_deserialize", False):
+            continue
         name = ".".join(str(k["key"]) for k in entry["key_metadata"])
-        out[name] = entry.get("value_metadata", {}).get("value_type", "np.ndarray")
+        out[name] = value.get("value_type", "np.ndarray")
     return out
 
 

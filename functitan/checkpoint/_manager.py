@@ -4,18 +4,22 @@ Layout (Orbax's CheckpointManager layout, single item named ``default``)::
 
     <root>/100/default/{_METADATA,_COMMIT,<arrays>}
     <root>/200/default/...
-    <root>/300.tmp-3f2a.../      a save in flight, or one cut short by a crash: never read, removed later
+    <root>/300.tmp-3f2a.../      a save in flight, or one cut short by a crash: never read
+    <root>/100.tmp-deleting-.../ a retention delete in flight, or one cut short by a crash
 
-A step directory appears by one atomic rename, after all of its files are written, so a listed step is a
-complete one; ``restore_latest`` still checks the files' sizes (and each chunk's crc32c while reading) and
-falls back to the previous step, with a warning, when the newest is damaged.
+Leftovers of both kinds are removed when a manager starts on ``root`` (the start of a run, when no save
+of this run is in flight). A step directory appears by one atomic rename, after all of its files are
+written, so a listed step is a complete one; ``restore_latest`` still checks the files' sizes (and each
+chunk's crc32c while reading) and falls back to the previous step, with a warning, when the newest is
+damaged. The damaged step is then re-saved when the run reaches it again (replacing it at the commit),
+and never counts toward ``keep_last``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
-import uuid
 import warnings
 from typing import Any
 
@@ -26,11 +30,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..tree import combine, partition
 from . import _layout as L
 from ._restore import CheckpointError, restore
-from ._save import Checkpointer, SaveHandle, _Group
+from ._save import Checkpointer, SaveHandle, _Group, _move_aside
 
 __all__ = ["CheckpointManager"]
 
 ITEM = "default"
+_LEFTOVER = re.compile(r"^\d+" + re.escape(L.TMP_MARK))  # <step>.tmp-<uuid>, <step>.tmp-deleting-<uuid>
 
 
 def _under(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -80,9 +85,17 @@ class CheckpointManager:
         self._group = _Group(mesh, timeout_s)
         self._ck = Checkpointer(mesh=mesh, timeout_s=timeout_s, group=self._group)
         self._last_saved: int | None = None
+        self._damaged: set[int] = set()  # steps restore_latest found damaged: re-saved in place, never kept
         if self._group.leader:
             os.makedirs(self.root, exist_ok=True)
+            self._remove_leftovers()
         self._group.barrier()
+
+    def _remove_leftovers(self) -> None:
+        """Remove what crashed saves and deletes left behind (``<step>.tmp-*``); nothing of this run is in flight."""
+        for entry in os.listdir(self.root):
+            if _LEFTOVER.match(entry):
+                shutil.rmtree(os.path.join(self.root, entry), ignore_errors=True)
 
     # ------------------------------------------------------------------------------------- listing
 
@@ -113,15 +126,19 @@ class CheckpointManager:
         """Save ``state`` if ``step`` (default ``state.step``) is a multiple of ``interval`` (or ``force``).
 
         Blocks only to wait for the previous save and to copy this rank's shards into staging buffers.
-        A step that already has a checkpoint (e.g. the one just resumed from) is not saved again.
+        A step that already has a checkpoint (e.g. the one just resumed from) is not saved again, unless
+        ``restore_latest`` found it damaged: then the new checkpoint replaces it at the commit.
         """
         step = int(state.step if step is None else step)
-        if not (force or self.should_save(step)) or step in self._existing(step):
+        replace = step in self._damaged
+        if not (force or self.should_save(step)) or (step in self._existing(step) and not replace):
             return None
         self._last_saved = step
+        self._damaged.discard(step)
         tree = partition(state, lambda n, x: not _under(n, self.exclude))[0] if self.exclude else state
         # a synchronous save writes the live values directly: nothing can change them meanwhile
-        handle = self._ck.save(self.step_dir(step), tree, _item=ITEM, after_commit=self._retain, _stage_copy=self.async_save)
+        handle = self._ck.save(self.step_dir(step), tree, _item=ITEM, after_commit=self._retain,
+                               _stage_copy=self.async_save, _replace=replace)
         if not self.async_save:
             handle.wait()
         return handle
@@ -130,20 +147,22 @@ class CheckpointManager:
         return {step} if os.path.isdir(self.step_dir(step)) else set()
 
     def _retain(self) -> None:
-        """On the leader, after a commit: delete what the retention policy drops (and stale temp dirs)."""
+        """On the leader, after a commit: delete what the retention policy drops.
+
+        Steps found damaged (and not re-saved since) neither count toward ``keep_last`` nor are kept.
+        """
         steps = self.all_steps()
-        keep = set(steps[-self.keep_last :])
+        intact = [s for s in steps if s not in self._damaged]
+        keep = set(intact[-self.keep_last :])
         if self.keep_every:
-            keep |= {s for s in steps if s % self.keep_every == 0}
+            keep |= {s for s in intact if s % self.keep_every == 0}
         for s in steps:
             if s not in keep:
                 self._delete(self.step_dir(s))
 
     def _delete(self, path: str) -> None:
         # rename first: a crash mid-delete must not leave a half-deleted directory under a step's name
-        doomed = f"{path}{L.TMP_MARK}deleting-{uuid.uuid4().hex[:8]}"
-        os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        shutil.rmtree(_move_aside(path), ignore_errors=True)
 
     def wait(self) -> None:
         """Block until the save in flight is committed (re-raising its failure)."""
@@ -192,13 +211,15 @@ class CheckpointManager:
                 error = exc
             if self._all_ok(error is None):
                 if errors:
+                    damaged = "; ".join(f"checkpoint step {s} in {self.root} is damaged ({e})" for s, e in errors)
                     warnings.warn(
-                        f"checkpoint step {errors[-1][0]} in {self.root} is damaged ({errors[-1][1]}); "
-                        f"restored step {step} instead",
+                        f"{damaged}; restored step {step} instead (a damaged step is saved again when the run "
+                        f"reaches it)",
                         RuntimeWarning,
                         stacklevel=2,
                     )
                 self._last_saved = step
+                self._damaged = {s for s, _ in errors}
                 return value
             errors.append((step, error or "damaged on another rank"))
         if errors:

@@ -28,12 +28,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..errors import UserError
 from . import _layout as L
 
 __all__ = ["restore", "verify", "CheckpointError"]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint directory is incomplete, truncated or corrupted."""
 
 
@@ -51,16 +52,24 @@ def verify(path: str | os.PathLike) -> None:
     """Check that every file the commit marker lists exists with its recorded size.
 
     Truncation and missing files are caught here (a stat per file); flipped bits are caught on read by
-    the crc32c each chunk carries. A checkpoint without ``_COMMIT`` (e.g. written by Orbax) passes.
+    the crc32c each chunk carries. A checkpoint written by functitan without its ``_COMMIT`` is
+    incomplete (an error); one written by Orbax has no ``_COMMIT`` (Orbax commits by its own rename) and
+    passes with only its chunk checksums to protect it.
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is not a checkpoint directory")
     commit_path = os.path.join(path, L.COMMIT)
+    meta_path = os.path.join(path, L.METADATA)
     if not os.path.exists(commit_path):
-        if os.path.exists(os.path.join(path, L.METADATA)):
-            return
-        raise CheckpointError(f"{path} has neither {L.COMMIT} nor {L.METADATA}: not a complete checkpoint")
+        if not os.path.exists(meta_path):
+            raise CheckpointError(f"{path} has neither {L.COMMIT} nor {L.METADATA}: not a complete checkpoint")
+        if (_read_json(meta_path).get("custom_metadata") or {}).get("format") == L.FORMAT:
+            raise CheckpointError(
+                f"{commit_path} is missing: {path} was written by functitan but never committed (or the marker "
+                f"was lost in a copy), so its files cannot be checked; restore an older checkpoint"
+            )
+        return
     commit = _read_json(commit_path)
     for rel, size in commit.get("files", {}).items():
         full = os.path.join(path, rel)

@@ -9,7 +9,8 @@ Commit protocol (a crash at any moment leaves the old set of checkpoints or the 
 1. every rank writes its shards under ``<dir>.tmp-<uuid>`` (rank 0 also every ``zarr.json``), fsyncs its
    files and writes their sizes to ``_sizes.<rank>``;
 2. barrier; rank 0 writes ``_METADATA`` and ``_COMMIT`` (all files with their sizes), fsyncs, renames
-   ``<dir>.tmp-<uuid>`` to ``<dir>`` and fsyncs the parent directory;
+   ``<dir>.tmp-<uuid>`` to ``<dir>`` and fsyncs the parent directory (re-saving a damaged step: the
+   damaged ``<dir>`` is first renamed to ``<dir>.tmp-deleting-<uuid>``, removed after the commit);
 3. barrier, so that ``wait()`` returns on every rank only once the checkpoint is visible.
 
 The barriers run on a private gloo group, so they never interleave with the training's collectives.
@@ -21,6 +22,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -277,7 +279,16 @@ class _Group:
         return bytes(token.tolist()).hex()[:12]
 
 
-def _commit(final: str, item_rel: str, plan: list[_Leaf], group: _Group, events: list, after_commit=None) -> None:
+def _move_aside(path: str) -> str:
+    """Rename ``path`` to a ``.tmp-deleting-`` name (a crash then never leaves it half deleted under its own
+    name; the manager removes such leftovers when it starts) and return the new name."""
+    doomed = f"{path}{L.TMP_MARK}deleting-{uuid.uuid4().hex[:8]}"
+    os.rename(path, doomed)
+    return doomed
+
+
+def _commit(final: str, item_rel: str, plan: list[_Leaf], empty: list, group: _Group, events: list, after_commit=None,
+            replace: bool = False) -> None:
     for ev in events:
         ev.synchronize()
     tmp = f"{final}{L.TMP_MARK}{group.shared_token()}"
@@ -293,15 +304,18 @@ def _commit(final: str, item_rel: str, plan: list[_Leaf], group: _Group, events:
             with open(part) as f:
                 files.update(json.load(f))
             os.remove(part)
-        meta = L.orbax_metadata([(leaf.name, leaf.keys, leaf.vtype) for leaf in plan])
+        meta = L.orbax_metadata([(leaf.name, leaf.keys, leaf.vtype) for leaf in plan], empty)
         files[L.METADATA] = _write_json(os.path.join(item, L.METADATA), meta)
         commit = {"format": L.FORMAT, "files": files, "arrays": {leaf.name: leaf.metadata["shape"] for leaf in plan}}
         _write_json(os.path.join(item, L.COMMIT), commit)
         _fsync(item, directory=True)
         if item != tmp:
             _fsync(tmp, directory=True)
+        doomed = _move_aside(final) if replace and os.path.exists(final) else None
         os.rename(tmp, final)
         _fsync(os.path.dirname(os.path.abspath(final)), directory=True)
+        if doomed is not None:
+            shutil.rmtree(doomed, ignore_errors=True)
         if after_commit is not None:
             after_commit()
     group.barrier()
@@ -331,18 +345,21 @@ class Checkpointer:
         self._group = group
         self._owns_group = group is None
         self._plan: list[_Leaf] | None = None
+        self._empty: list = []  # the tree's empty nodes (Orbax records them in _METADATA)
         self._plan_sig: tuple | None = None
         self._pending: SaveHandle | None = None
 
-    def save(self, path: str | os.PathLike, tree: Any, *, _item: str = "", after_commit=None, _stage_copy: bool = True) -> SaveHandle:
+    def save(self, path: str | os.PathLike, tree: Any, *, _item: str = "", after_commit=None, _stage_copy: bool = True,
+             _replace: bool = False) -> SaveHandle:
         """Stage ``tree`` and start writing it to ``path``; returns once the live values may change.
 
         ``after_commit()`` runs in the background thread on the leader once the checkpoint is visible
-        (the manager's retention); the other ranks' ``wait()`` returns after it.
+        (the manager's retention); the other ranks' ``wait()`` returns after it. ``_replace``: ``path``
+        may exist (the manager re-saving a damaged step) and is replaced at commit.
         """
         self.wait()
         path = os.fspath(path)
-        if os.path.exists(path):
+        if os.path.exists(path) and not _replace:
             raise ValueError(f"checkpoint directory {path} already exists; choose a new path or delete it first")
         if self._group is None:
             self._group = _Group(self._mesh, self._timeout_s)
@@ -350,14 +367,15 @@ class Checkpointer:
         sig = _signature(named, treedef)
         if sig != self._plan_sig:
             self._plan = _plan(named, self._group.rank, self._group.ranks)
+            self._empty = L.empty_nodes(tree)
             self._plan_sig = sig
         events = _stage(self._plan, named, copy=_stage_copy)
         handle = SaveHandle(path, None)
-        plan, group = self._plan, self._group
+        plan, empty, group = self._plan, self._empty, self._group
 
         def run() -> None:
             try:
-                _commit(path, _item, plan, group, events, after_commit)
+                _commit(path, _item, plan, empty, group, events, after_commit, _replace)
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
                 handle._error = exc
 

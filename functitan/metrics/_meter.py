@@ -37,7 +37,9 @@ def throughput(
 
     Returns:
       ``tokens_per_s`` (global), ``tokens_per_s_per_device``, ``tflops`` (achieved TFLOP/s per device),
-      ``mfu`` (percent, or None), ``step_time_s`` and ``data_time_s`` (per step).
+      ``mfu`` (percent, or None), ``step_time_s`` and ``data_time_s`` (per step). An achieved rate above
+      the peak means the peak is wrong (a CPU calibration run on a busy machine), not an MFU over 100%:
+      ``mfu`` is then None and ``mfu_above_peak`` holds achieved / peak (a ratio > 1) instead.
     """
     if not wall_s > 0:
         raise ValueError(f"throughput: wall_s must be > 0 seconds, got {wall_s!r}")
@@ -53,14 +55,18 @@ def throughput(
     tokens_per_s = tokens / wall_s
     per_device = tokens_per_s / world_size
     achieved = flops_per_token * per_device  # FLOP/s of one device
-    return {
+    ratio = achieved / peak_value if peak_value else None
+    out = {
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": per_device,
         "tflops": achieved / 1e12,
-        "mfu": 100.0 * achieved / peak_value if peak_value else None,
+        "mfu": 100.0 * ratio if ratio is not None and ratio <= 1 else None,
         "step_time_s": wall_s / steps,
         "data_time_s": data_s / steps,
     }
+    if ratio is not None and ratio > 1:
+        out["mfu_above_peak"] = ratio
+    return out
 
 
 class Meter:

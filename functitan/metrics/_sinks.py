@@ -62,6 +62,7 @@ _FIELDS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("tokens_per_s", "tok/s", _si),
     ("tflops", "TFLOP/s", lambda v: f"{v:.1f}"),
     ("mfu", "MFU", lambda v: f"{v:.1f}%"),
+    ("mfu_above_peak", "achieved/peak", lambda v: f"{v:.2f} (peak underestimated)"),
     ("mem_max_reserved_gib", "mem", lambda v: f"{v:.2f}GiB"),
     ("mem_max_rss_gib", "rss", lambda v: f"{v:.2f}GiB"),
     ("mem_max_rss_since_start_gib", "rss", lambda v: f"{v:.2f}GiB"),
