@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from . import _collectives
+from . import _dtensor as _dt
 from ._names import NameTable
 from ._tp import TPContext, parse_einsum
 from ._rules import Rules, Spec, default_rules, is_spec, logical_to_mesh_axes, spec_placements
@@ -427,12 +428,13 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, p: DTensor) -> Tensor:
-        ctx.spec = p._spec
-        return p._local_tensor.view_as(p._local_tensor)
+        ctx.spec = _dt.spec(p)
+        local = _dt.local(p)
+        return local.view_as(local)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> DTensor:
-        return DTensor.__new__(DTensor, g.contiguous(), ctx.spec, requires_grad=False)
+        return _dt.wrap(g.contiguous(), ctx.spec)
 
 
 def _check_only_dp_on_dim(p: DTensor, dim: int) -> None:
