@@ -337,6 +337,19 @@ class Layout:
             return self._tp.einsum(pattern, *operands)
         return parse_einsum(pattern, len(operands))[2](*operands)
 
+    def einsums(self, x: Tensor, pairs: list[tuple[str, Tensor]]) -> list[Tensor]:
+        """``[einsum(pattern, x, w) for pattern, w in pairs]``: contractions that share their input ``x``
+        (q, k and v; gate and up). Under tensor parallelism the shared input is gathered along the sequence
+        (sequence parallel) or gradient-reduced once for all of them instead of once each, and backward runs
+        one reduce-scatter / all-reduce of the summed input gradient."""
+        if self.names is not None:
+            caller = sys._getframe(1)
+            for pattern, w in pairs:
+                self.names.check_einsum(pattern, w, caller)
+        if self._tp is not None:
+            return self._tp.einsums(x, pairs)
+        return [parse_einsum(pattern, 2)[2](x, w) for pattern, w in pairs]
+
     def embed(self, tokens: Tensor, table: Tensor, num_rows: int) -> Tensor:
         """Row lookup: ``tokens (batch, seq)`` ids into ``table (num_rows, embed)`` -> ``(batch, seq, embed)``.
 
