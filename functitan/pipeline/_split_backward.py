@@ -20,26 +20,23 @@ from __future__ import annotations
 import collections
 import torch
 from torch import Tensor
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node
 
 __all__ = ["input_grad"]
 
 
-def _node(t: Tensor) -> Node | None:
-    """``t``'s grad_fn, or its AccumulateGrad node when ``t`` is a leaf (no op dispatched: DTensor leaves too)."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    if not t.requires_grad:
-        return None
-    return get_gradient_edge(t).node
-
-
-def _consumers(root: Node) -> dict[Node, list[Node]]:
-    """node -> the nodes that consume its output (reverse edges), over the graph below ``root``."""
+def _graph(root: Node) -> tuple[dict[Node, list[Node]], dict[int, Node]]:
+    """Over the graph below ``root``: node -> the nodes consuming its output (reverse edges), and
+    id(leaf tensor) -> its AccumulateGrad node (found by walking, not by a ``view_as`` of the leaf, which would
+    dispatch a DTensor op for a DTensor leaf)."""
     rev: dict[Node, list[Node]] = collections.defaultdict(list)
+    leaves: dict[int, Node] = {}
     seen, queue = {root}, collections.deque([root])
     while queue:
         node = queue.popleft()
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves[id(variable)] = node
         for nxt, _ in node.next_functions:
             if nxt is None:
                 continue
@@ -47,7 +44,7 @@ def _consumers(root: Node) -> dict[Node, list[Node]]:
             if nxt not in seen:
                 seen.add(nxt)
                 queue.append(nxt)
-    return rev
+    return rev, leaves
 
 
 def _closure(starts: list[Node], rev: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
@@ -101,15 +98,14 @@ class WeightGrad:
 def input_grad(out: Tensor, inp: Tensor, dout: Tensor | None, weights: list[Tensor]) -> tuple[Tensor | None, WeightGrad]:
     """B: ``d out / d inp`` (with cotangent ``dout``; None for a scalar loss), and the W pass that gives the
     weights' gradients from what B kept. The graph is retained for W; W frees it."""
-    root = _node(out)
-    inp_node = _node(inp)
-    rev = _consumers(root)
-    activation_path, _ = _closure([inp_node], rev, set())
+    rev, leaves = _graph(out.grad_fn)
+    inp_node = inp.grad_fn or leaves.get(id(inp))
+    activation_path, _ = _closure([inp_node] if inp_node is not None else [], rev, set())
     # group weights by the joining nodes they reach (union over shared joins)
     owner: dict[Node, int] = {}
     groups: list[tuple[list[int], list[Node]]] = []
     for i, w in enumerate(weights):
-        wn = _node(w)
+        wn = w.grad_fn or leaves.get(id(w))  # None: the stage output does not depend on w
         _, joins = _closure([wn], rev, activation_path) if wn is not None else (set(), set())
         hit = sorted({owner[j] for j in joins if j in owner})
         if hit:
