@@ -20,14 +20,13 @@ Both sides start from the same params (``torch_llama.from_functional``): the fir
 before each; a step lasts until its slowest rank finishes (wall: max over ranks); process CPU time is summed
 over ranks (steadier on a shared machine: it leaves out time spent waiting for a core).
 
-``--prototype`` also times ``functitan_fix``: functitan with the change proposed for ``functitan/_tp.py``
-(below, ``_SharedInputTP``): a column-parallel input shared by several contractions (q, k, v; gate, up) is
-gathered / gradient-reduced once instead of once per contraction.
+Both sides gather a column-parallel input shared by several contractions (q, k, v; gate, up) once
+(functitan: ``Layout.einsums``; torch: ``PrepareModuleInput``).
 
 Run from the repository root::
 
     python -m benchmarks.parallel_vs_torch                      # debug config, batch 8, seq 128, world 2 and 4
-    python -m benchmarks.parallel_vs_torch --world 2 --cases tp_sp --steps 10 --prototype
+    python -m benchmarks.parallel_vs_torch --world 2 --cases tp_sp --steps 10 --runs 1
 
 Writes ``benchmarks/results/parallel_vs_torch.json`` (``--out`` to change).
 """
@@ -39,7 +38,6 @@ import dataclasses
 import functools
 import statistics
 import time
-import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,9 +49,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks import _common
 from benchmarks.torch_llama import Llama, from_functional
-from functitan import _collectives as C
 from functitan import optim
-from functitan._tp import TPContext, _axis_of, parse_einsum
 from functitan.mesh import make_mesh
 from functitan.random import fold_in, key
 from functitan.sharding import Layout, default_rules, place
@@ -77,53 +73,8 @@ class Setup:
     warmup: int = 2
     threads: int = 1
     reshard_after_forward: bool = True
-    prototype: bool = False
     profile: int = 0  # profile this many steps of each side on rank 0 (after timing)
     profile_dir: str = str(RESULTS)
-
-
-# ----------------------------------------------------------------------------------------------- prototype fix
-
-
-class _SharedInputTP(TPContext):
-    """TPContext that gathers (SP) / gradient-reduces (no SP) a column-parallel input once per distinct input.
-
-    ``attention`` feeds the same normed ``x`` to wq, wk and wv, and ``mlp`` to w_gate and w_up. The library
-    plans each einsum alone, so under SP it all-gathers ``x`` three times forward and reduce-scatters three
-    gradients backward (twice for the MLP), and without SP it all-reduces three input gradients. Here the
-    last (input, gathered input) pair is remembered: the next column-parallel einsum on the same tensor
-    object reuses the gathered one, autograd sums the three gradients into it, and ONE reduce-scatter /
-    all-reduce runs in backward -- what torch's ``PrepareModuleInput`` on ``attention`` / ``feed_forward``
-    does. Under activation checkpointing the recomputation replays the same sequence, so it stays correct.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._last: tuple[Any, Tensor] | None = None
-
-    def einsum(self, pattern: str, x: Tensor, w: Tensor) -> Tensor:
-        (xn, wn), out, op = parse_einsum(pattern, 2)
-        sharded = _axis_of(wn, self.rules, self.axis)
-        if sharded is not None and sharded in out and sharded not in xn:  # column parallel
-            last = self._last
-            if last is not None and last[0]() is x:
-                return op(last[1], w)
-            x_seq = self.sequence_parallel and "seq" in xn
-            xg = self.gather_seq(x, xn.index("seq")) if x_seq else C.grad_all_reduce(x, self.group, reduce="sum")
-            self._last = (weakref.ref(x), xg)
-            return op(xg, w)
-        return super().einsum(pattern, x, w)
-
-
-@dataclasses.dataclass(frozen=True)
-class _FixedLayout(Layout):
-    """Layout with the change proposed for ``functitan/_tp.py`` (``_SharedInputTP``); the FSDP reshard fix that
-    this benchmark also prototyped (saved-tensor hooks instead of a selective checkpoint) is in the library."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self._tp is not None:
-            object.__setattr__(self, "_tp", _SharedInputTP(self.mesh, self.rules))
 
 
 # ----------------------------------------------------------------------------------------------- the two sides
@@ -144,13 +95,13 @@ def _mean_stats(loss: Tensor, gnorm: Tensor) -> list[float]:
     return (stats / dist.get_world_size()).tolist()
 
 
-def functitan_side(case: str, s: Setup, cfg: llama.LlamaConfig, full: Any, batches: list, *, fix: bool = False) -> Callable[[], list[float]]:
+def functitan_side(case: str, s: Setup, cfg: llama.LlamaConfig, full: Any, batches: list) -> Callable[[], list[float]]:
     """The train step as ``functitan.train`` builds it (constant lr, no clipping)."""
     n = dist.get_world_size()
     sp = case == "tp_sp"
     mesh = make_mesh(dp_shard=n) if case == "fsdp" else make_mesh(dp_shard=1, tp=n)
     rules = default_rules(sequence_parallel=sp)
-    layout = (_FixedLayout if fix else Layout)(mesh, rules, reshard_after_forward=s.reshard_after_forward)
+    layout = Layout(mesh, rules, reshard_after_forward=s.reshard_after_forward)
     params = place(full, llama.specs(cfg), rules, mesh)
     optimizer = optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
     box = [TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=None, rng=key(0))]
@@ -296,8 +247,6 @@ def _worker(case: str, s: Setup) -> dict[str, Any]:
     rows = slice(rank * s.batch // n, (rank + 1) * s.batch // n) if case == "fsdp" else slice(None)
     batches = _batches(cfg, s, rows)
     fns = {"functitan": functitan_side(case, s, cfg, full, batches), "torch": torch_side(case, s, cfg, full, batches)}
-    if s.prototype:
-        fns["functitan_fix"] = functitan_side(case, s, cfg, full, batches, fix=True)
     wall, cpu, losses = timed_rounds(fns, steps=s.steps, warmup=s.warmup)
     med = {k: statistics.median(v) for k, v in wall.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
@@ -312,9 +261,6 @@ def _worker(case: str, s: Setup) -> dict[str, Any]:
         "last_loss_and_grad_norm": {k: v[-1] for k, v in losses.items()},
         "step_ms": {k: [round(1e3 * x, 2) for x in v] for k, v in wall.items()},
     }
-    if "functitan_fix" in fns:
-        result["ratio_fix"] = med["functitan_fix"] / med["torch"]
-        result["ratio_fix_cpu"] = med_cpu["functitan_fix"] / med_cpu["torch"]
     if s.profile:
         result["profiles"] = _profile(fns, case, s)
     return result
@@ -347,8 +293,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--world", default="2,4", help="comma-separated world sizes")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {CASES}")
     ap.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False on both sides (FSDP)")
-    ap.add_argument("--runs", type=int, default=1, help="repeat everything this many times (fresh processes)")
-    ap.add_argument("--prototype", action="store_true", help="also time functitan with the proposed _tp.py fix")
+    ap.add_argument("--runs", type=int, default=3, help="repeat everything this many times (fresh processes); "
+                    "the JSON holds every run's ratio and their median")
     ap.add_argument("--profile", type=int, default=0, help="also profile this many steps per side (rank 0)")
     ap.add_argument("--out", default=str(RESULTS / "parallel_vs_torch.json"))
     return ap.parse_args(argv)
@@ -357,7 +303,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     s = Setup(config=a.config, batch=a.batch, seq=a.seq, steps=a.steps, warmup=a.warmup,
-              reshard_after_forward=not a.no_reshard, prototype=a.prototype, profile=a.profile,
+              reshard_after_forward=not a.no_reshard, profile=a.profile,
               profile_dir=str(Path(a.out).parent))
     runs: list[dict[str, Any]] = []
     for run in range(a.runs):  # each run starts fresh process trees
@@ -371,14 +317,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     raise RuntimeError(f"{case}{world}: first-step losses differ by {r['first_loss_abs_diff']:.2e} "
                                        f"({r['first_loss']}): the two sides do not compute the same model")
                 results[f"{case}{world}"] = r
-                extra = f", fix/torch {r['ratio_fix']:.3f} wall {r['ratio_fix_cpu']:.3f} CPU" if "ratio_fix" in r else ""
                 print(f"run {run + 1} {case}{world:<2} functitan {r['median_step_ms']['functitan']:7.1f} ms, torch "
                       f"{r['median_step_ms']['torch']:7.1f} ms: functitan/torch {r['ratio']:.3f} wall, {r['ratio_cpu']:.3f} CPU; "
-                      f"first loss diff {r['first_loss_abs_diff']:.1e}{extra}", flush=True)
+                      f"first loss diff {r['first_loss_abs_diff']:.1e}", flush=True)
         runs.append(results)
     keys = list(runs[0])
     summary = {}
-    for field in ("ratio", "ratio_cpu", "ratio_fix", "ratio_fix_cpu"):
+    for field in ("ratio", "ratio_cpu"):
         if field in runs[0][keys[0]]:
             per = {k: [r[k][field] for r in runs] for k in keys}
             summary[field] = {"median": {k: statistics.median(v) for k, v in per.items()}, "per_run": per}

@@ -213,6 +213,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--default-malloc", action="store_true",
                     help="keep glibc's default thresholds (the trainer applies functitan.hostmem.keep_freed_memory; "
                          "it speeds both sides, functional updates more)")
+    ap.add_argument("--runs", type=int, default=3, help="fresh runs of the alternating rounds; the JSON holds each run's ratios and their median")
+    ap.add_argument("--no-tiny", dest="tiny", action="store_false",
+                    help="skip the second measurement at batch 1, seq 32 (>= 60 steps), where fixed per-step cost dominates")
     ap.add_argument("--out", default=str(RESULTS / "step_overhead.json"))
     return ap.parse_args(argv)
 
@@ -239,55 +242,64 @@ def _ratios(med: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    a = parse_args(argv)
-    torch.set_num_threads(a.threads)
-    if not a.default_malloc:
-        keep_freed_memory()  # as functitan.train does, for every variant alike (one process)
+def measure(a: argparse.Namespace, batch: int, seq: int, steps: int) -> dict[str, Any]:
+    """``a.runs`` runs (fresh variants each) of ``steps`` alternating rounds at (batch, seq); medians over runs."""
     device = torch.device(a.device)
     dtype = getattr(torch, a.dtype)
     variants = tuple(v for v in a.variants.split(",") if v)
     cfg = llama.config(a.config)
     g = torch.Generator().manual_seed(0)
-    batches = [{"inputs": torch.randint(0, cfg.vocab_size, (a.batch, a.seq), generator=g).to(device),
-                "targets": torch.randint(0, cfg.vocab_size, (a.batch, a.seq), generator=g).to(device)} for _ in range(4)]
+    batches = [{"inputs": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device),
+                "targets": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)} for _ in range(4)]
     foreach = {"on": True, "off": False, "default": None}[a.torch_foreach]
-    total = a.warmup + a.steps + 2 * (a.profile + 2) + a.breakdown + a.warmup  # every update advances the schedule
+    total = a.warmup + steps + 2 * (a.profile + 2) + a.breakdown + a.warmup  # every update advances the schedule
     s = Setup(cfg=cfg, opt_cfg=OptimizerConfig(), total_steps=total, batches=batches, device=device, dtype=dtype, torch_foreach=foreach)
-
-    fns = build(s, variants)
-    last: dict[str, list[float]] = {}
-    wrapped = {n: (lambda n=n, f=f.step: last.__setitem__(n, f())) for n, f in fns.items()}
-    times, cpu = _common.interleaved(wrapped, steps=a.steps, warmup=a.warmup, device=device)
-    med = {n: _common.median(t) for n, t in times.items()}
-    med_cpu = {n: _common.median(t) for n, t in cpu.items()}
+    runs = []
+    for r in range(a.runs):
+        fns = build(s, variants if r % 2 == 0 else tuple(reversed(variants)))
+        last: dict[str, list[float]] = {}
+        wrapped = {n: (lambda n=n, f=f.step: last.__setitem__(n, f())) for n, f in fns.items()}
+        times, cpu = _common.interleaved(wrapped, steps=steps, warmup=a.warmup, device=device)
+        med = {n: _common.median(t) for n, t in times.items()}
+        med_cpu = {n: _common.median(t) for n, t in cpu.items()}
+        runs.append({"median_s": med, "ratios": _ratios(med), "median_cpu_s": med_cpu, "ratios_cpu": _ratios(med_cpu),
+                     "times_s": times, "cpu_times_s": cpu, "last_loss_and_grad_norm": last})
+        print(f"  batch {batch} seq {seq} run {r + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1]["ratios"].items()), flush=True)
+    keys = runs[0]["ratios"].keys()
     result: dict[str, Any] = {
-        "median_s": med,
-        "ratios": _ratios(med),
-        "median_cpu_s": med_cpu,
-        "ratios_cpu": _ratios(med_cpu),
-        "times_s": times,
-        "cpu_times_s": cpu,
-        "last_loss_and_grad_norm": last,  # the variants train the same model on the same data: these agree
-        "config": {"model": a.config, **dataclasses.asdict(cfg), "batch": a.batch, "seq": a.seq, "steps": a.steps,
-                   "warmup": a.warmup, "dtype": a.dtype, "torch_foreach": a.torch_foreach, "default_malloc": a.default_malloc,
-                   "optimizer": dataclasses.asdict(s.opt_cfg)},
-        "env": _common.environment(a.threads, device),
+        "ratios": {k: _common.median([x["ratios"][k] for x in runs]) for k in keys},  # median over runs
+        "ratios_cpu": {k: _common.median([x["ratios_cpu"][k] for x in runs]) for k in keys},
+        "per_run_ratios": {k: [x["ratios"][k] for x in runs] for k in keys},
+        "per_run_ratios_cpu": {k: [x["ratios_cpu"][k] for x in runs] for k in keys},
+        "median_s": {n: _common.median([x["median_s"][n] for x in runs]) for n in runs[0]["median_s"]},
+        "runs": runs,
+        "config": {"model": a.config, **dataclasses.asdict(cfg), "batch": batch, "seq": seq, "steps": steps,
+                   "warmup": a.warmup, "runs": a.runs, "dtype": a.dtype, "torch_foreach": a.torch_foreach,
+                   "default_malloc": a.default_malloc, "optimizer": dataclasses.asdict(s.opt_cfg)},
     }
     if a.breakdown:
-        result["breakdown"] = breakdown(fns, steps=a.breakdown, warmup=a.warmup, device=device)
+        result["breakdown"] = breakdown(build(s, variants), steps=a.breakdown, warmup=a.warmup, device=device)
     if a.profile:
-        result["profiles"] = run_profile(s, variants, a.profile, a.profile_rows, Path(a.out).parent)
-    path = _common.write_json(a.out, result)
-    for n, m in med.items():
-        print(f"{n:>20}: median {m * 1e3:8.1f} ms/step wall (min {min(times[n]) * 1e3:.1f}, max {max(times[n]) * 1e3:.1f}); "
-              f"median {med_cpu[n] * 1e3:8.1f} ms/step process CPU")
-    for r, v in result["ratios"].items():
-        print(f"{r:>38}: {v:.3f} wall, {result['ratios_cpu'][r]:.3f} CPU")
-    for phase, per in result.get("breakdown", {}).items():
-        shown = ", ".join(f"{n} {m['cpu_ms']:.1f}" for n, m in per.items())
-        print(f"{phase:>10} phase, median process CPU ms: {shown}")
-    print(f"wrote {path}")
+        result["profiles"] = run_profile(s, variants, a.profile, a.profile_rows, Path(a.out).parent / f"b{batch}_s{seq}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    if not a.default_malloc:
+        keep_freed_memory()  # as functitan.train does, for every variant alike (one process)
+    shapes = {"default": (a.batch, a.seq, a.steps)}
+    if a.tiny:
+        shapes["tiny"] = (1, 32, max(a.steps, 60))
+    result: dict[str, Any] = {"targets": {"default": "functitan_dtensor/torch <= 1.0", "tiny": "<= 1.05"}}
+    for name, (batch, seq, steps) in shapes.items():
+        result[name] = measure(a, batch, seq, steps)
+        for r, v in result[name]["ratios"].items():
+            print(f"{name:>8} {r:>38}: {v:.3f} wall, {result[name]['ratios_cpu'][r]:.3f} CPU (median of {a.runs} runs)")
+    result["ratios"] = {f"{name}:{k}": v for name in shapes for k, v in result[name]["ratios"].items()}
+    result["env"] = _common.environment(a.threads, torch.device(a.device))
+    print(f"wrote {_common.write_json(a.out, result)}")
     return result
 
 

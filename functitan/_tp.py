@@ -111,6 +111,28 @@ class TPContext:
             w = C.grad_all_reduce(w, self.group, reduce="sum")
         return op(x, w)
 
+    def einsums(self, x: Tensor, pairs: list[tuple[str, Tensor]]) -> list[Tensor]:
+        """Several contractions of one input (q, k, v; gate, up) with one input collective for all of them.
+
+        When every contraction is column parallel on the same input names, ``x`` is all-gathered along ``seq``
+        once under sequence parallelism (backward: the gradients of all contractions are summed by autograd,
+        then ONE reduce-scatter), or its gradient all-reduced once without (Megatron's f once, as torch's
+        ``PrepareModuleInput`` does). Otherwise each contraction is planned alone (``einsum``).
+        """
+        plans = [(parse_einsum(pattern, 2), w) for pattern, w in pairs]
+        xn = plans[0][0][0][0]
+        shared = all(
+            names[0] == xn and (sh := _axis_of(names[1], self.rules, self.axis)) is not None and sh in out and sh not in xn
+            for (names, out, _), _ in plans
+        )
+        if not shared:
+            return [self.einsum(pattern, x, w) for pattern, w in pairs]
+        if self.sequence_parallel and "seq" in xn:
+            x = self.gather_seq(x, xn.index("seq"))
+        else:
+            x = C.grad_all_reduce(x, self.group, reduce="sum")
+        return [op(x, w) for (_, _, op), w in plans]
+
     def gather_seq(self, x: Tensor, dim: int) -> Tensor:
         return C.all_gather(x, dim, x.shape[dim] * self.size, self.group, reduce="sum")
 

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from . import _collectives
+from . import _dtensor as _dt
 from ._names import NameTable
 from ._tp import TPContext, parse_einsum
 from ._rules import Rules, Spec, default_rules, is_spec, logical_to_mesh_axes, spec_placements
@@ -336,6 +337,19 @@ class Layout:
             return self._tp.einsum(pattern, *operands)
         return parse_einsum(pattern, len(operands))[2](*operands)
 
+    def einsums(self, x: Tensor, pairs: list[tuple[str, Tensor]]) -> list[Tensor]:
+        """``[einsum(pattern, x, w) for pattern, w in pairs]``: contractions that share their input ``x``
+        (q, k and v; gate and up). Under tensor parallelism the shared input is gathered along the sequence
+        (sequence parallel) or gradient-reduced once for all of them instead of once each, and backward runs
+        one reduce-scatter / all-reduce of the summed input gradient."""
+        if self.names is not None:
+            caller = sys._getframe(1)
+            for pattern, w in pairs:
+                self.names.check_einsum(pattern, w, caller)
+        if self._tp is not None:
+            return self._tp.einsums(x, pairs)
+        return [parse_einsum(pattern, 2)[2](x, w) for pattern, w in pairs]
+
     def embed(self, tokens: Tensor, table: Tensor, num_rows: int) -> Tensor:
         """Row lookup: ``tokens (batch, seq)`` ids into ``table (num_rows, embed)`` -> ``(batch, seq, embed)``.
 
@@ -427,12 +441,13 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, p: DTensor) -> Tensor:
-        ctx.spec = p._spec
-        return p._local_tensor.view_as(p._local_tensor)
+        ctx.spec = _dt.spec(p)
+        local = _dt.local(p)
+        return local.view_as(local)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> DTensor:
-        return DTensor.__new__(DTensor, g.contiguous(), ctx.spec, requires_grad=False)
+        return _dt.wrap(g.contiguous(), ctx.spec)
 
 
 def _check_only_dp_on_dim(p: DTensor, dim: int) -> None:

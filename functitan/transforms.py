@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from . import _dtensor as _dt
+
 __all__ = ["value_and_grad", "accumulate", "remat", "split_batch"]
 
 
@@ -83,25 +85,27 @@ def accumulate(grad_fn: Callable[..., tuple[Any, Any]], microbatches: int) -> Ca
 
     @functools.wraps(grad_fn)
     def wrapped(params: Any, batch: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        # The sums run on local shards (DTensor gradients keep their specs aside): a foreach op on DTensors
+        # pays sharding propagation, which took minutes on the first step of a 4-D mesh.
         total_loss: Tensor | None = None
-        acc: list[Tensor] | None = None
+        acc: list[Any] = []
+        specs: list[Any] = []
         treedef = None
         for mb in split_batch(batch, microbatches):
             loss, grads = grad_fn(params, mb, *args, **kwargs)
             leaves, treedef = optree.tree_flatten(grads, none_is_leaf=True)
-            if acc is None:
-                acc, total_loss = list(leaves), loss
-            else:
-                tensors = [i for i, g in enumerate(leaves) if g is not None]
-                summed = torch._foreach_add([acc[i] for i in tensors], [leaves[i] for i in tensors])
-                for i, s in zip(tensors, summed):
-                    acc[i] = s
-                total_loss = total_loss + loss
-        tensors = [i for i, g in enumerate(acc) if g is not None]
-        scaled = torch._foreach_div([acc[i] for i in tensors], float(microbatches))
-        for i, s in zip(tensors, scaled):
-            acc[i] = s
-        return total_loss / microbatches, optree.tree_unflatten(treedef, acc)
+            if total_loss is None:
+                acc, specs, total_loss = [_dt.local(g) for g in leaves], [_dt.spec(g) for g in leaves], loss
+                continue
+            idx = [i for i, g in enumerate(leaves) if g is not None]
+            # out of place: the first microbatch's gradients may alias tensors autograd still holds
+            for i, s in zip(idx, torch._foreach_add([acc[i] for i in idx], [_dt.local(leaves[i]) for i in idx])):
+                acc[i] = s
+            total_loss = total_loss + loss
+        idx = [i for i, g in enumerate(acc) if g is not None]
+        torch._foreach_div_([acc[i] for i in idx], float(microbatches))  # every acc[i] is a sum made above
+        out = [None if g is None else _dt.wrap(g, s) for g, s in zip(acc, specs)]
+        return total_loss / microbatches, optree.tree_unflatten(treedef, out)
 
     return wrapped
 

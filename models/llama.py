@@ -258,9 +258,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, layout: Layout) -> Tensor:
 def attention(p: dict[str, Tensor], x: Tensor, cfg: LlamaConfig, layout: Layout) -> Tensor:
     # x: (batch, seq, embed), the residual layout (sequence shards under sequence parallelism)
     hd = cfg.head_dim
-    q = layout.einsum("batch seq embed, heads embed -> batch seq heads", x, p["wq"])
-    k = layout.einsum("batch seq embed, kv_heads embed -> batch seq kv_heads", x, p["wk"])
-    v = layout.einsum("batch seq embed, kv_heads embed -> batch seq kv_heads", x, p["wv"])
+    q, k, v = layout.einsums(x, [  # one input gather (sequence parallel) for the three
+        ("batch seq embed, heads embed -> batch seq heads", p["wq"]),
+        ("batch seq embed, kv_heads embed -> batch seq kv_heads", p["wk"]),
+        ("batch seq embed, kv_heads embed -> batch seq kv_heads", p["wv"]),
+    ])
     # q, k, v hold the whole sequence; head counts come from the (possibly tensor-parallel) local shapes
     b, s = q.shape[:2]
     cos, sin = rope_tables(cfg, s, device=q.device, dtype=q.dtype)  # cheap next to the matmuls; fused when compiled
@@ -274,8 +276,8 @@ def attention(p: dict[str, Tensor], x: Tensor, cfg: LlamaConfig, layout: Layout)
 
 
 def mlp(p: dict[str, Tensor], x: Tensor, layout: Layout) -> Tensor:
-    gate = layout.einsum("batch seq embed, mlp embed -> batch seq mlp", x, p["w_gate"])
-    up = layout.einsum("batch seq embed, mlp embed -> batch seq mlp", x, p["w_up"])
+    gate, up = layout.einsums(x, [("batch seq embed, mlp embed -> batch seq mlp", p["w_gate"]),
+                                  ("batch seq embed, mlp embed -> batch seq mlp", p["w_up"])])
     return layout.einsum("batch seq mlp, embed mlp -> batch seq embed", F.silu(gate) * up, p["w_down"])
 
 

@@ -36,6 +36,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from functitan import _dtensor as _dt
+
 from . import _layout as L
 
 __all__ = ["SaveHandle", "Checkpointer", "save", "save_sync"]
@@ -151,7 +153,7 @@ def _plan(named: list, rank: int, ranks: tuple[int, ...]) -> list[_Leaf]:
 
 
 def _local_tensor(x: Any) -> Any:
-    return x.to_local() if isinstance(x, DTensor) else x
+    return _dt.local(x) if isinstance(x, torch.Tensor) else x  # no DTensor dispatch while staging
 
 
 @torch.no_grad()

@@ -17,9 +17,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
+from functitan import _dtensor as _dt
+from functitan._dtensor import DTensorSpec
 from functitan.tree import check_same_structure, flatten_with_names
 
 
@@ -36,9 +35,9 @@ class Flat(NamedTuple):
 def _split(leaves: list[Any], tree: Any, what: str) -> tuple[list[Tensor], list[DTensorSpec | None]]:
     locals_, specs = [], []
     for i, x in enumerate(leaves):
-        if isinstance(x, DTensor):
-            locals_.append(x._local_tensor)
-            specs.append(x._spec)
+        if isinstance(x, _dt.DTensor):
+            locals_.append(_dt.local(x))
+            specs.append(_dt.spec(x))
         elif isinstance(x, Tensor):
             locals_.append(x)
             specs.append(None)
@@ -92,18 +91,9 @@ def _raise_layout(ref: Flat, i: int, spec: DTensorSpec | None, local: Tensor, wh
 
 
 def wrap(local: Tensor, spec: DTensorSpec | None, requires_grad: bool = False) -> Tensor:
-    """Wrap a local result back into a DTensor with ``spec`` (a plain tensor when ``spec`` is None).
-
-    The result is a leaf: call under ``torch.no_grad()``. A dtype change (fp32 updates of a bf16 param) gets
-    a spec with the new dtype; the global shape and stride are the leaf's own.
-    """
-    if spec is None:
-        return local.requires_grad_(requires_grad) if requires_grad else local
-    if spec.tensor_meta is not None and spec.tensor_meta.dtype != local.dtype:
-        meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, local.dtype)
-        spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
-    # DTensor.__new__ alone: DTensor.__init__ does nothing but costs ~2 us under its dynamo-disable wrapper.
-    return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
+    """Wrap a local result back into a DTensor with ``spec`` (a plain tensor when ``spec`` is None); see
+    ``functitan._dtensor.wrap``. The result is a leaf: call under ``torch.no_grad()``."""
+    return _dt.wrap(local, spec, requires_grad)
 
 
 def unflatten(ref: Flat, locals_: list[Tensor]) -> Any:

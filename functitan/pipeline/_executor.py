@@ -4,8 +4,9 @@ Each compute action runs one stage on one microbatch:
 
     F   x = recv or hand-off (or the batch on stage 0); out = stage(params, x); keep (x, out)
     BW  dx, dparams = autograd.grad(out, (x, params), dout)            # dout: received, or 1 for the loss
-    B   dx = autograd.grad(out, x, dout, retain_graph=True)            # zero-bubble: input gradient only
-    W   dparams = autograd.grad(out, params, dout)                     # later, from the kept graph
+    B   dx = autograd.grad(out, x, dout, retain_graph=True)            # zero-bubble: input gradient only,
+                                                                       # keeping dy where weights join
+    W   dparams from the kept dy: only the weight branches run (_split_backward: no recomputation)
 
 Activations and input gradients cross ranks as ``isend``/``irecv`` on the pipeline group in the posting
 order `with_comms` gives (so NCCL's in-order matching holds); the receiver allocates from
@@ -24,10 +25,11 @@ import optree
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
+from functitan import _dtensor as _dt
 from functitan.pipeline._comms import with_comms
 from functitan.pipeline._schedule import Action, Comm
+from functitan.pipeline._split_backward import WeightGrad, input_grad
 from functitan.pipeline._stages import Stages, pp_all_reduce, stage_tree
 from functitan.transforms import split_batch
 from functitan.tree import flatten_with_names
@@ -120,7 +122,7 @@ class _Run:
         self.handoff: dict[tuple[str, int, int], Tensor] = {}  # same keys, tensors from a stage on this rank
         self.sends: list[tuple[Tensor, Any]] = []
         self.slots: dict[tuple[int, int], _Slot] = {}
-        self.pending_w: dict[tuple[int, int], tuple[_Slot, Tensor | None]] = {}
+        self.pending_w: dict[tuple[int, int], WeightGrad | tuple[_Slot, Tensor | None]] = {}
         self.loss = torch.zeros((), device=self.device, dtype=torch.float32)
         self.spans: list[Span] = []
         self.last_out: dict[tuple[int, int], Tensor] = {}  # the tensor a following send posts
@@ -174,8 +176,12 @@ class _Run:
         if kind == "F":
             self._forward(s, mb, x, last)
         elif kind == "W":
-            slot, d = self.pending_w.pop((s, mb))
-            self._accumulate(s, torch.autograd.grad(slot.out, self._params_of(s), d, allow_unused=True))
+            pending = self.pending_w.pop((s, mb))
+            if isinstance(pending, WeightGrad):  # from what B kept: only the weight branches run
+                self._accumulate(s, pending())
+            else:  # stage 0 (no input gradient): B did nothing, W is the whole backward
+                slot, d = pending
+                self._accumulate(s, torch.autograd.grad(slot.out, self._params_of(s), d, allow_unused=True))
         else:
             self._backward(kind, s, mb, dout)
         self.spans.append(Span(a, t0, self._tic()))
@@ -202,6 +208,10 @@ class _Run:
         slot = self.slots.pop((s, mb))
         inputs = [] if slot.inp is None else [slot.inp]
         params = self._params_of(s) if kind == "BW" else []
+        if kind == "B" and inputs:
+            dx, self.pending_w[(s, mb)] = input_grad(slot.out, slot.inp, dout, self._params_of(s))
+            self._send_input_grad(s, mb, dx if dx is not None else torch.zeros_like(slot.inp))
+            return
         if kind == "B":
             self.pending_w[(s, mb)] = (slot, dout)
         if inputs or params:
@@ -211,11 +221,13 @@ class _Run:
         if params:
             self._accumulate(s, grads[len(inputs):])
         if slot.inp is not None:
-            dx = grads[0] if grads[0] is not None else torch.zeros_like(slot.inp)
-            if self.stages.schedule.stage_to_rank[s - 1] == self.stages.pp_rank:
-                self.handoff[("B", s - 1, mb)] = dx
-            else:
-                self.last_out[(s, mb)] = dx
+            self._send_input_grad(s, mb, grads[0] if grads[0] is not None else torch.zeros_like(slot.inp))
+
+    def _send_input_grad(self, s: int, mb: int, dx: Tensor) -> None:
+        if self.stages.schedule.stage_to_rank[s - 1] == self.stages.pp_rank:
+            self.handoff[("B", s - 1, mb)] = dx
+        else:
+            self.last_out[(s, mb)] = dx
 
     # -- gradients
     def _params_of(self, s: int) -> list[Tensor]:
@@ -243,7 +255,7 @@ class _Run:
         out = []
         for p, g in zip(self.stored, self.grads):
             g = torch.zeros_like(_local(p)) if g is None else g
-            out.append(g if isinstance(g, DTensor) else _wrap_like(p, g))
+            out.append(g if isinstance(g, _dt.DTensor) else _wrap_like(p, g))
         return out
 
     def _tic(self) -> float:
@@ -253,14 +265,11 @@ class _Run:
 
 
 def _wrap_like(ref: Tensor, local: Tensor) -> Tensor:
-    """``local`` with ``ref``'s DTensor spec (DTensor.__new__: ~1 us, where from_local costs ~75 us)."""
-    if isinstance(ref, DTensor):
-        return DTensor.__new__(DTensor, local, ref._spec, requires_grad=False)
-    return local
+    """``local`` with ``ref``'s DTensor spec (``ref`` a plain tensor: ``local`` itself)."""
+    return _dt.wrap(local, _dt.spec(ref))
 
 
-def _local(x: Tensor) -> Tensor:
-    return x._local_tensor if isinstance(x, DTensor) else x
+_local = _dt.local
 
 
 def _device_of(batch: Any) -> torch.device:

@@ -1,0 +1,243 @@
+"""One-GPU check for the day a GPU is lent (one H200, 15 minutes of device time, no second GPU).
+
+For 1B- and 8B-shaped Llama layers (``llama3_1b`` / ``llama3_8b`` widths and vocabulary, few layers so a
+whole train step fits one GPU), in bf16 compute with fp32 master weights and fp32 gradient reduction:
+
+- step time and MFU of functitan's train step (``make_train_step(value_and_grad(llama.loss), adamw)`` on a
+  one-rank mesh, ``Layout(param_dtype=bf16, reduce_dtype=fp32)``) against the same model as a torch
+  ``nn.Module`` (``benchmarks.torch_llama``) with ``fully_shard`` on a one-GPU mesh
+  (``MixedPrecisionPolicy(bf16, fp32)``) and ``torch.optim.AdamW(foreach=True)``: alternating steps after
+  warm-up, medians, the ratio, and MFU against the device table's bf16 peak (``functitan.metrics.peak_flops``);
+- pinned-memory async checkpoint staging: how long ``functitan.checkpoint.Checkpointer.save`` blocks the
+  loop (GPU -> pinned host copies) and how long the whole save takes, for the params + AdamW state;
+- CUDA memory metrics per side: peak allocated / reserved, allocation retries, OOMs
+  (``torch.cuda.memory_stats``).
+
+Installs nothing; run through ``benchmarks/gpu_check.sh`` (a time limit of 8 minutes) or directly::
+
+    python -m benchmarks.gpu_check --out benchmarks/results/gpu_check.json
+    python -m benchmarks.gpu_check --dry-run       # CPU, tiny shapes, a few steps: checks the script itself
+
+``--dry-run`` runs every part on the CPU with tiny shapes (same code path, gloo, bf16) in under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import _common
+from benchmarks.torch_llama import from_functional
+from functitan import metrics as M
+from functitan import optim
+from functitan.checkpoint import Checkpointer
+from functitan.mesh import make_mesh
+from functitan.random import fold_in, key
+from functitan.sharding import Layout, default_rules, place
+from functitan.step import make_train_step
+from functitan.train_state import TrainState
+from functitan.transforms import value_and_grad
+from models import llama
+
+RESULTS = Path(__file__).parent / "results"
+LR, B1, B2, EPS, WD = 3e-4, 0.9, 0.95, 1e-8, 0.1
+# (config, layers, batch, seq): widths of the published models, depth cut so params + AdamW + activations fit
+SHAPES = {"1b": ("llama3_1b", 4, 4, 2048), "8b": ("llama3_8b", 2, 2, 2048)}
+DRY = {"1b": ("llama3_1b", 2, 2, 32), "8b": ("llama3_8b", 1, 1, 32)}  # tiny widths below
+
+
+def _config(name: str, dry: bool) -> tuple[llama.LlamaConfig, int, int]:
+    flavor, layers, batch, seq = (DRY if dry else SHAPES)[name]
+    over: dict[str, Any] = {"n_layers": layers, "max_seq_len": max(seq, 64)}
+    if dry:  # keep the head / kv ratios, shrink the widths
+        over.update(vocab_size=512, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128 if name == "1b" else 192)
+    return llama.config(flavor, **over), batch, seq
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _memory(device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
+        return {"note": "CUDA memory metrics need a CUDA device"}
+    s = torch.cuda.memory_stats(device)
+    return {"peak_allocated_gib": s.get("allocated_bytes.all.peak", 0) / 2**30,
+            "peak_reserved_gib": s.get("reserved_bytes.all.peak", 0) / 2**30,
+            "alloc_retries": s.get("num_alloc_retries", 0), "ooms": s.get("num_ooms", 0),
+            "device_total_gib": torch.cuda.get_device_properties(device).total_memory / 2**30}
+
+
+def _reset_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def functitan_side(cfg: llama.LlamaConfig, full: Any, batch: dict, device: torch.device) -> tuple[Callable[[], float], Callable[[], Any]]:
+    mesh = make_mesh(dp_shard=1, device=device.type)
+    layout = Layout(mesh, default_rules(), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    params = place(full, llama.specs(cfg), layout.rules, mesh)
+    opt = optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
+    box = [TrainState(step=0, params=params, opt_state=opt.init(params), data_state=None, rng=key(0))]
+    step = make_train_step(value_and_grad(functools.partial(llama.loss, cfg=cfg, layout=layout)), opt)
+
+    def run() -> float:
+        box[0], out = step(box[0], batch)
+        return out["loss"]
+
+    return run, lambda: {"params": box[0].params, "opt_state": box[0].opt_state}
+
+
+def torch_side(cfg: llama.LlamaConfig, full: Any, batch: dict, device: torch.device) -> Callable[[], float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = from_functional(full, cfg, device=device)
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard",))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    groups: dict[bool, list] = {}
+    for name, p in model.named_parameters():
+        groups.setdefault(optim.default_decay_mask(name, p), []).append(p)
+    opt = torch.optim.AdamW([{"params": ps, "weight_decay": WD if d else 0.0} for d, ps in groups.items()],
+                            lr=LR, betas=(B1, B2), eps=EPS, foreach=True)
+    params = [p for ps in groups.values() for p in ps]
+
+    def run() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = model.loss(batch["inputs"], batch["targets"])
+        loss.backward()
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        out = torch.stack([loss.detach().float(), norm.float()]).tolist()  # one host sync, as functitan's
+        opt.step()
+        return out[0]
+
+    return run
+
+
+def _alternate(fns: dict[str, Callable[[], Any]], steps: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(warmup + steps):
+        for k in fns if r % 2 == 0 else reversed(list(fns)):
+            _sync(device)
+            t0 = time.perf_counter()
+            fns[k]()
+            _sync(device)
+            if r >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def check_shape(name: str, device: torch.device, *, steps: int, warmup: int, dry: bool, ckpt_dir: str) -> dict[str, Any]:
+    cfg, batch_size, seq = _config(name, dry)
+    full = llama.init(cfg, fold_in(key(0), "params"), device=device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (batch_size, seq + 1), generator=g).to(device)
+    batch = {"inputs": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}
+    fpt = M.transformer_flops_per_token(n_params=llama.num_params(cfg, embedding=False), n_layers=cfg.n_layers,
+                                        n_heads=cfg.n_heads, head_dim=cfg.head_dim, seq_len=seq)
+    peak = M.peak_flops(device, torch.bfloat16)
+    out: dict[str, Any] = {"config": {"flavor": (DRY if dry else SHAPES)[name][0], "n_layers": cfg.n_layers,
+                                      "dim": cfg.dim, "ffn_dim": cfg.ffn_dim, "vocab": cfg.vocab_size, "batch": batch_size,
+                                      "seq": seq, "params": llama.num_params(cfg)},
+                           "peak": {"value": peak.value, "source": peak.source}, "flops_per_token": fpt}
+    _reset_memory(device)
+    fn_f, state_of = functitan_side(cfg, full, batch, device)
+    fn_f()
+    _sync(device)
+    mem_f = _memory(device)
+    fn_t = torch_side(cfg, full, batch, device)
+    del full
+    _reset_memory(device)
+    fn_t()
+    _sync(device)
+    mem_t = _memory(device)
+    times = _alternate({"functitan": fn_f, "torch": fn_t}, steps, warmup, device)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tokens_per_step = batch_size * seq
+    out["median_step_s"] = med
+    out["step_s"] = times
+    out["ratio"] = med["functitan"] / med["torch"]
+    out["per_step_ratios"] = [a / b for a, b in zip(times["functitan"], times["torch"])]
+    out["mfu"] = {k: (fpt * tokens_per_step / v / peak.value if peak.value else None) for k, v in med.items()}
+    out["tflops"] = {k: fpt * tokens_per_step / v / 1e12 for k, v in med.items()}
+    out["memory"] = {"functitan": mem_f, "torch": mem_t}
+    out["checkpoint"] = _checkpoint_staging(state_of(), device, ckpt_dir, repeats=2 if dry else 3)
+    return out
+
+
+def _checkpoint_staging(tree: Any, device: torch.device, ckpt_dir: str, *, repeats: int) -> dict[str, Any]:
+    """Seconds ``Checkpointer.save`` blocks (device -> pinned host staging) and the whole save takes."""
+    blocked, total = [], []
+    nbytes = sum(x.numel() * x.element_size() for x in torch.utils._pytree.tree_leaves(tree) if isinstance(x, torch.Tensor))
+    with Checkpointer() as ck:
+        for i in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            handle = ck.save(os.path.join(ckpt_dir, f"step_{i}"), tree)
+            blocked.append(time.perf_counter() - t0)
+            handle.wait()
+            total.append(time.perf_counter() - t0)
+    return {"bytes": nbytes, "blocked_s": blocked, "total_s": total, "median_blocked_s": statistics.median(blocked),
+            "median_total_s": statistics.median(total), "staging_gb_per_s": nbytes / statistics.median(blocked) / 1e9,
+            "pinned": device.type == "cuda", "note": "the first save allocates the pinned buffers; later saves reuse them"}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, few steps: checks the script")
+    ap.add_argument("--shapes", default="1b,8b")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per side (default 10; dry run 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps per side (default 3; dry run 1)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="skip the remaining shapes past this many seconds")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    dry = a.dry_run
+    if not dry and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device; run with --dry-run to check the script on the CPU")
+    device = torch.device("cpu") if dry else torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    steps, warmup = a.steps or (3 if dry else 10), a.warmup or (1 if dry else 3)
+    out: dict[str, Any] = {"dry_run": dry, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                           "shapes": {}, "skipped": []}
+    with tempfile.TemporaryDirectory(prefix="functitan_gpu_check_") as tmp:
+        for name in a.shapes.split(","):
+            if time.perf_counter() - t_start > a.budget_s:
+                out["skipped"].append(name)
+                continue
+            t0 = time.perf_counter()
+            out["shapes"][name] = r = check_shape(name, device, steps=steps, warmup=warmup, dry=dry, ckpt_dir=os.path.join(tmp, name))
+            r["wall_s"] = time.perf_counter() - t0
+            mfu = r["mfu"]["functitan"]
+            print(f"{name}: functitan {r['median_step_s']['functitan'] * 1e3:.1f} ms, torch {r['median_step_s']['torch'] * 1e3:.1f} ms, "
+                  f"ratio {r['ratio']:.3f}, MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'}; checkpoint blocks "
+                  f"{r['checkpoint']['median_blocked_s'] * 1e3:.1f} ms of {r['checkpoint']['median_total_s'] * 1e3:.1f} ms", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    out["wall_s"] = time.perf_counter() - t_start
+    out["environment"] = _common.environment(torch.get_num_threads(), device)
+    path = a.out or str(RESULTS / ("gpu_check_dry_run.json" if dry else "gpu_check.json"))
+    print(f"wrote {_common.write_json(path, out)} ({out['wall_s']:.0f} s)")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out
+
+
+if __name__ == "__main__":
+    main()
