@@ -125,3 +125,65 @@ def test_reshard_after_forward_frees_gathered_params():
     assert gathered == 4 * 9 and alive == gathered  # 4 blocks x 9 params, all kept for backward
     alive, gathered = run_distributed(_gathered_alive_after_forward, 2, True)[0]
     assert gathered == 4 * 9 and alive == 0  # resharded: every block's gathered params died after its forward
+
+
+# ----------------------------------------------------------------------------------------------- other models
+# GPT-2 (biases, learned positions, tied head) and Qwen3 (q/k norms, GQA, untied head) through the trainer:
+# one 4-process run per model walks DDP, FSDP, HSDP, FSDP x TP + SP and PP x FSDP, each against one process.
+
+MODEL_BASE = {
+    "training.steps": 3, "training.batch_size": 8, "training.seq_len": 32, "optimizer.lr": 1e-2,
+    "optimizer.warmup_steps": 2, "optimizer.eps": 1e-6, "metrics.log_every": 1, "data.max_corpus_bytes": 400_000,
+}
+MODELS = {
+    # 4 layers: zb_v puts the first and the last of its 4 stages on rank 0, as the tied head needs
+    "gpt2": ({"model.name": "models.gpt2", "model.n_layers": 4, "model.dim": 32, "model.n_heads": 4, "model.ffn_dim": 64},
+             {"parallelism.pipeline_schedule": "zb_v"}),
+    "qwen3": ({"model.name": "models.qwen3", "model.n_layers": 2, "model.dim": 32, "model.n_heads": 4,
+               "model.n_kv_heads": 2, "model.head_dim": 16, "model.ffn_dim": 64}, {"parallelism.pipeline_schedule": "1f1b"}),
+}
+MODEL_LAYOUTS = {
+    "ddp4": {"parallelism.dp_replicate": 4, "parallelism.dp_shard": 1},
+    "fsdp4": {"parallelism.dp_shard": 4},
+    "hsdp2x2": {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 2},
+    "fsdp2_tp2_sp": {"parallelism.dp_shard": 2, "parallelism.tp": 2, "parallelism.sequence_parallel": True},
+    "pp2_fsdp2": {"parallelism.pp": 2, "parallelism.dp_shard": 2, "parallelism.reshard_after_forward": False,
+                  "training.microbatches": 4},
+}
+
+
+def _train_model(overrides: dict) -> tuple[list, dict]:
+    from functitan.config import apply_overrides
+    from functitan.job_config import JobConfig
+    from functitan.train import run
+    from functitan.tree import flatten_with_names
+    import json
+
+    out = run(apply_overrides(JobConfig(), {**MODEL_BASE, **overrides}))
+    losses = None
+    if torch.distributed.get_rank() == 0:
+        with open(f"{out['run_dir']}/metrics.jsonl") as f:
+            losses = [json.loads(line)["loss"] for line in f]
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in flatten_with_names(out["state"].params)[0]}
+    return losses, params
+
+
+def _train_model_layouts(model: dict, pp: dict, run_dir: str) -> dict:
+    return {name: _train_model({**model, **layout, **(pp if "pp" in name else {}), "metrics.run_dir": run_dir,
+                                "metrics.run_name": name}) for name, layout in MODEL_LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_model_layouts_equal_one_process(model, tmp_path):
+    overrides, pp = MODELS[model]
+    ref_losses, ref_params = run_distributed(_train_model, 1, {**overrides, "metrics.run_dir": str(tmp_path), "metrics.run_name": "ref"})[0]
+    assert len(ref_losses) == 3 and ref_losses[-1] < ref_losses[0]
+    results = run_distributed(_train_model_layouts, 4, overrides, pp, str(tmp_path), timeout=600)
+    for name in MODEL_LAYOUTS:
+        losses = results[0][name][0]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **LOSS_TOL, msg=lambda m: f"{model}/{name} losses: {m}")
+        # pipeline ranks hold their own stages' params; together they hold all
+        params = {k: v for r in results for k, v in r[name][1].items()} if "pp" in name else results[0][name][1]
+        assert params.keys() == ref_params.keys(), name
+        for key, p in params.items():
+            torch.testing.assert_close(p, ref_params[key], **PARAM_TOL, msg=lambda m, k=key: f"{model}/{name} {k}: {m}")

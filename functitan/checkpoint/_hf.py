@@ -139,6 +139,8 @@ def from_hf_state_dict(sd: Mapping[str, Tensor], model: Model, cfg: Any, *, dtyp
     weight HF saved anyway (``lm_head.weight``) is accepted when it equals its twin; a different one is an error.
     """
     hfmap = _hf_map(model)
+    if hfmap.base_prefix and sd and not any(k.startswith(hfmap.base_prefix) for k in sd):
+        sd = {hfmap.base_prefix + k: v for k, v in sd.items()}  # saved from the base model (no head, no prefix)
     expected = _expected(model, cfg)
     known = {hf.key for _, hf, _ in expected}
     ignored = [re.compile(p) for p in hfmap.ignored]

@@ -54,6 +54,8 @@ class HFMap:
         tensors: ``cfg -> {our dotted name: HFTensor}`` for every parameter of ``cfg``.
         tied: ``cfg -> {HF key: HF key it must equal}`` for tied weights HF may also save (``lm_head.weight``).
         ignored: HF keys that carry no parameter (regular expressions, e.g. old rotary buffers).
+        base_prefix: the prefix of the base model's keys (``"transformer."`` for GPT-2); a state dict saved from
+            the base model alone (the hub's ``gpt2`` checkpoint) has keys without it, and is read all the same.
     """
 
     architecture: str
@@ -62,6 +64,7 @@ class HFMap:
     tensors: Callable[[Any], dict[str, HFTensor]]
     tied: Callable[[Any], dict[str, str]] = lambda cfg: {}
     ignored: tuple[str, ...] = ()
+    base_prefix: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
