@@ -72,7 +72,9 @@ def test_resume_after_step_10_is_bit_exact(world, layout, tmp_path):
 
 
 def _train_and_capture(overrides: dict, crash_at: int | None = None):
-    """The trainer's run (crashing after step ``crash_at``), returning its summary numbers and warnings."""
+    """The trainer's run (crashing after step ``crash_at``), returning its summary numbers, warnings and output."""
+    import contextlib
+    import io
     import warnings
 
     from test_train import SMALL
@@ -83,20 +85,22 @@ def _train_and_capture(overrides: dict, crash_at: int | None = None):
 
     if crash_at is not None:
         _crash_at_step(crash_at)
-    with warnings.catch_warnings(record=True) as caught:
+    printed = io.StringIO()  # not capfd: a forkserver started by an earlier test writes to that test's stdout
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed):
         warnings.simplefilter("always")
         try:
             out = run(apply_overrides(JobConfig(), {**SMALL, **overrides}))
         except _Crash:
             return None
-    return out["first_loss"], out["steps"], [str(w.message) for w in caught if w.category is RuntimeWarning]
+    warned = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    return out["first_loss"], out["steps"], warned, printed.getvalue()
 
 
 def _files(step_dir) -> dict[str, bytes]:
     return {str(p.relative_to(step_dir)): p.read_bytes() for p in sorted(step_dir.rglob("*")) if p.is_file()}
 
 
-def test_a_restarted_trainer_removes_leftovers_and_resaves_a_damaged_newest_step(tmp_path, capfd):
+def test_a_restarted_trainer_removes_leftovers_and_resaves_a_damaged_newest_step(tmp_path):
     import shutil
 
     run = {**CKPT, "checkpoint.interval": 2, "training.steps": 6, "metrics.run_dir": str(tmp_path), "metrics.run_name": "r"}
@@ -110,12 +114,10 @@ def test_a_restarted_trainer_removes_leftovers_and_resaves_a_damaged_newest_step
     # and a damaged newest step: one array file truncated
     victim = next(p for p in (ckpts / "4" / "default").rglob("c/*") if p.is_file() and "params" in str(p))
     victim.write_bytes(victim.read_bytes()[:-7])
-    capfd.readouterr()
 
-    first, steps, warned = run_distributed(_train_and_capture, 1, run)[0]
+    first, steps, warned, printed = run_distributed(_train_and_capture, 1, run)[0]
     assert steps == 6 and math.isfinite(first)  # the first loss this run computed (step 3), not nan
     assert len(warned) == 1 and "checkpoint step 4" in warned[0] and "restored step 2 instead" in warned[0]
-    printed = capfd.readouterr().out
     assert "functitan: 6 steps (resumed at step 2), loss at step 3 " in printed and "nan" not in printed
     # leftovers gone; step 4 saved again in place of the damaged one; keep_last=2 counts intact steps only
     assert sorted(e.name for e in ckpts.iterdir()) == ["4", "6"]
