@@ -5,9 +5,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
-# the test extra (pytest, transformers, matplotlib, tokenizers) and orbax (jax[cpu] + orbax-checkpoint, for
-# the Orbax interop tests) are installed by both commands, so one venv serves both
-EXTRAS ?= test,orbax
+# the test extra (pytest, transformers, matplotlib, tokenizers), orbax (jax[cpu] + orbax-checkpoint, for
+# the Orbax interop tests) and elastic (torchft, for the live elastic tests) are installed by both commands, so one venv serves both
+EXTRAS ?= test,orbax,elastic
 
 .PHONY: train test install bench clean
 

@@ -1,4 +1,4 @@
-"""The ``functitan`` command: ``train``, ``pipeline show``, ``export hf``, ``import hf``."""
+"""The ``functitan`` command: ``train``, ``rendezvous``, ``pipeline show``, ``export hf``, ``import hf``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ USAGE = """usage: functitan <command> [args]
 
 commands:
   train [--config FILE.toml] [--section.key=value ...] [--nproc N]   train a model (--help lists every key)
+        [--nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id NAME]     ... elastically (docs/elastic.md)
+  rendezvous [--host H] [--port 29400]                                 the store elastic nodes meet in
   pipeline show --schedule zb_v --pp 4 --microbatches 8 [--out t.png]   draw a pipeline schedule
   gradcheck --model.name=NAME [--layouts fsdp,tp_sp]                   a model's gradients under each layout vs one process
   export hf CHECKPOINT OUT_DIR                                          write a Hugging Face model directory
@@ -29,6 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .train import main as train_main
 
         return train_main(rest)
+    if command == "rendezvous":
+        from .elastic._store import main as store_main
+
+        return store_main(rest)
     if command == "pipeline":
         from .pipeline._cli import main as pipeline_main
 

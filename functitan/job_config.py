@@ -15,6 +15,7 @@ from typing import Any, Literal, Mapping, get_args
 from . import optim
 from .config import ConfigError, check
 from .data import DataConfig
+from .elastic import ElasticConfig
 from .pipeline._generators import ScheduleName
 from .step import NonFinitePolicy
 
@@ -144,6 +145,7 @@ class JobConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def __post_init__(self) -> None:
         # the schedule depends on training.steps: build it once here, so that its errors name the keys

@@ -6,10 +6,10 @@ Run it on one process (``python -m functitan.train --config configs/debug.toml``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +23,7 @@ from . import pipeline
 from .checkpoint import CheckpointManager, is_hf_dir, load_hf, recorded_model_config, restore_params, write_model_config
 from .config import ConfigError, parse_config, to_dict
 from .data import build_loader
+from .elastic import Preemption, launch, parse_launch_args, report_stopped, split_batch
 from .errors import pop_debug, user_errors_exit
 from .hostmem import keep_freed_memory
 from .job_config import JobConfig, build_optimizer, build_schedule, learning_rate_schedule
@@ -36,7 +37,9 @@ from .step import make_train_step
 from .train_state import TrainState
 from .transforms import accumulate, value_and_grad
 
-__all__ = ["main", "run"]
+__all__ = ["main", "run", "EXIT_REJOIN"]
+
+EXIT_REJOIN = 3  # elastic: a peer left after a checkpoint; torchrun restarts this worker into the new group
 
 
 DEFAULT_MODEL = "llama"
@@ -59,7 +62,8 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     layout = Layout(compute_mesh, compute_rules, remat=tcfg.remat, compile=tcfg.compile,
                     reshard_after_forward=par.reshard_after_forward,
                     param_dtype=getattr(torch, tcfg.param_dtype), reduce_dtype=getattr(torch, tcfg.reduce_dtype))
-    loader = build_loader(cfg.data, batch_size=_local_batch(tcfg, layout.dp_size), seq_len=tcfg.seq_len,
+    per_rank, microbatches = _local_batch(cfg, layout.dp_size)
+    loader = build_loader(cfg.data, batch_size=per_rank, seq_len=tcfg.seq_len,
                           dp_rank=layout.dp_rank, dp_size=layout.dp_size, device=device)
 
     # 2. model and init: identical on every rank and mesh (or weights from load_path)
@@ -73,11 +77,11 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
         stage_model = model.stages(model_cfg, layout, seq_len=tcfg.seq_len, dtype=layout.param_dtype or torch.float32)
         stages = pipeline.make_stages(stage_model, build_schedule(par, tcfg.microbatches), mesh)
         params = pipeline.place_stages(full_params, specs, rules, stages)
-        grad_fn, norm_across = pipeline.pipeline_grad_fn(stages), stages.pp_group
+        grad_fn, norm_across, loss_grad = pipeline.pipeline_grad_fn(stages), stages.pp_group, None
     else:
         params = place(full_params, specs, rules, mesh)
-        grad_fn = accumulate(value_and_grad(lambda p, b: model.loss(p, b, model_cfg, layout)), tcfg.microbatches)
-        norm_across = None
+        loss_grad = value_and_grad(lambda p, b: model.loss(p, b, model_cfg, layout))
+        grad_fn, norm_across = accumulate(loss_grad, microbatches), None
     del full_params
 
     # 4. optimizer and step
@@ -106,7 +110,8 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     # 6. metrics, and the loop
     meter = M.Meter(world_size=dist.get_world_size(), flops_per_token=model.flops_per_token(model_cfg, tcfg.seq_len),
                     peak=M.peak_flops(device, layout.param_dtype or torch.float32))
-    return _loop(cfg, state, train_step, loader, meter, ckpt, run_dir, device)
+    with _stepper(cfg, train_step, loader, device, loss_grad=loss_grad, optimizer=optimizer) as advance:
+        return _loop(cfg, state, advance, loader, meter, ckpt, run_dir, device)
 
 
 def _init_model(cfg: JobConfig, model: Model | None, rng: int, *, vocab: int,
@@ -164,36 +169,98 @@ def _check_model(model: Model, model_cfg: Any, *, tp: int, pp: int, seq_len: int
     check_names(model, model_cfg)
 
 
-def _loop(cfg: JobConfig, state: TrainState, train_step: Any, loader: Any, meter: Any, ckpt: Any,
+@contextlib.contextmanager
+def _stepper(cfg: JobConfig, train_step: Any, loader: Any, device: torch.device, *, loss_grad: Any, optimizer: Any):
+    """``advance(state, preemption) -> (state, metrics, data position)``: one global step, on this job's ranks or, with
+    ``elastic.live``, on the replica groups of a torchft quorum."""
+    if not cfg.elastic.live:
+        yield _advance(loader, train_step)
+        return
+    from .elastic.live import LiveStepper  # the elastic extra
+
+    if loss_grad is None:
+        raise ValueError("elastic.live=true with parallelism.pp > 1 is not supported; use pp=1 inside each replica group")
+    live = LiveStepper(cfg, loss_grad, optimizer, max_norm=cfg.optimizer.max_norm,
+                       on_nonfinite=cfg.training.on_nonfinite, loader=loader, device=device)
+    try:
+        yield live.advance
+    finally:
+        live.close()
+
+
+def _advance(loader: Any, train_step: Any) -> Any:
+    """One global step at the state's data position, on this job's ranks."""
+
+    def advance(state: TrainState, preemption: Preemption) -> tuple[TrainState, dict[str, Any], Any]:
+        t0 = time.perf_counter()
+        batch, after = loader.next(state.data_state)
+        data_s = time.perf_counter() - t0
+        new, out = train_step(state._replace(data_state=after), batch)
+        return new, {**out, "data_s": data_s}, state.data_state
+
+    return advance
+
+
+def _loop(cfg: JobConfig, state: TrainState, advance: Any, loader: Any, meter: Any, ckpt: Any,
           run_dir: Path, device: torch.device) -> dict[str, Any]:
+    """Step until ``training.steps``, or until SIGTERM/SIGINT: then checkpoint at this step boundary and stop."""
     steps = cfg.training.steps
     lr_at = learning_rate_schedule(cfg.optimizer, steps)
     sinks = M.make_sinks(run_dir, steps, rank=dist.get_rank())
-    tokens_per_step = cfg.training.batch_size * cfg.training.seq_len
+    batch_seqs = loader.batch_size * loader.dp_size  # global: constant over world sizes (elastic)
     start = state.step  # 0, or the step a checkpoint resumed at
     first_loss = last_loss = float("nan")
+    stop = 0
     try:
-        M.reset_peak_memory(device)
-        while state.step < steps:
-            t0 = time.perf_counter()
-            batch, data_state = loader.next(state.data_state)
-            t_data = time.perf_counter() - t0
-            state, out = train_step(state._replace(data_state=data_state), batch)
-            meter.update(wall_s=time.perf_counter() - t0, data_s=t_data, tokens=tokens_per_step)
-            first_loss = out["loss"] if state.step == start + 1 else first_loss
-            last_loss = out["loss"]
-            if state.step % cfg.metrics.log_every == 0 or state.step in (1, steps):
-                sinks.write(state.step, {**out, "lr": lr_at(state.step - 1), **meter.flush(), **M.peak_memory(device)})
-                M.reset_peak_memory(device)
-            if ckpt is not None:
-                ckpt.maybe_save(state, force=state.step == steps)
+        with Preemption() as preemption:
+            M.reset_peak_memory(device)
+            while state.step < steps and not stop:
+                t0 = time.perf_counter()
+                stepped = advance(state, preemption)
+                if stepped is None:  # stopped while waiting for peers (elastic.live): save the last committed step
+                    stop = preemption.signum
+                    if ckpt is not None:
+                        ckpt.maybe_save(state, force=True)
+                    break
+                state, out, position = stepped  # position: where this step read the data stream
+                meter.update(wall_s=time.perf_counter() - t0, data_s=out.pop("data_s", 0.0),
+                             tokens=batch_seqs * cfg.training.seq_len)
+                first_loss = out["loss"] if state.step == start + 1 else first_loss
+                last_loss = out["loss"]
+                stop = preemption.agreed(device)  # every rank stops at the same boundary
+                if state.step % cfg.metrics.log_every == 0 or state.step in (1, steps) or stop:
+                    sinks.write(state.step, {**out, "lr": lr_at(state.step - 1), **meter.flush(), **M.peak_memory(device),
+                                             **_position(position, batch_seqs, cfg, out.get("replicas", 1) * dist.get_world_size())})
+                    M.reset_peak_memory(device)
+                if ckpt is not None:
+                    ckpt.maybe_save(state, force=state.step == steps or bool(stop))
     finally:
         sinks.close()
         if ckpt is not None:
             ckpt.close()  # waits for the last async save
-    if dist.get_rank() == 0:
+    rejoin = bool(stop) and not preemption.signum and "FUNCTITAN_ELASTIC_RUN" in os.environ
+    if stop:
+        _report_stop(stop, state.step, ckpt, rejoin=rejoin)
+    elif dist.get_rank() == 0:
         print(_summary_line(start, state.step, steps, first_loss, last_loss, run_dir), flush=True)
-    return {"steps": state.step, "first_loss": first_loss, "last_loss": last_loss, "run_dir": str(run_dir), "state": state}
+    return {"steps": state.step, "first_loss": first_loss, "last_loss": last_loss, "run_dir": str(run_dir), "state": state,
+            "stopped_by": Preemption.name(stop) if stop else None, "rejoin": rejoin}
+
+
+def _position(data_state: Any, batch_seqs: int, cfg: JobConfig, world: int) -> dict[str, int]:
+    """Where a step read the data stream and how much: the record that shows every step ran once, at its place."""
+    return {"data_epoch": data_state["epoch"], "data_seq": data_state["seq"],
+            "batch_tokens": batch_seqs * cfg.training.seq_len, "world_size": world}
+
+
+def _report_stop(signum: int, step: int, ckpt: Any, *, rejoin: bool) -> None:
+    saved = f"checkpoint saved in {ckpt.step_dir(step)}" if ckpt is not None else "no checkpoint (checkpoint.enable=false)"
+    if rejoin:  # a peer was signalled, not us: exit non-zero so that our torchrun agent restarts us (elastic)
+        print(f"functitan: a peer stopped after step {step}; {saved}; restarting to re-form the group", flush=True)
+    elif dist.get_rank() == 0:
+        why = "interrupted (SIGINT)" if Preemption.name(signum) == "SIGINT" else f"stopped by {Preemption.name(signum)}"
+        print(f"functitan: {why} after step {step}; {saved}; run the same command to resume", flush=True)
+    report_stopped(step)
 
 
 def _summary_line(start: int, end: int, steps: int, first_loss: float, last_loss: float, run_dir: Path) -> str:
@@ -220,18 +287,15 @@ def _init_process(tcfg: Any) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
-def _local_batch(tcfg: Any, dp_size: int) -> int:
-    per_rank, rest = divmod(tcfg.batch_size, dp_size)
-    if rest or per_rank % tcfg.microbatches:
-        raise ValueError(
-            f"training.batch_size={tcfg.batch_size} must split evenly over {dp_size} data-parallel ranks x "
-            f"{tcfg.microbatches} microbatches; use a multiple of {dp_size * tcfg.microbatches}"
-        )
-    return per_rank
+def _local_batch(cfg: JobConfig, dp_size: int) -> tuple[int, int]:
+    """``(per-rank batch, microbatches)``: the global batch is constant, whatever the world size (elastic)."""
+    par = cfg.parallelism
+    return split_batch(cfg.training.batch_size, dp_size, microbatches=cfg.training.microbatches,
+                       microbatch_size=cfg.elastic.microbatch_size if par.pp == 1 else 0, fixed=par.tp * par.pp)
 
 
 def _run_dir(cfg: JobConfig, model_name: str) -> Path:
-    name = cfg.metrics.run_name
+    name = cfg.metrics.run_name or os.environ.get("FUNCTITAN_ELASTIC_RUN")  # an elastic restart finds its run
     if name is None:  # one timestamp for all ranks
         stamp = torch.tensor([int(time.time())], dtype=torch.int64)
         if dist.get_world_size() > 1:
@@ -240,39 +304,22 @@ def _run_dir(cfg: JobConfig, model_name: str) -> Path:
     return Path(cfg.metrics.run_dir) / name
 
 
-def _launch(nproc: int, argv: Sequence[str]) -> int:
-    """Re-run this command under torchrun with ``nproc`` processes on this machine."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "functitan.train", *argv]
-    return subprocess.call(cmd)
-
-
-def _nproc(args: list[str]) -> tuple[int | None, list[str]]:
-    """``(N, the other args)`` for ``--nproc N`` / ``--nproc=N``; ``(None, args)`` without it."""
-    for i, a in enumerate(args):
-        if a == "--nproc" or a.startswith("--nproc="):
-            value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
-            if not value.isdigit() or int(value) < 1:
-                raise ConfigError(f"--nproc={value!r}: the number of processes is an integer >= 1, e.g. --nproc 2")
-            return int(value), args[:i] + args[i + (1 if "=" in a else 2):]
-    return None, args
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """``functitan train``; a user error is one line and exit code 2 on each failing rank (functitan.errors)."""
+    """``functitan train``; a user error is one line and exit code 2 on each failing rank (functitan.errors);
+    ``--nproc`` / ``--nnodes`` run it under torchrun (functitan.elastic)."""
     debug, args = pop_debug(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
-        nproc, rest = _nproc(args)
-        if nproc is not None:
+        spec, rest = parse_launch_args(args)
+        if spec is not None:
             parse_config(JobConfig, rest)  # a bad value is reported once, before any process starts
-            return _launch(nproc, rest + (["--debug"] if debug else []))
+            return launch(spec, rest + (["--debug"] if debug else []))
         try:
-            run(parse_config(JobConfig, args))
+            summary = run(parse_config(JobConfig, args))
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        return 0
+        return EXIT_REJOIN if summary["rejoin"] else 0
 
     return user_errors_exit(body, debug=debug)
 

@@ -66,6 +66,8 @@ def test_cli_surface_is_frozen():
         "parallelism.reshard_after_forward", "parallelism.pipeline_schedule", "parallelism.stages_per_rank",
         "metrics.log_every", "metrics.run_dir", "metrics.run_name",
         "checkpoint.enable", "checkpoint.folder", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.load_path",
+        "elastic.microbatch_size", "elastic.live", "elastic.lighthouse", "elastic.replica_id", "elastic.min_replicas",
+        "elastic.timeout_s", "elastic.quorum_timeout_s", "elastic.advertise_host",
     ]
 
 

@@ -133,6 +133,8 @@ class CheckpointManager:
         replace = step in self._damaged
         if not (force or self.should_save(step)) or (step in self._existing(step) and not replace):
             return None
+        if step == self._last_saved and not replace:  # saved just now (maybe still in flight): not twice
+            return None
         self._last_saved = step
         self._damaged.discard(step)
         tree = partition(state, lambda n, x: not _under(n, self.exclude))[0] if self.exclude else state

@@ -1,0 +1,19 @@
+"""Elastic training: the launcher, preemption, restart-based elasticity and live membership (docs/elastic.md).
+
+* :func:`launch` runs torchrun for ``functitan train --nproc N [--nnodes MIN:MAX ...]``, forwards SIGTERM/SIGINT
+  and shows a rank's user error as one line.
+* :class:`Preemption` turns SIGTERM/SIGINT into "checkpoint at the next step boundary and exit 0".
+* :func:`split_batch` keeps the global batch when the data-parallel size changes.
+* ``functitan.elastic.live`` (needs the ``elastic`` extra, torchft): replica groups join and leave while the
+  others keep stepping.
+"""
+
+from ._batch import BatchSplitError, split_batch, world_sizes_for
+from ._config import ElasticConfig
+from ._launch import LaunchError, LaunchSpec, launch, parse_launch_args, report_stopped, torchrun_command
+from ._preempt import Preemption
+
+__all__ = [
+    "BatchSplitError", "split_batch", "world_sizes_for", "ElasticConfig", "LaunchError", "LaunchSpec", "launch",
+    "parse_launch_args", "report_stopped", "torchrun_command", "Preemption",
+]

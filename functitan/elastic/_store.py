@@ -1,0 +1,46 @@
+"""``functitan rendezvous``: the standalone store that elastic agents meet in, so no agent is a single point of failure.
+
+torchrun's c10d rendezvous keeps its state in a TCPStore. By default the first agent hosts it, and when that
+node dies the whole job dies with it. Run this process on a host that outlives the workers (the SLURM batch
+host, a small Kubernetes Deployment behind a Service) and start every node with
+``--rdzv-endpoint=HOST:PORT``: the launcher then tells torchrun not to host a store (``is_host=false``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from datetime import timedelta
+from typing import Sequence
+
+__all__ = ["main", "serve"]
+
+
+def serve(host: str, port: int, *, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
+    """Host a TCPStore on ``host:port`` until ``stop`` is set (or forever)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    print(f"functitan: rendezvous store on {host}:{store.port}", flush=True)
+    if ready is not None:
+        ready.set()
+    (stop or threading.Event()).wait()
+    del store
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="functitan rendezvous", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
+    parser.add_argument("--port", type=int, default=29400, help="TCP port (default 29400)")
+    args = parser.parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    serve(args.host, args.port, stop=stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

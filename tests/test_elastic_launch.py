@@ -1,0 +1,152 @@
+"""The launcher as a scheduler and a user meet it: SIGTERM/SIGINT to ``functitan train --nproc 2`` and a rank's error."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from functitan.elastic import LaunchError, parse_launch_args, split_batch, world_sizes_for, BatchSplitError
+
+SMALL = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=8", "--model.n_kv_heads=4", "--model.ffn_dim=128",
+         "--training.batch_size=8", "--training.seq_len=32", "--data.max_corpus_bytes=400000", "--metrics.log_every=1",
+         "--optimizer.eps=1e-6", "--training.threads=1"]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (torchrun starts its workers in new sessions, so walk parent links)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for child, parent in parents.items():
+            if parent == p and child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def alive(pids) -> set[int]:
+    live = set()
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    live.add(p)
+        except OSError:
+            pass
+    return live
+
+
+def kill_all(pids) -> None:
+    for p in alive(pids):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for_step(path, step: int, proc, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            with open(path) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+            if records and records[-1]["step"] >= step:
+                return records[-1]
+        assert proc.poll() is None, f"the run ended early (rc {proc.returncode})"
+        time.sleep(0.2)
+    raise TimeoutError(f"{path} did not reach step {step} in {timeout}s")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_nproc_cli_saves_a_checkpoint_and_leaves_no_process(sig, tmp_path):
+    cmd = [sys.executable, "-m", "functitan.cli", "train", "--nproc", "2", "--parallelism.dp_shard=2", *SMALL,
+           "--training.steps=100000", "--checkpoint.enable=true", "--checkpoint.interval=100000",
+           f"--metrics.run_dir={tmp_path}", "--metrics.run_name=pre"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tree: set[int] = set()
+    try:
+        wait_for_step(tmp_path / "pre" / "metrics.jsonl", 2, proc, timeout=120)
+        tree = descendants(proc.pid)
+        assert len(tree) >= 3, tree  # torchrun and its two workers
+        proc.send_signal(sig)  # what a scheduler (SIGTERM) or a terminal (SIGINT) does
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_all(tree | {proc.pid})
+    assert proc.returncode == 0, err[-3000:]
+    assert not alive(tree), f"processes left behind: {alive(tree)}"
+    steps = sorted(int(d) for d in os.listdir(tmp_path / "pre" / "checkpoints") if d.isdigit())
+    assert len(steps) == 1 and steps[0] >= 2  # the preemption save, at the step boundary after the signal
+    assert os.path.exists(tmp_path / "pre" / "checkpoints" / str(steps[0]) / "default" / "_COMMIT")
+    with open(tmp_path / "pre" / "metrics.jsonl") as f:
+        assert json.loads(f.readlines()[-1])["step"] == steps[0]
+    word = "interrupted (SIGINT)" if sig == signal.SIGINT else "stopped by SIGTERM"
+    assert f"functitan: {word} after step {steps[0]}; checkpoint saved in" in out
+    assert "Traceback" not in err and "SignalException" not in err
+
+
+def test_rank_user_error_is_one_line_and_exit_2(tmp_path):
+    # batch 8 over 3 ranks cannot stay constant: every rank raises BatchSplitError before training
+    cmd = [sys.executable, "-m", "functitan.cli", "train", "--nproc", "3", *SMALL, "--training.steps=2",
+           f"--metrics.run_dir={tmp_path}", "--metrics.run_name=bad"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [l for l in out.stderr.splitlines() if l.startswith("functitan: error:")]
+    assert lines == ["functitan: error: training.batch_size=8 must split evenly over 3 data-parallel ranks x "
+                     "training.microbatches=1 (world size 3); world sizes that keep it: 1, 2, 4, 8; or use a batch_size "
+                     "that is a multiple of 3"]
+    assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
+
+
+def test_bad_launcher_flags_are_named():
+    with pytest.raises(LaunchError, match=r"--nproc='abc': the number of processes is an integer >= 1, e.g. --nproc 2"):
+        parse_launch_args(["--nproc", "abc"])
+    with pytest.raises(LaunchError, match=r"--nnodes=3:2: expected N or MIN:MAX"):
+        parse_launch_args(["--nnodes=3:2", "--rdzv-endpoint=h:1", "--rdzv-id=x"])
+    with pytest.raises(LaunchError, match=r"needs --rdzv-endpoint=HOST:PORT.*functitan rendezvous"):
+        parse_launch_args(["--nnodes=1:3"])
+    spec, rest = parse_launch_args(["--nproc=2", "--training.steps=3", "--nnodes", "2:3", "--rdzv-endpoint=h:1",
+                                    "--rdzv-id=job"])
+    assert (spec.nproc, spec.nnodes, spec.elastic, rest) == (2, "2:3", True, ["--training.steps=3"])
+
+
+def test_global_batch_split_follows_the_world_size():
+    assert split_batch(12, 3, microbatch_size=2) == (4, 2)
+    assert split_batch(12, 2, microbatch_size=2) == (6, 3)
+    assert split_batch(12, 2, microbatches=2) == (6, 2)
+    assert world_sizes_for(12, microbatch_size=2, fixed=2) == [2, 4, 6, 12]
+    with pytest.raises(BatchSplitError, match=r"world sizes that keep it: 2, 4, 6, 12;"):
+        split_batch(12, 4, microbatch_size=2, fixed=2)
+
+
+_SECOND_SIGNAL = """
+import os, signal, sys, time
+from functitan.elastic import Preemption
+with Preemption() as stop:
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)  # the same stop delivered twice (scheduler + torchrun): one request
+    time.sleep(0.2)
+    print("requested", stop.signum, stop.agreed(), flush=True)
+    time.sleep(1.2)
+    os.kill(os.getpid(), signal.SIGTERM)  # a second stop, later: exit at once, by the signal's default action
+    time.sleep(10)
+    print("not reached", flush=True)
+"""
+
+
+def test_first_signal_requests_a_stop_and_a_second_one_exits_at_once():
+    out = subprocess.run([sys.executable, "-c", _SECOND_SIGNAL], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split("\n")[0] == f"requested {int(signal.SIGTERM)} {int(signal.SIGTERM)}", out.stderr
+    assert "not reached" not in out.stdout
+    assert out.returncode == -signal.SIGTERM
