@@ -99,9 +99,13 @@ def _layout_worker(case: str, compute_only: bool, steps: int, warmup: int) -> fl
     return statistics.median(times)
 
 
-def layouts(runs: int, steps: int, warmup: int) -> dict[str, Any]:
+def layouts(names: list[str], runs: int, steps: int, warmup: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for case, n in (("fsdp", 2), ("fsdp", 4), ("ddp", 2), ("ddp", 4)):
+    for name in names:
+        case = name.rstrip("0123456789")  # "fsdp2" -> ("fsdp", 2)
+        n = int(name[len(case):] or 0)
+        if case not in ("fsdp", "ddp") or n < 2:
+            raise ValueError(f"--layouts: {name!r} is not fsdpN or ddpN with N >= 2")
         per_run = []
         for r in range(runs):
             order = (False, True) if r % 2 == 0 else (True, False)
@@ -155,6 +159,7 @@ def block_mfu(repeats: int, peak: float, seq: int = 256) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="layouts,gemm,block")
+    ap.add_argument("--layouts", default="fsdp2,fsdp4,ddp2,ddp4")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out["block_mfu"] = block_mfu(a.repeats, out["gemm_peak"]["flops"]["median"])
         print(f"1B-shaped block MFU {100 * out['block_mfu']['mfu_vs_measured_peak']['median']:.1f}%", flush=True)
     if "layouts" in parts:
-        out["layouts"] = layouts(a.runs, a.steps, a.warmup)
+        out["layouts"] = layouts(a.layouts.split(","), a.runs, a.steps, a.warmup)
     out["environment"] = _common.environment(a.threads, torch.device("cpu"))
     print(f"wrote {_common.write_json(a.out, out)}")
     return out

@@ -200,26 +200,43 @@ def _worker(pp: int, setup: Setup) -> dict:
     return out
 
 
+def _ratios(r: dict) -> dict[str, float]:
+    """functitan / torch per schedule (1F1B, interleaved), and the zero-bubble schedules / functitan's 1F1B."""
+    out = {f"{n}/torch_{n}": r["step_s"][f"functitan_{n}"] / r["step_s"][f"torch_{n}"] for n in VERSUS_TORCH}
+    out.update({f"{n}/1f1b": r["step_s"][f"functitan_{n}"] / r["step_s"]["functitan_1f1b"] for n in ("zb_h1", "zb_v")})
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, default=Setup.steps)
     ap.add_argument("--microbatches", type=int, default=Setup.microbatches)
+    ap.add_argument("--runs", type=int, default=3, help="fresh process groups per pp; the JSON holds every run and the medians")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline_vs_torch.json"))
     args = ap.parse_args(argv)
     setup = Setup(steps=args.steps, microbatches=args.microbatches)
     result: dict[str, Any] = {"setup": dataclasses.asdict(setup), "model": "llama debug (dim 256, 8 heads, 4 kv heads, ffn 768)",
                               "environment": _common.environment(1, torch.device("cpu")), "pp": {}}
     for pp in args.pp:
-        r = run_distributed(_worker, pp, pp, setup, timeout=1800)[0]
-        r["ratio_functitan_over_torch"] = {n: round(r["step_s"][f"functitan_{n}"] / r["step_s"][f"torch_{n}"], 3) for n in VERSUS_TORCH}
-        r["cpu_ratio_functitan_over_torch"] = {n: round(r["cpu_s"][f"functitan_{n}"] / r["cpu_s"][f"torch_{n}"], 3) for n in VERSUS_TORCH}
-        result["pp"][str(pp)] = r
-        print(f"pp={pp}: step s {({k: round(v, 4) for k, v in r['step_s'].items()})}")
-        print(f"  functitan / torch: wall {r['ratio_functitan_over_torch']}  cpu {r['cpu_ratio_functitan_over_torch']}")
-        print(f"  losses {r['loss']}")
-        for name, idle in r["idle"].items():
-            print(f"  {name:12s} idle measured {idle['measured_mean']:.3f}  simulated {idle['simulated']:.3f}")
+        runs = []
+        for run in range(args.runs):
+            r = run_distributed(_worker, pp, pp, setup, timeout=1800)[0]
+            r["ratios"] = _ratios(r)
+            r["cpu_ratios"] = {f"{n}/torch_{n}": r["cpu_s"][f"functitan_{n}"] / r["cpu_s"][f"torch_{n}"] for n in VERSUS_TORCH}
+            runs.append(r)
+            print(f"pp={pp} run {run + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()), flush=True)
+            for name, idle in r["idle"].items():
+                print(f"  {name:12s} idle measured {idle['measured_mean']:.3f}  simulated {idle['simulated']:.3f}", flush=True)
+        keys = runs[0]["ratios"]
+        result["pp"][str(pp)] = {
+            "ratios": {k: statistics.median(x["ratios"][k] for x in runs) for k in keys},  # median over runs
+            "per_run_ratios": {k: [round(x["ratios"][k], 4) for x in runs] for k in keys},
+            "idle": {n: {"measured": statistics.median(x["idle"][n]["measured_mean"] for x in runs),
+                         "simulated": statistics.median(x["idle"][n]["simulated"] for x in runs)} for n in runs[0]["idle"]},
+            "runs": runs,
+        }
+        print(f"pp={pp} medians: {result['pp'][str(pp)]['ratios']}", flush=True)
     _common.write_json(args.out, result)
     return result
 
