@@ -14,6 +14,7 @@ from typing import Any, Literal, Mapping, get_args
 
 from . import optim
 from .config import ConfigError, check
+from ._remat import RematName
 from .data import DataConfig
 from .elastic import ElasticConfig
 from .pipeline._generators import ScheduleName
@@ -54,7 +55,7 @@ class TrainingConfig:
     seq_len: int = 256
     microbatches: int = 1  # gradient accumulation steps per rank (with pp > 1: pipeline microbatches)
     seed: int = 0
-    remat: Literal["none", "full", "selective"] = "none"  # activation checkpointing per block
+    remat: RematName = "none"  # activation checkpointing per block (functitan._remat: none/full/selective/offload)
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype (master weights stay fp32)
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # gradient reduction dtype
     compile: bool = False  # torch.compile each block
