@@ -173,11 +173,13 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optim.Sche
     return optim.wsd(cfg.lr, warmup, total_steps, final=final)
 
 
-def build_optimizer(cfg: OptimizerConfig, total_steps: int) -> optim.GradientTransformation:
-    """The optimizer the config names (clipping by ``max_norm`` happens in the train step, which has the norm)."""
+def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, decay_mask: optim.Mask | None = None) -> optim.GradientTransformation:
+    """The optimizer the config names (clipping by ``max_norm`` happens in the train step, which has the norm).
+    ``decay_mask``: which params adamw decays (``optim.decay_mask_from_specs(specs)``; default: matrices)."""
     lr = learning_rate_schedule(cfg, total_steps)
     if cfg.name == "adamw":
-        return optim.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return optim.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                           mask=decay_mask or optim.default_decay_mask)
     return optim.sgd(lr, momentum=cfg.momentum)
 
 

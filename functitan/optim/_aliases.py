@@ -38,8 +38,9 @@ def adamw(
     """AdamW (Loshchilov & Hutter, 2019): Adam's direction plus decoupled weight decay, times ``-lr``.
 
     Equals ``torch.optim.AdamW`` with the decayed params in one group and the rest in a group with
-    ``weight_decay=0``. By default matrices are decayed and vectors and embeddings are not
-    (``default_decay_mask``); ``mask=None`` decays everything. ``learning_rate`` may be a schedule
+    ``weight_decay=0``. By default matrices are decayed and vectors are not (``default_decay_mask``); the
+    trainer passes ``decay_mask_from_specs(specs)``, which also spares the ``vocab`` tables; ``mask=None``
+    decays everything. ``learning_rate`` may be a schedule
     ``step -> float`` (``functitan.optim.warmup_cosine`` ...), read at step 0 for the first update.
 
     State: ``(ScaleByAdamState(count, mu, nu), EmptyState(), ScaleByScheduleState(count) or EmptyState())``.

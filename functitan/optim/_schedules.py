@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-__all__ = ["constant", "warmup_cosine", "warmup_linear", "wsd"]
+__all__ = ["constant", "warmup_cosine", "warmup_linear", "wsd", "join_schedules"]
 
 Schedule = Callable[[int], float]
 
@@ -102,5 +102,25 @@ def wsd(peak: float, warmup_steps: int, total_steps: int, decay_fraction: float 
             return float(peak)
         progress = min((step - decay_start) / decay_steps, 1.0)
         return final + (peak - final) * (1 - progress)
+
+    return schedule
+
+
+def join_schedules(schedules: list[Schedule], boundaries: list[int]) -> Schedule:
+    """``optax.join_schedules``: ``schedules[i]`` from step ``boundaries[i-1]`` on, read at the step counted
+    from its own start (``step - boundaries[i-1]``). ``len(boundaries) == len(schedules) - 1``.
+
+    ``join_schedules([constant(1.0), lambda s: 1.0 / (1 + s)], [10])``: 1.0 up to step 9, 1.0 at 10, 0.5 at 11.
+    """
+    if len(boundaries) != len(schedules) - 1 or any(b > c for b, c in zip(boundaries, boundaries[1:])):
+        raise ValueError(f"join_schedules: {len(schedules)} schedules need {len(schedules) - 1} increasing boundaries, "
+                         f"got {boundaries}")
+
+    def schedule(step: int) -> float:
+        step = int(step)
+        start, i = 0, 0
+        while i < len(boundaries) and step >= boundaries[i]:
+            start, i = boundaries[i], i + 1
+        return float(schedules[i](step - start))
 
     return schedule

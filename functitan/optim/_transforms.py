@@ -24,8 +24,9 @@ __all__ = [
     "ScaleByAdamState",
     "TraceState",
     "ScaleByScheduleState",
-    "EMBEDDING_NAMES",
+    "NO_DECAY_AXES",
     "default_decay_mask",
+    "decay_mask_from_specs",
     "scale",
     "scale_by_learning_rate",
     "scale_by_adam",
@@ -37,7 +38,6 @@ __all__ = [
 Schedule = Callable[[int], float]
 Mask = Union[Callable[[str, Any], bool], Any]  # (name, param) -> bool, or a pytree of bools mirroring params
 
-EMBEDDING_NAMES = frozenset({"embed", "tok_embeddings", "embed_tokens", "wte", "wpe"})
 
 
 class ScaleByAdamState(NamedTuple):
@@ -63,15 +63,44 @@ def _check(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def default_decay_mask(name: str, param: Any) -> bool:
-    """Decay matrices, not vectors or embeddings: ``param.ndim >= 2`` and no segment of the dotted ``name``
-    is one of ``EMBEDDING_NAMES`` (GPT-2 / nanoGPT practice: decaying norms, biases and embedding rows hurts).
+# Logical axis names whose params are not decayed: an embedding row (or an untied output row) is only
+# updated by the tokens that use it, so decay would shrink rare tokens' rows toward zero between updates.
+NO_DECAY_AXES = frozenset({"vocab"})
 
-    >>> w = torch.zeros(4, 4)
-    >>> default_decay_mask("layers.0.attn.wq", w), default_decay_mask("tok_embeddings", w)
+
+def default_decay_mask(name: str, param: Any) -> bool:
+    """Decay matrices, not vectors: ``param.ndim >= 2``. Norm scales and biases are 1-D, and decaying them
+    pulls them toward 0 (a norm's neutral value is 1). With specs at hand, ``decay_mask_from_specs`` also
+    leaves out embeddings.
+
+    >>> default_decay_mask("layers.0.attn.wq", torch.zeros(4, 4)), default_decay_mask("norm.weight", torch.zeros(4))
     (True, False)
     """
-    return param.ndim >= 2 and not any(seg in EMBEDDING_NAMES for seg in name.split("."))
+    return param.ndim >= 2
+
+
+def decay_mask_from_specs(specs: Any, *, no_decay_axes: frozenset[str] | set[str] = NO_DECAY_AXES) -> Callable[[str, Any], bool]:
+    """A weight-decay mask read from the params' logical names: decay a param iff it has >= 2 dims and none
+    of them is named in ``no_decay_axes`` (by default ``{"vocab"}``: the embedding and output tables).
+
+    The mask is ``(name, param) -> bool`` over dotted names, so it also serves a sub-tree with the same names
+    (a pipeline stage's params); a name the specs do not have falls back to ``default_decay_mask``.
+
+    >>> mask = decay_mask_from_specs({"embed": ("vocab", "embed"), "wq": ("heads", "embed"), "norm": ("embed",)})
+    >>> [mask(n, torch.zeros(2, 2) if n != "norm" else torch.zeros(2)) for n in ("embed", "wq", "norm")]
+    [False, True, False]
+    """
+    from functitan._rules import is_spec
+
+    named = dict(flatten_with_names(specs, is_leaf=is_spec)[0])
+
+    def mask(name: str, param: Any) -> bool:
+        spec = named.get(name)
+        if spec is None:
+            return default_decay_mask(name, param)
+        return len(spec) >= 2 and not any(a in no_decay_axes for a in spec if a is not None)
+
+    return mask
 
 
 def scale(factor: float) -> GradientTransformation:
