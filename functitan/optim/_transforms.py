@@ -58,6 +58,22 @@ def _zero_count() -> Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
+def step_number(count: Tensor, offset: int = 0) -> Any:
+    """``count + offset``: a Python int eagerly (bias corrections and schedules in float math, no device
+    sync), a float64 0-d tensor under ``torch.compile`` (traced into the step: no graph break at ``int()``)."""
+    if torch.compiler.is_compiling():
+        return count.to(torch.float64) + offset
+    return int(count) + offset
+
+
+def _axpy_(ys: list[Tensor], xs: list[Tensor], a: Any) -> None:
+    """``ys += a * xs`` for a Python or a 0-d tensor scalar ``a`` (foreach's ``alpha`` takes numbers only)."""
+    if isinstance(a, Tensor):
+        torch._foreach_add_(ys, torch._foreach_mul(xs, a))
+    else:
+        torch._foreach_add_(ys, xs, alpha=a)
+
+
 def _check(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)
@@ -127,7 +143,7 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
         return ScaleByScheduleState(count=_zero_count())
 
     def update(updates: Any, state: ScaleByScheduleState, params: Any = None) -> tuple[Any, ScaleByScheduleState]:
-        lr = learning_rate_at(learning_rate, int(state.count))
+        lr = learning_rate_at(learning_rate, step_number(state.count))
         u = _local.flatten(updates, "updates")
         with torch.no_grad():
             out = _local.unflatten(u, torch._foreach_mul(u.locals, -lr))
@@ -136,7 +152,7 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
     return GradientTransformation(init, update)
 
 
-def adam_moments(mu: _local.Flat, nu: _local.Flat, g: _local.Flat, *, b1: float, b2: float, eps: float, t: int) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+def adam_moments(mu: _local.Flat, nu: _local.Flat, g: _local.Flat, *, b1: float, b2: float, eps: float, t: Any) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     """Adam's new moments and denominator ``sqrt(nu / (1 - b2**t)) + eps`` on local shards (call under no_grad).
 
     The arithmetic follows ``torch.optim.AdamW`` (``lerp`` for mu, ``addcmul`` for nu); shared by
@@ -147,15 +163,18 @@ def adam_moments(mu: _local.Flat, nu: _local.Flat, g: _local.Flat, *, b1: float,
     new_nu = torch._foreach_mul(nu.locals, b2)
     torch._foreach_addcmul_(new_nu, gl, gl, value=1 - b2)
     denom = torch._foreach_sqrt(new_nu)
-    torch._foreach_div_(denom, math.sqrt(1 - b2**t))
+    torch._foreach_div_(denom, (1 - b2**t) ** 0.5)  # t: an int, or a tensor under torch.compile
     torch._foreach_add_(denom, eps)
     return new_mu, new_nu, denom
 
 
-def learning_rate_at(learning_rate: float | Schedule, step: int) -> float:
-    """The rate a constant or a schedule gives at ``step``; a schedule's bad value is an error naming the step."""
+def learning_rate_at(learning_rate: float | Schedule, step: Any) -> Any:
+    """The rate a constant or a schedule gives at ``step``; a schedule's bad value is an error naming the step.
+    Under torch.compile ``step`` is a 0-d tensor and so is the rate (not checked: that would sync)."""
     if not callable(learning_rate):
         return float(learning_rate)
+    if isinstance(step, Tensor):
+        return torch.as_tensor(learning_rate(step), dtype=torch.float64)
     lr = float(learning_rate(step))
     _check(math.isfinite(lr) and lr >= 0, f"the learning-rate schedule returned {lr} at step {step}; fix it")
     return lr
@@ -178,7 +197,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         mu = _local.flatten(state.mu, "state.mu")
         nu = _local.flatten_like(mu, state.nu, ("state.mu", "state.nu"))
         g = _local.flatten_like(mu, grads, ("optimizer state", "grads"))
-        t = int(state.count) + 1
+        t = step_number(state.count, 1)
         with torch.no_grad():
             new_mu, new_nu, denom = adam_moments(mu, nu, g, b1=b1, b2=b2, eps=eps, t=t)
             out = torch._foreach_div(new_mu, denom)
@@ -225,6 +244,19 @@ def _resolve_mask(mask: Mask | None, params: Any) -> list[bool]:
     return flat
 
 
+def decay_indices(mask: Mask | None, p: _local.Flat, cache: dict[Any, list[int]]) -> list[int]:
+    """The indices of the leaves of ``p`` that ``mask`` decays, cached per tree structure (``init`` fills it).
+    Under torch.compile the last eager answer is a constant of the graph: the mask reads names, which dynamo
+    cannot trace through optree, and the compiled step always sees the tree ``init`` saw."""
+    if torch.compiler.is_compiling() and "last" in cache:
+        return cache["last"]
+    by_tree = cache.setdefault("by_tree", {})  # keyed by treedef, which only eager code hashes
+    if p.treedef not in by_tree:
+        by_tree[p.treedef] = [i for i, m in enumerate(_resolve_mask(mask, p.tree)) if m]
+    cache["last"] = by_tree[p.treedef]
+    return cache["last"]
+
+
 def add_decayed_weights(weight_decay: float, *, mask: Mask | None = None) -> GradientTransformation:
     """Add ``weight_decay * param`` to the updates of the params ``mask`` selects (all when None).
 
@@ -236,9 +268,7 @@ def add_decayed_weights(weight_decay: float, *, mask: Mask | None = None) -> Gra
     cache: dict[optree.PyTreeSpec, list[int]] = {}
 
     def decayed(p: _local.Flat) -> list[int]:
-        if p.treedef not in cache:
-            cache[p.treedef] = [i for i, m in enumerate(_resolve_mask(mask, p.tree)) if m]
-        return cache[p.treedef]
+        return decay_indices(mask, p, cache)
 
     def init(params: Any) -> EmptyState:
         decayed(_local.flatten(params, "params"))  # a bad mask fails here, not at the first step
