@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import functools
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 from torch._C._functorch import peek_interpreter_stack
@@ -57,13 +58,18 @@ REMAT_POLICIES: tuple[str, ...] = typing.get_args(RematName)
 
 _aten = torch.ops.aten
 # Expensive to recompute: matmuls and attention. The elementwise ops between them are recomputed.
-_MATMUL_OPS = frozenset({
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-})
+_MATMUL_OPS = frozenset(
+    {
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        _aten.baddbmm.default,
+        _aten._scaled_dot_product_flash_attention_for_cpu.default,
+        _aten._scaled_dot_product_flash_attention.default,
+        _aten._scaled_dot_product_efficient_attention.default,
+        _aten._scaled_dot_product_cudnn_attention.default,
+    }
+)
 
 
 # A tag is an op the selective-checkpoint policy can see with its name: ``name(x, "attn_out")``.
@@ -134,8 +140,12 @@ def save_only_these_names(*names: str) -> Policy:
     return Policy(f"save_only_these_names{tuple(sorted(wanted))}", save=save)
 
 
-_BY_NAME: dict[str, Policy] = {"none": everything_saveable, "full": nothing_saveable, "selective": save_matmuls,
-                               "offload": offload_to_host}
+_BY_NAME: dict[str, Policy] = {
+    "none": everything_saveable,
+    "full": nothing_saveable,
+    "selective": save_matmuls,
+    "offload": offload_to_host,
+}
 assert set(_BY_NAME) == set(REMAT_POLICIES)  # import-time check of this module's own table
 
 
@@ -144,8 +154,10 @@ def as_policy(p: str | Policy) -> Policy:
     if isinstance(p, Policy):
         return p
     if p not in _BY_NAME:
-        raise ValueError(f"training.remat={p!r} is not a policy; choose one of {REMAT_POLICIES} (or pass a "
-                         f"functitan.transforms.Policy, e.g. save_only_these_names('attn_out'))")
+        raise ValueError(
+            f"training.remat={p!r} is not a policy; choose one of {REMAT_POLICIES} (or pass a "
+            f"functitan.transforms.Policy, e.g. save_only_these_names('attn_out'))"
+        )
     return _BY_NAME[p]
 
 
@@ -158,7 +170,9 @@ def _context_fn(save: Callable[[Any, tuple], bool]) -> Callable[[], Any]:
     return functools.partial(create_selective_checkpoint_contexts, decide)
 
 
-def offload_hooks(pack_first: Callable[[Any], Any] | None = None, unpack_first: Callable[[Any], Any] | None = None) -> Any:
+def offload_hooks(
+    pack_first: Callable[[Any], Any] | None = None, unpack_first: Callable[[Any], Any] | None = None
+) -> Any:
     """Saved-tensor hooks that move saved tensors to host memory (pinned where CUDA is available) and back;
     ``pack_first``/``unpack_first`` run before (FSDP's regather packs gathered params as handles, not copies)."""
 
@@ -201,4 +215,3 @@ def remat(fn: Callable[..., Any], policy: str | Policy = nothing_saveable) -> Ca
         return apply(p, fn, *args, **kwargs)
 
     return wrapped
-

@@ -1,12 +1,12 @@
 """The train step: ``train_step(state, batch) -> (state, metrics)``, built from a loss and an optimizer.
 
-    grad_fn(params, batch)          # accumulate(value_and_grad(loss_fn), microbatches), or a pipeline
-                                    # executor: (mean loss, grads in the params' placements)
-      -> global_norm                # of the full gradient, however it is sharded (and across pp stages)
-      -> non-finite guard           # stop with the step named, or skip the update
-      -> clip_to_norm               # with that same norm
-      -> optimizer.update           # functional: new opt_state
-      -> apply_updates              # functional: new params
+grad_fn(params, batch)          # accumulate(value_and_grad(loss_fn), microbatches), or a pipeline
+                                # executor: (mean loss, grads in the params' placements)
+  -> global_norm                # of the full gradient, however it is sharded (and across pp stages)
+  -> non-finite guard           # stop with the step named, or skip the update
+  -> clip_to_norm               # with that same norm
+  -> optimizer.update           # functional: new opt_state
+  -> apply_updates              # functional: new params
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def make_train_step(
 
     if compile:
         backend = compile if isinstance(compile, str) else "inductor"
-        return _compiled_step(grad_fn, optimizer, max_norm=max_norm, norm_across=norm_across, on_nonfinite=on_nonfinite,
-                              backend=backend)
+        return _compiled_step(
+            grad_fn, optimizer, max_norm=max_norm, norm_across=norm_across, on_nonfinite=on_nonfinite, backend=backend
+        )
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, float]]:
         loss, grads = grad_fn(state.params, batch)
@@ -103,7 +104,9 @@ def make_train_step(
             grads = optim.clip_to_norm(grads, gnorm, max_norm)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optim.apply_updates(state.params, updates)
-        nxt = state._replace(step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step))
+        nxt = state._replace(
+            step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step)
+        )
         return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": 0}
 
     return train_step
@@ -157,7 +160,9 @@ def _compiled_step(
                 f"non-finite loss {loss_v} (grad norm {gnorm_v}) at step {state.step + 1}; lower "
                 f"optimizer.lr, enable clipping (optimizer.max_norm), or set training.on_nonfinite='skip'"
             )
-        nxt = state._replace(step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step))
+        nxt = state._replace(
+            step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step)
+        )
         return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": int(not finite)}
 
     train_step.compiled = compiled  # type: ignore[attr-defined]  # for torch._dynamo.explain and benchmarks

@@ -73,7 +73,11 @@ def _is_diff(x: Any) -> bool:
 
 
 def _in_functorch() -> bool:
-    """True inside a torch.func transform (vmap, grad, jvp, ...): leaves are functorch wrappers there."""
+    """True inside a torch.func transform (vmap, grad, jvp, ...): leaves are functorch wrappers there. While
+    dynamo traces (torch.compile of a whole step) the eager engine is used: dynamo cannot answer the question,
+    and the trainer's step has no functorch transform around its gradient."""
+    if torch.compiler.is_compiling():
+        return False
     return peek_interpreter_stack() is not None
 
 
@@ -155,7 +159,11 @@ def _eager_value_and_grad(
     _check_loss(loss, fn)
     diff = [leaves[i] for leaves, _, idx in flat for i in idx]
     nested = depth > 0
-    grads = torch.autograd.grad(loss, diff, allow_unused=True, create_graph=nested) if diff and loss.requires_grad else [None] * len(diff)
+    grads = (
+        torch.autograd.grad(loss, diff, allow_unused=True, create_graph=nested)
+        if diff and loss.requires_grad
+        else [None] * len(diff)
+    )
     trees, k = [], 0
     for leaves, treedef, idx in flat:
         out_leaves: list[Any] = [None] * len(leaves)
@@ -213,8 +221,14 @@ def _plain(tree: Any, name: str) -> None:
             )
 
 
-def vmap(fn: Callable[..., Any], in_dims: Any = 0, out_dims: Any = 0, *, chunk_size: int | None = None,
-         randomness: str = "error") -> Callable[..., Any]:
+def vmap(
+    fn: Callable[..., Any],
+    in_dims: Any = 0,
+    out_dims: Any = 0,
+    *,
+    chunk_size: int | None = None,
+    randomness: str = "error",
+) -> Callable[..., Any]:
     """``jax.vmap``: map ``fn`` over a leading (or ``in_dims``) axis of its arguments (``torch.func.vmap``).
 
     ``vmap(grad(loss), in_dims=(None, 0))(params, examples)`` gives per-example gradients; stacked params

@@ -12,9 +12,11 @@ from functitan.testing import run_distributed
 
 def _params():
     g = torch.Generator().manual_seed(0)
-    return {"emb": torch.randn(5, 3, generator=g, dtype=torch.float64),
-            "w": torch.randn(4, 6, generator=g, dtype=torch.float64),
-            "norm": torch.randn(3, generator=g, dtype=torch.float64)}
+    return {
+        "emb": torch.randn(5, 3, generator=g, dtype=torch.float64),
+        "w": torch.randn(4, 6, generator=g, dtype=torch.float64),
+        "norm": torch.randn(3, generator=g, dtype=torch.float64),
+    }
 
 
 def _grads(step):
@@ -63,8 +65,10 @@ def test_masked_adamw_updates_only_selected_leaves_and_passes_the_rest():
 
 def test_multi_transform_runs_one_optimizer_per_label():
     labels = {"emb": "sgd", "w": "adam", "norm": "frozen"}
-    opt = optim.multi_transform({"adam": optim.adamw(1e-2, weight_decay=0.0), "sgd": optim.sgd(0.5, momentum=0.9),
-                                 "frozen": optim.scale(0.0)}, labels)
+    opt = optim.multi_transform(
+        {"adam": optim.adamw(1e-2, weight_decay=0.0), "sgd": optim.sgd(0.5, momentum=0.9), "frozen": optim.scale(0.0)},
+        labels,
+    )
     params, _, _ = _run(opt, 3)
     ref_w, _ = _ref_adamw(_params()["w"], [_grads(t)["w"] for t in range(3)], [1e-2] * 3)
     torch.testing.assert_close(params["w"], ref_w, rtol=0, atol=1e-12)
@@ -74,8 +78,12 @@ def test_multi_transform_runs_one_optimizer_per_label():
         p = p - 0.5 * buf
     torch.testing.assert_close(params["emb"], p, rtol=0, atol=1e-12)
     torch.testing.assert_close(params["norm"], _params()["norm"], rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"param_labels gives 'norm' the label 'nope', which is not one of the transforms \['adam'\]"):
-        optim.multi_transform({"adam": optim.adamw(1e-2)}, lambda n, p: "adam" if n != "norm" else "nope").init(_params())
+    with pytest.raises(
+        ValueError, match=r"param_labels gives 'norm' the label 'nope', which is not one of the transforms \['adam'\]"
+    ):
+        optim.multi_transform({"adam": optim.adamw(1e-2)}, lambda n, p: "adam" if n != "norm" else "nope").init(
+            _params()
+        )
 
 
 def test_inject_hyperparams_reads_schedules_and_takes_overrides_in_the_state():
@@ -104,7 +112,9 @@ def test_inject_hyperparams_reads_schedules_and_takes_overrides_in_the_state():
 def test_apply_every_emits_the_sum_every_k_steps():
     _, outs, _ = _run(optim.apply_every(3), 6)
     for t in range(6):
-        want = sum(_grads(s)["w"] for s in range(t - 2, t + 1)) if t % 3 == 2 else torch.zeros(4, 6, dtype=torch.float64)
+        want = (
+            sum(_grads(s)["w"] for s in range(t - 2, t + 1)) if t % 3 == 2 else torch.zeros(4, 6, dtype=torch.float64)
+        )
         torch.testing.assert_close(outs[t]["w"], want, rtol=0, atol=1e-12)
 
 
@@ -172,7 +182,7 @@ def test_adafactor_matches_a_reference_with_factored_and_full_moments():
     assert state[0].v_row["w"].shape == (4,) and state[0].v_col["w"].shape == (6,) and state[0].v["w"].numel() == 0
     for k in _params():
         ref = _ref_adafactor(_params()[k], [_grads(t)[k] for t in range(3)], 0.1, min_dim=4)
-        torch.testing.assert_close(params[k], ref, rtol=1e-10, atol=1e-12, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(params[k], ref, rtol=1e-10, atol=1e-12, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_join_schedules_restarts_each_piece_at_its_boundary():
@@ -219,4 +229,6 @@ def test_every_new_optimizer_keeps_fsdp_placements_and_matches_one_process():
             u, state = opt.update({k: v.float() for k, v in _grads(t).items()}, state, p)
             p = optim.apply_updates(p, u)
         for k in p:
-            torch.testing.assert_close(results[0][name][k], p[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}/{k}: {m}")
+            torch.testing.assert_close(
+                results[0][name][k], p[k], rtol=1e-5, atol=1e-6, msg=lambda m, n=name, k=k: f"{n}/{k}: {m}"
+            )

@@ -161,7 +161,9 @@ def test_vmap_grad_gives_per_example_gradients_of_the_debug_llama():
     for i in range(3):
         ref = value_and_grad(one)(params, t[i, :-1], t[i, 1:])[1]
         for name, (a, b) in zip(range(10**6), zip(tree_leaves(per), tree_leaves(ref))):
-            torch.testing.assert_close(a[i], b, atol=2e-6, rtol=1e-4, msg=lambda m: f"example {i} leaf {name}: {m}")
+            torch.testing.assert_close(
+                a[i], b, atol=2e-6, rtol=1e-4, msg=lambda m, i=i, n=name: f"example {i} leaf {n}: {m}"
+            )
 
 
 def test_jvp_vjp_and_jacobians_of_a_linear_map():
@@ -216,7 +218,7 @@ def test_named_policy_keeps_the_tagged_activation_and_recomputes_the_rest():
     x = torch.tensor([1.0, 2.0])
     for policy, forwards in ((_remat.everything_saveable, 1), (_remat.nothing_saveable, 2)):
         calls["sin"] = 0
-        g = grad(lambda x: remat(f, policy)(x).sum())(x)
+        g = grad(lambda x, p=policy: remat(f, p)(x).sum())(x)
         assert calls["sin"] == forwards
         torch.testing.assert_close(g, -torch.sin(torch.sin(x)) * torch.cos(x))
     # in backward, the tagged value comes from the cache: the tag op is not run again
@@ -232,7 +234,10 @@ def test_named_policy_keeps_the_tagged_activation_and_recomputes_the_rest():
             return func(*args, **(kwargs or {}))
 
     tag = torch.ops.functitan.checkpoint_name.default
-    for policy, tags_in_backward in ((_remat.save_only_these_names("h"), 0), (_remat.save_only_these_names("other"), 1)):
+    for policy, tags_in_backward in (
+        (_remat.save_only_these_names("h"), 0),
+        (_remat.save_only_these_names("other"), 1),
+    ):
         xr = x.clone().requires_grad_()
         out = remat(f, policy)(xr).sum()
         with Count() as c:
@@ -245,7 +250,10 @@ def test_remat_composes_with_vmap_and_rejects_unknown_names():
     w = torch.tensor([1.0, 2.0])
     per = vmap(grad(remat(_quad)), in_dims=(None, 0))(w, torch.eye(2))  # runs plainly under torch.func
     torch.testing.assert_close(per, torch.tensor([[2.0, 0.0], [0.0, 4.0]]))
-    with pytest.raises(ValueError, match=r"training.remat='some' is not a policy; choose one of \('none', 'full', 'selective', 'offload'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"training.remat='some' is not a policy; choose one of \('none', 'full', 'selective', 'offload'\)",
+    ):
         remat(_quad, "some")
 
 
@@ -274,7 +282,11 @@ def _fsdp_transforms_worker():
     f = lambda p, b: (llama.loss(p, b, CFG, layout), {"n": torch.tensor(1.0)})  # noqa: E731
     (loss, aux), grads = accumulate(value_and_grad(f, has_aux=True), 2)(params, _batch(4, seed=dist_rank()))
     w = grads["layers"][0]["attn"]["wq"]
-    out["placements"] = (type(w).__name__, w.placements == params["layers"][0]["attn"]["wq"].placements, str(w.placements))
+    out["placements"] = (
+        type(w).__name__,
+        w.placements == params["layers"][0]["attn"]["wq"].placements,
+        str(w.placements),
+    )
     out["grads"] = tree_map(lambda g: g.full_tensor() if isinstance(g, DTensor) else g, grads)
     out["aux"] = aux["n"].item()
     return out
@@ -301,7 +313,10 @@ def test_transforms_on_the_local_tensors_of_an_fsdp_layout():
     for a, r in zip(tree_leaves(res[1]["per_example"]), tree_leaves(ref)):
         torch.testing.assert_close(a, r, atol=1e-6, rtol=1e-5)
     # the FSDP gradient is the mean over ranks of each rank's microbatch-accumulated gradient
-    both = torch.cat([_batch(4, seed=0)["inputs"], _batch(4, seed=1)["inputs"]]), torch.cat([_batch(4, seed=0)["targets"], _batch(4, seed=1)["targets"]])
+    both = (
+        torch.cat([_batch(4, seed=0)["inputs"], _batch(4, seed=1)["inputs"]]),
+        torch.cat([_batch(4, seed=0)["targets"], _batch(4, seed=1)["targets"]]),
+    )
     _, want = value_and_grad(_loss)(params, {"inputs": both[0], "targets": both[1]})
     for a, r in zip(tree_leaves(res[0]["grads"]), tree_leaves(want)):
         torch.testing.assert_close(a, r, atol=1e-6, rtol=1e-5)

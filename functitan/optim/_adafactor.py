@@ -16,7 +16,15 @@ from torch import Tensor
 
 from functitan.optim import _local
 from functitan.optim._base import GradientTransformation, chain
-from functitan.optim._transforms import Mask, Schedule, _check, _zero_count, add_decayed_weights, scale, scale_by_learning_rate
+from functitan.optim._transforms import (
+    Mask,
+    Schedule,
+    _check,
+    _zero_count,
+    add_decayed_weights,
+    scale,
+    scale_by_learning_rate,
+)
 
 __all__ = ["ScaleByLionState", "FactoredState", "scale_by_lion", "lion", "scale_by_factored_rms", "adafactor"]
 
@@ -47,11 +55,19 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def lion(learning_rate: float | Schedule, *, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 1e-3,
-         mask: Mask | None = None) -> GradientTransformation:
+def lion(
+    learning_rate: float | Schedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    weight_decay: float = 1e-3,
+    mask: Mask | None = None,
+) -> GradientTransformation:
     """Lion = ``chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask), scale_by_learning_rate)``
     (optax's defaults; use a learning rate 3-10x smaller than AdamW's)."""
-    return chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask=mask), scale_by_learning_rate(learning_rate))
+    return chain(
+        scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask=mask), scale_by_learning_rate(learning_rate)
+    )
 
 
 class FactoredState(NamedTuple):
@@ -72,11 +88,17 @@ def _factored_dims(shape: tuple[int, ...], factored: bool, min_dim: int) -> tupl
 
 
 def _drop(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
-    return shape[:dim] + shape[dim + 1:]
+    return shape[:dim] + shape[dim + 1 :]
 
 
-def scale_by_factored_rms(*, factored: bool = True, decay_rate: float = 0.8, step_offset: int = 0,
-                          min_dim_size_to_factor: int = 128, epsilon: float = 1e-30) -> GradientTransformation:
+def scale_by_factored_rms(
+    *,
+    factored: bool = True,
+    decay_rate: float = 0.8,
+    step_offset: int = 0,
+    min_dim_size_to_factor: int = 128,
+    epsilon: float = 1e-30,
+) -> GradientTransformation:
     """Adafactor's scaling (Shazeer & Stern, 2018, arXiv 1804.04235): ``g / sqrt(v)`` with ``v`` the outer
     product of row and column means of ``g^2`` for matrices, a full moment otherwise; the moment decay at
     step t (from 1) is ``1 - t**-decay_rate``."""
@@ -161,22 +183,40 @@ def _scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation
     # optax.scale_by_param_block_rms: each leaf times max(rms(param), min_scale)
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         if params is None:
-            raise ValueError("adafactor(multiply_by_parameter_scale=True) needs the params: call update(grads, state, params)")
+            raise ValueError(
+                "adafactor(multiply_by_parameter_scale=True) needs the params: call update(grads, state, params)"
+            )
         with torch.no_grad():
             return optree.tree_map(lambda u, p: _times(u, torch.clamp(_rms(p), min=min_scale)), updates, params), state
 
     return GradientTransformation(lambda params: (), update)
 
 
-def adafactor(learning_rate: float | Schedule | None = None, *, min_dim_size_to_factor: int = 128,
-              decay_rate: float = 0.8, decay_offset: int = 0, multiply_by_parameter_scale: bool = True,
-              clipping_threshold: float | None = 1.0, weight_decay_rate: float | None = None,
-              weight_decay_mask: Mask | None = None, eps: float = 1e-30, factored: bool = True) -> GradientTransformation:
+def adafactor(
+    learning_rate: float | Schedule | None = None,
+    *,
+    min_dim_size_to_factor: int = 128,
+    decay_rate: float = 0.8,
+    decay_offset: int = 0,
+    multiply_by_parameter_scale: bool = True,
+    clipping_threshold: float | None = 1.0,
+    weight_decay_rate: float | None = None,
+    weight_decay_mask: Mask | None = None,
+    eps: float = 1e-30,
+    factored: bool = True,
+) -> GradientTransformation:
     """``optax.adafactor`` without momentum: factored RMS scaling, block-RMS clipping, the learning rate,
     parameter-scale multiplication and optional decay, then descent. ``learning_rate=None`` leaves the
     relative step (``multiply_by_parameter_scale``) as the only scale, as in the paper."""
-    parts = [scale_by_factored_rms(factored=factored, decay_rate=decay_rate, step_offset=decay_offset,
-                                   min_dim_size_to_factor=min_dim_size_to_factor, epsilon=eps)]
+    parts = [
+        scale_by_factored_rms(
+            factored=factored,
+            decay_rate=decay_rate,
+            step_offset=decay_offset,
+            min_dim_size_to_factor=min_dim_size_to_factor,
+            epsilon=eps,
+        )
+    ]
     if clipping_threshold is not None:
         parts.append(_clip_by_block_rms(clipping_threshold))
     if learning_rate is not None:

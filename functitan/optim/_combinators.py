@@ -7,7 +7,8 @@ fast path inside ``masked`` or ``multi_transform``, and DTensor leaves keep thei
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -107,8 +108,10 @@ def multi_transform(
         flat = optree.tree_leaves(tree)
         for (name, _), lab in zip(flatten_with_names(params)[0], flat):
             if lab not in transforms:
-                raise ValueError(f"param_labels gives {name!r} the label {lab!r}, which is not one of the transforms "
-                                 f"{sorted(transforms)}; add a transform for it or relabel the param")
+                raise ValueError(
+                    f"param_labels gives {name!r} the label {lab!r}, which is not one of the transforms "
+                    f"{sorted(transforms)}; add a transform for it or relabel the param"
+                )
         return flat
 
     def groups(params: Any) -> dict[str, list[int]]:
@@ -157,18 +160,27 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation]) -> Callab
 
     def build(*args: Any, **kwargs: Any) -> GradientTransformation:
         if args:
-            raise TypeError("inject_hyperparams: pass the factory's hyperparameters by keyword, e.g. learning_rate=1e-3")
-        numeric = {k: v for k, v in kwargs.items() if isinstance(v, (int, float)) and not isinstance(v, bool) or callable(v)}
+            raise TypeError(
+                "inject_hyperparams: pass the factory's hyperparameters by keyword, e.g. learning_rate=1e-3"
+            )
+        numeric = {
+            k: v for k, v in kwargs.items() if isinstance(v, (int, float)) and not isinstance(v, bool) or callable(v)
+        }
         static = {k: v for k, v in kwargs.items() if k not in numeric}
 
         def values(count: int, hp: dict[str, Tensor]) -> dict[str, float]:
             return {k: (float(numeric[k](count)) if callable(numeric[k]) else float(hp[k])) for k in numeric}
 
         def init(params: Any) -> InjectHyperparamsState:
-            hp = {k: torch.tensor(float(v(0)) if callable(v) else float(v), dtype=torch.float64) for k, v in numeric.items()}
+            hp = {
+                k: torch.tensor(float(v(0)) if callable(v) else float(v), dtype=torch.float64)
+                for k, v in numeric.items()
+            }
             return InjectHyperparamsState(_zero_count(), hp, factory(**static, **values(0, hp)).init(params))
 
-        def update(updates: Any, state: InjectHyperparamsState, params: Any = None) -> tuple[Any, InjectHyperparamsState]:
+        def update(
+            updates: Any, state: InjectHyperparamsState, params: Any = None
+        ) -> tuple[Any, InjectHyperparamsState]:
             count = int(state.count)
             now = values(count, state.hyperparams)
             hp = {k: torch.tensor(v, dtype=torch.float64) for k, v in now.items()}
@@ -225,7 +237,9 @@ def multi_steps(opt: GradientTransformation, every_k: int) -> GradientTransforma
         raise ValueError(f"multi_steps: every_k={every_k} must be >= 1")
 
     def init(params: Any) -> MultiStepsState:
-        return MultiStepsState(_zero_count(), _zero_count(), opt.init(params), _local.zeros_like(_local.flatten(params)))
+        return MultiStepsState(
+            _zero_count(), _zero_count(), opt.init(params), _local.zeros_like(_local.flatten(params))
+        )
 
     def update(grads: Any, state: MultiStepsState, params: Any = None) -> tuple[Any, MultiStepsState]:
         acc = _local.flatten(state.acc_grads, "state.acc_grads")
@@ -302,4 +316,3 @@ def param_ema(decay: float, *, warmup: bool = False) -> ParamEma:
         return EmaState(state.count + 1, _local.unflatten(e, new))
 
     return ParamEma(init, update)
-

@@ -248,7 +248,10 @@ def decay_indices(mask: Mask | None, p: _local.Flat, cache: dict[Any, list[int]]
     """The indices of the leaves of ``p`` that ``mask`` decays, cached per tree structure (``init`` fills it).
     Under torch.compile the last eager answer is a constant of the graph: the mask reads names, which dynamo
     cannot trace through optree, and the compiled step always sees the tree ``init`` saw."""
-    if torch.compiler.is_compiling() and "last" in cache:
+    if torch.compiler.is_compiling():
+        if "last" not in cache:
+            raise ValueError("a weight-decay mask is resolved by this optimizer's init: call opt.init(params) on this "
+                             "optimizer before its first compiled update")
         return cache["last"]
     by_tree = cache.setdefault("by_tree", {})  # keyed by treedef, which only eager code hashes
     if p.treedef not in by_tree:
