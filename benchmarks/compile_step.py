@@ -21,8 +21,9 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -34,6 +34,7 @@ from .sharding import Layout
 
 __all__ = ["from_module", "specs_from_rules", "TensorParallelBridgeError"]
 
+_ONE_DEVICE = Layout()
 NameRules = Sequence[tuple[str, Spec]]  # (regex searched in the dotted parameter name, logical spec)
 
 
@@ -101,7 +102,8 @@ def from_module(
     params = {n: p.detach().clone().to(dtype or p.dtype) for n, p in named.items()}
     checked: set[int] = set()
 
-    def apply(params: dict[str, Tensor], *args: Any, layout: Layout = Layout(), **kwargs: Any) -> Any:
+    def apply(params: dict[str, Tensor], *args: Any, layout: Layout | None = None, **kwargs: Any) -> Any:
+        layout = layout if layout is not None else _ONE_DEVICE
         if id(layout) not in checked:
             _check_no_tp(specs, layout)
             checked.add(id(layout))
