@@ -12,7 +12,8 @@ grad_fn(params, batch)          # accumulate(value_and_grad(loss_fn), microbatch
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Literal, get_args
+from collections.abc import Callable
+from typing import Any, Literal, get_args
 
 import optree
 import torch
@@ -37,8 +38,10 @@ class NonFiniteLossError(UserError, FloatingPointError):
 def _nonfinite_message(loss: float, gnorm: float, step: int) -> str:
     bad = [f"{name} {v}" for name, v in (("loss", loss), ("grad norm", gnorm)) if not math.isfinite(v)]
     good = [f"{name} {v:.4g}" for name, v in (("loss", loss), ("grad norm", gnorm)) if math.isfinite(v)]
-    return (f"non-finite {' and '.join(bad)}{f' ({good[0]})' if good else ''} at step {step}; lower optimizer.lr, "
-            f"enable clipping (optimizer.max_norm), or set training.on_nonfinite='skip'")
+    return (
+        f"non-finite {' and '.join(bad)}{f' ({good[0]})' if good else ''} at step {step}; lower optimizer.lr, "
+        f"enable clipping (optimizer.max_norm), or set training.on_nonfinite='skip'"
+    )
 
 
 def _mean_over_ranks(x: Tensor) -> Tensor:

@@ -86,7 +86,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     del full_params
 
     # 4. optimizer and step
-    optimizer = build_optimizer(cfg.optimizer, tcfg.steps, decay_mask=optim.decay_mask_from_specs(llama.specs(model_cfg)))
+    optimizer = build_optimizer(cfg.optimizer, tcfg.steps, decay_mask=optim.decay_mask_from_specs(specs))
     state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=loader.init_state(), rng=rng)
     train_step = make_train_step(grad_fn, optimizer, max_norm=cfg.optimizer.max_norm, norm_across=norm_across,
                                  on_nonfinite=tcfg.on_nonfinite)

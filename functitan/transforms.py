@@ -36,7 +36,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import optree
 import torch
@@ -138,21 +139,21 @@ def _eager_value_and_grad(
     fn: Callable[..., Any], nums: tuple[int, ...], argnums: Any, has_aux: bool, args: tuple, kwargs: dict
 ) -> tuple[Any, Any]:
     depth = _EAGER_DEPTH.get()
-    args = list(args)
+    call_args: list[Any] = list(args)
     flat: list[tuple[list[Any], Any, list[int]]] = []
     for n in nums:
-        leaves, treedef = optree.tree_flatten(args[n], none_is_leaf=True)
+        leaves, treedef = optree.tree_flatten(call_args[n], none_is_leaf=True)
         idx = [i for i, x in enumerate(leaves) if _is_diff(x)]
         for i in idx:
             # a nested call differentiates the outer call's graph through its own leaves: keep them attached
             if not leaves[i].requires_grad or (depth == 0 and leaves[i].grad_fn is not None):
                 leaves[i] = leaves[i].detach().requires_grad_(True)
-        args[n] = optree.tree_unflatten(treedef, leaves)
+        call_args[n] = optree.tree_unflatten(treedef, leaves)
         flat.append((leaves, treedef, idx))
     token = _EAGER_DEPTH.set(depth + 1)
     try:
         with torch.enable_grad():
-            out = fn(*args, **kwargs)
+            out = fn(*call_args, **kwargs)
     finally:
         _EAGER_DEPTH.reset(token)
     loss, aux = out if has_aux else (out, None)
@@ -341,7 +342,7 @@ def accumulate(grad_fn: Callable[..., tuple[Any, Any]], microbatches: int) -> Ca
         values: list[Any] = []
         acc: list[Any] = []
         specs: list[Any] = []
-        treedef = None
+        treedef: Any = None
         for mb in split_batch(batch, microbatches):
             value, grads = grad_fn(params, mb, *args, **kwargs)
             values.append(value)

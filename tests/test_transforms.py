@@ -73,7 +73,9 @@ def test_nonfinite_grad_norm_is_named_not_the_finite_loss():
     opt = optim.sgd(0.1)
     # loss 5.55 (sqrt(0) = 0), gradient 0.5 / sqrt(0) = inf
     step = make_train_step(value_and_grad(lambda p, b: torch.sqrt(p["w"] - b).sum() + 5.55), opt)
-    with pytest.raises(NonFiniteLossError, match=r"^non-finite grad norm inf \(loss 5\.55\) at step 5; lower optimizer.lr"):
+    with pytest.raises(
+        NonFiniteLossError, match=r"^non-finite grad norm inf \(loss 5\.55\) at step 5; lower optimizer.lr"
+    ):
         step(_state(opt), torch.ones(3))
 
 

@@ -84,7 +84,7 @@ def adamw(
             decay_indices(mask, _local.flatten(params, "params"), mask_cache)  # a bad mask fails here
         return composed.init(params)
 
-    mask_cache: dict[Any, list[int]] = {}
+    mask_cache: dict[str, Any] = {}
     return GradientTransformation(init, update)
 
 

@@ -244,7 +244,7 @@ def _resolve_mask(mask: Mask | None, params: Any) -> list[bool]:
     return flat
 
 
-def decay_indices(mask: Mask | None, p: _local.Flat, cache: dict[Any, list[int]]) -> list[int]:
+def decay_indices(mask: Mask | None, p: _local.Flat, cache: dict[str, Any]) -> list[int]:
     """The indices of the leaves of ``p`` that ``mask`` decays, cached per tree structure (``init`` fills it).
     Under torch.compile the last eager answer is a constant of the graph: the mask reads names, which dynamo
     cannot trace through optree, and the compiled step always sees the tree ``init`` saw."""
@@ -268,7 +268,7 @@ def add_decayed_weights(weight_decay: float, *, mask: Mask | None = None) -> Gra
     pytree of bools mirroring params; the choice is fixed per tree structure and cached.
     """
     _check(weight_decay >= 0, f"weight_decay={weight_decay}: pass a non-negative decay, e.g. 0.1")
-    cache: dict[optree.PyTreeSpec, list[int]] = {}
+    cache: dict[str, Any] = {}
 
     def decayed(p: _local.Flat) -> list[int]:
         return decay_indices(mask, p, cache)
