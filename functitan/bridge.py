@@ -22,7 +22,7 @@ write the model with ``layout.einsum`` (as ``models/llama.py`` does) for TP.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ class TensorParallelBridgeError(ValueError):
     """A layout would split a bridged module's parameter over ``tp``, which functional_call cannot compute."""
 
 
-def specs_from_rules(named: dict[str, Tensor], rules: NameRules) -> dict[str, Spec]:
+def specs_from_rules(named: Mapping[str, Tensor], rules: NameRules) -> dict[str, Spec]:
     """The spec of each parameter: the first rule whose regex is found in its name (``re.search``).
 
     A parameter no rule matches, or a spec whose length is not the parameter's ndim, is an error naming it.

@@ -159,10 +159,7 @@ def _compiled_step(
         loss_v, gnorm_v = stats.tolist()
         finite = math.isfinite(loss_v) and math.isfinite(gnorm_v)
         if not finite and not skip:
-            raise NonFiniteLossError(
-                f"non-finite loss {loss_v} (grad norm {gnorm_v}) at step {state.step + 1}; lower "
-                f"optimizer.lr, enable clipping (optimizer.max_norm), or set training.on_nonfinite='skip'"
-            )
+            raise NonFiniteLossError(_nonfinite_message(loss_v, gnorm_v, state.step + 1))
         nxt = state._replace(
             step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step)
         )

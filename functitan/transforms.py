@@ -74,11 +74,11 @@ def _is_diff(x: Any) -> bool:
 
 
 def _in_functorch() -> bool:
-    """True inside a torch.func transform (vmap, grad, jvp, ...): leaves are functorch wrappers there. While
-    dynamo traces (torch.compile of a whole step) the eager engine is used: dynamo cannot answer the question,
-    and the trainer's step has no functorch transform around its gradient."""
+    """True inside a torch.func transform (vmap, grad, jvp, ...), where leaves are functorch wrappers, and while
+    dynamo traces (a compiled whole step): dynamo traces torch.func.grad_and_value into the graph, but breaks
+    the graph at torch.autograd.grad."""
     if torch.compiler.is_compiling():
-        return False
+        return True
     return peek_interpreter_stack() is not None
 
 
@@ -138,7 +138,8 @@ def grad(fn: Callable[..., Any], argnums: int | Sequence[int] = 0, *, has_aux: b
 def _eager_value_and_grad(
     fn: Callable[..., Any], nums: tuple[int, ...], argnums: Any, has_aux: bool, args: tuple, kwargs: dict
 ) -> tuple[Any, Any]:
-    depth = _EAGER_DEPTH.get()
+    compiling = torch.compiler.is_compiling()  # dynamo cannot trace ContextVar: no nesting inside a compiled step
+    depth = 0 if compiling else _EAGER_DEPTH.get()
     call_args: list[Any] = list(args)
     flat: list[tuple[list[Any], Any, list[int]]] = []
     for n in nums:
@@ -150,12 +151,13 @@ def _eager_value_and_grad(
                 leaves[i] = leaves[i].detach().requires_grad_(True)
         call_args[n] = optree.tree_unflatten(treedef, leaves)
         flat.append((leaves, treedef, idx))
-    token = _EAGER_DEPTH.set(depth + 1)
+    token = None if compiling else _EAGER_DEPTH.set(depth + 1)
     try:
         with torch.enable_grad():
             out = fn(*call_args, **kwargs)
     finally:
-        _EAGER_DEPTH.reset(token)
+        if token is not None:
+            _EAGER_DEPTH.reset(token)
     loss, aux = out if has_aux else (out, None)
     _check_loss(loss, fn)
     diff = [leaves[i] for leaves, _, idx in flat for i in idx]

@@ -30,7 +30,7 @@ __all__ = ["ScaleByLionState", "FactoredState", "scale_by_lion", "lion", "scale_
 
 
 class ScaleByLionState(NamedTuple):
-    count: Tensor  # () int64
+    count: Tensor  # type: ignore[assignment]  # () int64
     mu: Any  # momentum, mirrors params
 
 
@@ -71,7 +71,7 @@ def lion(
 
 
 class FactoredState(NamedTuple):
-    count: Tensor  # () int64
+    count: Tensor  # type: ignore[assignment]  # () int64
     v_row: Any  # per leaf: row means of g^2 (factored leaves), else a 0-element placeholder
     v_col: Any  # per leaf: column means of g^2 (factored leaves), else a 0-element placeholder
     v: Any  # per leaf: the full second moment (unfactored leaves), else a 0-element placeholder
@@ -152,10 +152,10 @@ def scale_by_factored_rms(
 
 def _like(ref: Tensor, full: Tensor) -> Tensor:
     """``full`` (the whole tensor, identical on every rank) laid out as ``ref``: this rank's shard of it."""
-    if not hasattr(ref, "full_tensor"):
-        return full
-    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
+    if not isinstance(ref, DTensor):
+        return full
     return distribute_tensor(full, ref.device_mesh, ref.placements, src_data_rank=None)
 
 

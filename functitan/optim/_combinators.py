@@ -142,7 +142,7 @@ def multi_transform(
 
 
 class InjectHyperparamsState(NamedTuple):
-    count: Tensor  # () int64: the step the schedules are read at next
+    count: Tensor  # type: ignore[assignment]  # () int64: the step the schedules are read at next
     hyperparams: dict[str, Tensor]  # 0-d float64 tensors on the CPU: read and overwrite them between steps
     inner_state: Any
 
@@ -196,7 +196,7 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation]) -> Callab
 
 
 class ApplyEvery(NamedTuple):
-    count: Tensor  # () int64
+    count: Tensor  # type: ignore[assignment]  # () int64
     grad_acc: Any  # mirrors params
 
 
@@ -261,7 +261,7 @@ def multi_steps(opt: GradientTransformation, every_k: int) -> GradientTransforma
 
 
 class EmaState(NamedTuple):
-    count: Tensor  # () int64
+    count: Tensor  # type: ignore[assignment]  # () int64
     ema: Any  # mirrors params
 
 
