@@ -9,7 +9,7 @@ ARGS   ?=
 # the Orbax interop tests) and elastic (torchft, for the live elastic tests) are installed by both commands, so one venv serves both
 EXTRAS ?= test,orbax,elastic
 
-.PHONY: train test install bench clean
+.PHONY: train test install bench clean lint
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,13 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
+
+# ruff (lint + format check) and mypy; LINT_PATHS narrows them (e.g. LINT_PATHS=functitan/transforms.py)
+LINT_PATHS ?= functitan models tests benchmarks examples
+lint: $(STAMP)
+	$(BIN)/python -m ruff check $(LINT_PATHS)
+	$(BIN)/python -m ruff format --check $(LINT_PATHS)
+	$(BIN)/python -m mypy
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# True while a parameter all-gather runs. Selective remat's policy (sharding._selective_policy) recomputes
+# True while a parameter all-gather runs. Selective remat's policy (functitan._remat) recomputes
 # these ops in backward instead of saving the gathered params, so a checkpointed block also reshards after
 # forward. (Without remat, reshard-after-forward uses saved-tensor hooks instead: sharding._Regather.)
 GATHERING: contextvars.ContextVar[bool] = contextvars.ContextVar("functitan_gathering", default=False)

@@ -14,6 +14,7 @@ from typing import Any, Literal, Mapping, get_args
 
 from . import optim
 from .config import ConfigError, check
+from ._remat import RematName
 from .data import DataConfig
 from .elastic import ElasticConfig
 from .pipeline._generators import ScheduleName
@@ -54,7 +55,7 @@ class TrainingConfig:
     seq_len: int = 256
     microbatches: int = 1  # gradient accumulation steps per rank (with pp > 1: pipeline microbatches)
     seed: int = 0
-    remat: Literal["none", "full", "selective"] = "none"  # activation checkpointing per block
+    remat: RematName = "none"  # activation checkpointing per block (functitan._remat: none/full/selective/offload)
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype (master weights stay fp32)
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # gradient reduction dtype
     compile: bool = False  # torch.compile each block
@@ -172,11 +173,13 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optim.Sche
     return optim.wsd(cfg.lr, warmup, total_steps, final=final)
 
 
-def build_optimizer(cfg: OptimizerConfig, total_steps: int) -> optim.GradientTransformation:
-    """The optimizer the config names (clipping by ``max_norm`` happens in the train step, which has the norm)."""
+def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, decay_mask: optim.Mask | None = None) -> optim.GradientTransformation:
+    """The optimizer the config names (clipping by ``max_norm`` happens in the train step, which has the norm).
+    ``decay_mask``: which params adamw decays (``optim.decay_mask_from_specs(specs)``; default: matrices)."""
     lr = learning_rate_schedule(cfg, total_steps)
     if cfg.name == "adamw":
-        return optim.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return optim.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                           mask=decay_mask or optim.default_decay_mask)
     return optim.sgd(lr, momentum=cfg.momentum)
 
 

@@ -14,7 +14,6 @@ runs on plain tensors: eager DTensor dispatch costs 15-60 us per op, which domin
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import sys
 from dataclasses import dataclass, field
@@ -26,9 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from . import _collectives
+from . import _collectives, _remat
 from . import _dtensor as _dt
 from ._names import NameTable
 from ._tp import TPContext, parse_einsum
@@ -94,26 +92,6 @@ def constrain(x: Tensor, spec: Spec, rules: Rules, mesh: DeviceMesh) -> DTensor:
 
 # ----------------------------------------------------------------------------------------------- Layout
 
-REMAT_POLICIES = ("none", "full", "selective")
-
-_aten = torch.ops.aten
-# Selective activation checkpointing saves what is expensive to recompute (matmuls, attention) and recomputes
-# the cheap elementwise ops between them (torchtitan's "op" policy, without its every-second-matmul rule).
-_SAVE_OPS = {
-    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-}
-
-
-def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if _collectives.GATHERING.get():
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
 @dataclass(frozen=True)
 class Layout:
     """How a model computes on a mesh: the mesh, the rules, remat, precision and compilation.
@@ -130,8 +108,9 @@ class Layout:
     Args:
         mesh: the named mesh (``functitan.mesh.make_mesh``); None for one device without a process group.
         rules: the rules table (``default_rules(sequence_parallel=...)``).
-        remat: activation checkpointing per block: "none", "full", or "selective" (save matmul and
-            attention outputs, recompute elementwise ops).
+        remat: activation checkpointing per block: a ``functitan._remat.Policy`` or its config spelling,
+            "none", "full", "selective" (save matmul and attention outputs, recompute elementwise ops) or
+            "offload" (saved activations in host memory); ``block(..., remat=)`` overrides it per block.
         param_dtype: compute dtype of params (e.g. bfloat16); shards are cast before the all-gather.
         reduce_dtype: dtype in which gradients are reduced (float32 keeps fp32 master gradients).
         compile: ``torch.compile`` each block function (dynamo caches per function).
@@ -145,7 +124,7 @@ class Layout:
 
     mesh: DeviceMesh | None = None
     rules: Rules = field(default_factory=default_rules)
-    remat: str = "none"
+    remat: str | _remat.Policy = "none"
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     compile: bool = False
@@ -153,8 +132,7 @@ class Layout:
     names: NameTable | None = None
 
     def __post_init__(self) -> None:
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"training.remat={self.remat!r} is not a policy; choose one of {REMAT_POLICIES}")
+        _remat.as_policy(self.remat)  # an unknown spelling fails here
         tp = None
         if self.mesh is not None and "tp" in (self.mesh.mesh_dim_names or ()) and self.mesh["tp"].size() > 1:
             tp = TPContext(self.mesh, self.rules)
@@ -191,7 +169,7 @@ class Layout:
     def single_backward(self) -> bool:
         """True when a block may be backpropagated through only once (selective remat's checkpointing).
         Zero-bubble pipeline schedules (separate input- and weight-gradient passes) need False."""
-        return self.remat == "selective"
+        return _remat.as_policy(self.remat).single_backward
 
     # -- parameters
     def param(self, p: Tensor) -> Tensor:
@@ -283,23 +261,29 @@ class Layout:
         return local, shards, cast
 
     # -- blocks
-    def blocks(self, fn: Callable[..., Tensor], layers: Sequence[Any], x: Tensor, *args: Any) -> Tensor:
+    def blocks(self, fn: Callable[..., Tensor], layers: Sequence[Any], x: Tensor, *args: Any,
+               remat: Sequence[str | _remat.Policy | None] | None = None) -> Tensor:
         """``x = fn(compute_params, x, *args)`` for each block's params in ``layers``, in order.
 
         Each block's params are gathered inside its remat region (``block``); under FSDP without activation
         checkpointing the next block's all-gather starts once this block's has, and overlaps its compute.
+        ``remat``: a policy per block (None entries: the layout's), e.g. ``["full"] * 4 + [None] * 12``.
         """
         pending = None
         for i, p in enumerate(layers):
             nxt = layers[i + 1] if i + 1 < len(layers) else None
-            x, pending = self._block(fn, p, (x, *args), pending, nxt)
+            x, pending = self._block(fn, p, (x, *args), pending, nxt, remat[i] if remat is not None else None)
         return x
 
-    def block(self, fn: Callable[..., Tensor], params: Any, *args: Any) -> Tensor:
-        """``fn(compute_params, *args)`` with the params gathered inside the block's remat region."""
-        return self._block(fn, params, args, None, None)[0]
+    def block(self, fn: Callable[..., Tensor], params: Any, *args: Any,
+              remat: str | _remat.Policy | None = None) -> Tensor:
+        """``fn(compute_params, *args)`` with the params gathered inside the block's remat region; ``remat``:
+        this block's policy instead of the layout's."""
+        return self._block(fn, params, args, None, None, remat)[0]
 
-    def _block(self, fn: Callable[..., Tensor], params: Any, args: tuple, pending: Any, nxt: Any) -> tuple[Tensor, Any]:
+    def _block(self, fn: Callable[..., Tensor], params: Any, args: tuple, pending: Any, nxt: Any,
+               remat: str | _remat.Policy | None = None) -> tuple[Tensor, Any]:
+        policy = _remat.as_policy(self.remat if remat is None else remat)
         if self.compile:
             fn = torch.compile(fn)  # dynamo's cache lives with fn's code: compiled once, whatever the wrapper
 
@@ -308,19 +292,18 @@ class Layout:
 
         if not torch.is_grad_enabled():
             return run(params, *args), None
-        if self.remat == "none":
+        if not policy.checkpoints:
             regather = _Regather(self, params) if self.reshard_after_forward and self._fsdp else None
             hooks = torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack) if regather else contextlib.nullcontext()
+            if policy.offload:
+                hooks = _remat.offload_hooks(regather.pack if regather else None, regather.unpack if regather else None)
             with hooks:
                 compute = self.params(params, pending)
                 if regather is not None:
                     regather.track(optree.tree_leaves(compute))
                 started = self.prefetch(nxt) if nxt is not None else None
                 return fn(compute, *args), started
-        if self.remat == "full":
-            return checkpoint(run, params, *args, use_reentrant=False), None
-        return checkpoint(run, params, *args, use_reentrant=False,
-                          context_fn=functools.partial(create_selective_checkpoint_contexts, _selective_policy)), None
+        return _remat.apply(policy, run, params, *args), None
 
     # -- activations
     def einsum(self, pattern: str, *operands: Tensor) -> Tensor:

@@ -1,19 +1,21 @@
 """The train step: ``train_step(state, batch) -> (state, metrics)``, built from a loss and an optimizer.
 
-    grad_fn(params, batch)          # accumulate(value_and_grad(loss_fn), microbatches), or a pipeline
-                                    # executor: (mean loss, grads in the params' placements)
-      -> global_norm                # of the full gradient, however it is sharded (and across pp stages)
-      -> non-finite guard           # stop with the step named, or skip the update
-      -> clip_to_norm               # with that same norm
-      -> optimizer.update           # functional: new opt_state
-      -> apply_updates              # functional: new params
+grad_fn(params, batch)          # accumulate(value_and_grad(loss_fn), microbatches), or a pipeline
+                                # executor: (mean loss, grads in the params' placements)
+  -> global_norm                # of the full gradient, however it is sharded (and across pp stages)
+  -> non-finite guard           # stop with the step named, or skip the update
+  -> clip_to_norm               # with that same norm
+  -> optimizer.update           # functional: new opt_state
+  -> apply_updates              # functional: new params
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Literal, get_args
+from collections.abc import Callable
+from typing import Any, Literal, get_args
 
+import optree
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -36,8 +38,10 @@ class NonFiniteLossError(UserError, FloatingPointError):
 def _nonfinite_message(loss: float, gnorm: float, step: int) -> str:
     bad = [f"{name} {v}" for name, v in (("loss", loss), ("grad norm", gnorm)) if not math.isfinite(v)]
     good = [f"{name} {v:.4g}" for name, v in (("loss", loss), ("grad norm", gnorm)) if math.isfinite(v)]
-    return (f"non-finite {' and '.join(bad)}{f' ({good[0]})' if good else ''} at step {step}; lower optimizer.lr, "
-            f"enable clipping (optimizer.max_norm), or set training.on_nonfinite='skip'")
+    return (
+        f"non-finite {' and '.join(bad)}{f' ({good[0]})' if good else ''} at step {step}; lower optimizer.lr, "
+        f"enable clipping (optimizer.max_norm), or set training.on_nonfinite='skip'"
+    )
 
 
 def _mean_over_ranks(x: Tensor) -> Tensor:
@@ -57,6 +61,7 @@ def make_train_step(
     max_norm: float = 0.0,
     norm_across: dist.ProcessGroup | None = None,
     on_nonfinite: str = "stop",
+    compile: bool | str = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, float]]]:
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
@@ -70,12 +75,21 @@ def make_train_step(
         norm_across: a process group whose ranks hold other parameters (pipeline stages): the norm covers them.
         on_nonfinite: "stop" raises NonFiniteLossError naming the step; "skip" leaves params and optimizer
             state unchanged for that step and reports ``skipped=1``.
+        compile: ``torch.compile`` the whole step (forward, backward, norm, clipping, optimizer update) as one
+            graph, as ``jax.jit`` would: see ``_compiled_step``. A string names the backend (``"aot_eager"``
+            traces forward and backward without generating code: quick to build, for tests).
 
     ``metrics`` holds ``loss`` (mean over data-parallel ranks), ``grad_norm`` (of the full gradient, before
     clipping) and ``skipped``.
     """
     if on_nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"training.on_nonfinite={on_nonfinite!r}; choose one of {NONFINITE_POLICIES}")
+
+    if compile:
+        backend = compile if isinstance(compile, str) else "inductor"
+        return _compiled_step(
+            grad_fn, optimizer, max_norm=max_norm, norm_across=norm_across, on_nonfinite=on_nonfinite, backend=backend
+        )
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, float]]:
         loss, grads = grad_fn(state.params, batch)
@@ -93,7 +107,82 @@ def make_train_step(
             grads = optim.clip_to_norm(grads, gnorm, max_norm)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optim.apply_updates(state.params, updates)
-        nxt = state._replace(step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step))
+        nxt = state._replace(
+            step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step)
+        )
         return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": 0}
 
     return train_step
+
+
+def _compiled_step(
+    grad_fn: Callable[[Any, Any], tuple[Tensor, Any]],
+    optimizer: optim.GradientTransformation,
+    *,
+    max_norm: float,
+    norm_across: dist.ProcessGroup | None,
+    on_nonfinite: str,
+    backend: str = "inductor",
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, float]]]:
+    """The step as one ``torch.compile`` graph: ``update(params, opt_state, batch)`` holds every tensor op, and
+    the host does only what needs Python values (the metrics' ``.tolist()``, the non-finite decision).
+
+    Unlike the eager step, the update is computed before the finiteness is known: "stop" raises afterwards
+    (the new state is dropped), "skip" keeps the old state (``torch.where`` on every leaf, inside the graph).
+    Step counters stay 0-d tensors inside the graph (``optim.step_number``), so the graph is reused every step.
+    """
+    skip = on_nonfinite == "skip"
+
+    def update(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Tensor]:
+        loss, grads = grad_fn(params, batch)
+        with torch.no_grad():
+            gnorm = optim.global_norm(grads, across=norm_across)
+            stats = _mean_over_ranks(torch.stack([loss.float(), gnorm.float().to(loss.device)]))
+            if max_norm > 0:
+                grads = optim.clip_to_norm(grads, gnorm, max_norm)
+            updates, new_opt_state = optimizer.update(grads, opt_state, params)
+            new_params = optim.apply_updates(params, updates)
+            if skip:
+                finite = torch.isfinite(stats).all()
+                new_params = _select(finite, new_params, params)
+                new_opt_state = _select(finite, new_opt_state, opt_state)
+        return new_params, new_opt_state, stats
+
+    compiled = torch.compile(update, backend=backend)
+
+    def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, float]]:
+        # a graph may not return leaves that need grad (dynamo breaks the graph there): the params go in and
+        # come out without the flag, which is set again here (in place, on leaves: no copy, no dispatch)
+        _set_requires_grad(state.params, False)
+        params, opt_state, stats = compiled(state.params, state.opt_state, batch)
+        _set_requires_grad(params, True)
+        loss_v, gnorm_v = stats.tolist()
+        finite = math.isfinite(loss_v) and math.isfinite(gnorm_v)
+        if not finite and not skip:
+            raise NonFiniteLossError(_nonfinite_message(loss_v, gnorm_v, state.step + 1))
+        nxt = state._replace(
+            step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step)
+        )
+        return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": int(not finite)}
+
+    train_step.compiled = compiled  # type: ignore[attr-defined]  # for torch._dynamo.explain and benchmarks
+    train_step.update = update  # type: ignore[attr-defined]
+    return train_step
+
+
+def _set_requires_grad(tree: Any, flag: bool) -> None:
+    for x in optree.tree_leaves(tree):
+        if isinstance(x, Tensor) and x.is_floating_point() and x.is_leaf:
+            x.requires_grad_(flag)
+
+
+def _select(keep_new: Tensor, new: Any, old: Any) -> Any:
+    """``new`` where ``keep_new`` else ``old``, leaf by leaf (requires_grad as the old leaf)."""
+
+    def pick(a: Any, b: Any) -> Any:
+        if not isinstance(a, Tensor):
+            return a
+        out = torch.where(keep_new.to(a.device), a, b)
+        return out.requires_grad_(b.requires_grad) if b.requires_grad else out
+
+    return optree.tree_map(pick, new, old)

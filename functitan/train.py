@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import metrics as M
+from . import optim
 from . import pipeline
 from .checkpoint import CheckpointManager, is_hf_dir, load_hf, recorded_model_config, restore_params, write_model_config
 from .config import ConfigError, parse_config, to_dict
@@ -85,7 +86,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     del full_params
 
     # 4. optimizer and step
-    optimizer = build_optimizer(cfg.optimizer, tcfg.steps)
+    optimizer = build_optimizer(cfg.optimizer, tcfg.steps, decay_mask=optim.decay_mask_from_specs(specs))
     state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=loader.init_state(), rng=rng)
     train_step = make_train_step(grad_fn, optimizer, max_norm=cfg.optimizer.max_norm, norm_across=norm_across,
                                  on_nonfinite=tcfg.on_nonfinite)

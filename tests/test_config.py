@@ -33,7 +33,7 @@ def test_unknown_key_suggests_the_nearest():
 def test_bad_values_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"training.steps='ten' is not a valid int"):
         parse_config(JobConfig, ["--training.steps=ten"])
-    with pytest.raises(ConfigError, match=r"training.remat='some' is not allowed; choose one of \['none', 'full', 'selective'\]"):
+    with pytest.raises(ConfigError, match=r"training.remat='some' is not allowed; choose one of \['none', 'full', 'selective', 'offload'\]"):
         parse_config(JobConfig, ["--training.remat=some"])
     bad = tmp_path / "bad.toml"
     bad.write_text("[training\nsteps=1")

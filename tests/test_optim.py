@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from functitan import optim
 from functitan.mesh import make_mesh
 from functitan.testing import run_distributed
+from functitan.tree import flatten_with_names
 
 # --------------------------------------------------------------------------------------------------------
 # A small multi-leaf model: embedding, two residual layers (matrix + norm scale), output with bias.
@@ -80,7 +81,7 @@ def test_adamw_matches_torch_adamw_over_20_steps_fp64():
         decay = [p for n, p in named if optim.default_decay_mask(n, p)]
         no_decay = [p for n, p in named if not optim.default_decay_mask(n, p)]
         assert [n for n, p in named if optim.default_decay_mask(n, p)] == [
-            "layers.0.attn.wq", "layers.1.attn.wq", "out.weight"
+            "layers.0.attn.wq", "layers.1.attn.wq", "out.weight", "tok_embeddings"
         ]
         groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=peak, betas=(0.9, 0.95), eps=1e-8)
@@ -160,14 +161,18 @@ def test_clip_by_global_norm_scales_only_above_max_norm():
         optim.clip_by_global_norm(0)
 
 
-def test_default_decay_mask_decays_matrices_but_not_embeddings_or_vectors():
+def test_decay_masks_decay_matrices_and_the_specs_spare_vocab_tables():
     m = torch.zeros(4, 4)
-    assert optim.default_decay_mask("layers.0.attn.wq", m)
-    assert optim.default_decay_mask("lm_head.weight", m)
-    assert optim.default_decay_mask("embedding_proj", m)  # a segment must *be* an embedding name
-    for name in ["tok_embeddings", "model.embed_tokens.weight", "transformer.wte.weight", "wpe", "embed"]:
-        assert not optim.default_decay_mask(name, m), name
+    assert optim.default_decay_mask("layers.0.attn.wq", m) and optim.default_decay_mask("tok_embeddings", m)
     assert not optim.default_decay_mask("layers.0.norm", torch.zeros(4))
+    from models import llama
+
+    cfg = llama.config("debug", n_layers=1)
+    mask = optim.decay_mask_from_specs(llama.specs(cfg))
+    params = llama.init(cfg, 0, device="meta")
+    decayed = [n for n, p in flatten_with_names(params)[0] if mask(n, p)]
+    assert sorted(decayed) == sorted(f"layers.0.{k}" for k in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down"))
+    assert mask("layers.7.attn.wq", m)  # a pipeline stage's own names fall back to the rule by shape
 
 
 def test_decay_mask_tree_with_wrong_structure_names_the_key_path():

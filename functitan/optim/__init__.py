@@ -10,18 +10,36 @@ with ``torch._foreach_*`` and keeps every leaf's placement. Typical use::
     params = optim.apply_updates(params, updates)
 """
 
+from functitan.optim._adafactor import FactoredState, ScaleByLionState, adafactor, lion, scale_by_factored_rms, scale_by_lion
 from functitan.optim._aliases import adamw, sgd
+from functitan.optim._combinators import (
+    ApplyEvery,
+    EmaState,
+    InjectHyperparamsState,
+    MaskedState,
+    MultiStepsState,
+    MultiTransformState,
+    apply_every,
+    ema,
+    inject_hyperparams,
+    masked,
+    multi_steps,
+    multi_transform,
+    param_ema,
+)
 from functitan.optim._base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from functitan.optim._norm import global_norm
-from functitan.optim._schedules import constant, warmup_cosine, warmup_linear, wsd
+from functitan.optim._schedules import Schedule, constant, join_schedules, warmup_cosine, warmup_linear, wsd
 from functitan.optim._transforms import (
-    EMBEDDING_NAMES,
+    NO_DECAY_AXES,
+    Mask,
     ScaleByAdamState,
     ScaleByScheduleState,
     TraceState,
     add_decayed_weights,
     clip_by_global_norm,
     clip_to_norm,
+    decay_mask_from_specs,
     default_decay_mask,
     scale,
     scale_by_adam,
@@ -44,7 +62,9 @@ __all__ = [
     "clip_by_global_norm",
     "clip_to_norm",
     "default_decay_mask",
-    "EMBEDDING_NAMES",
+    "decay_mask_from_specs",
+    "NO_DECAY_AXES",
+    "Mask",
     "ScaleByAdamState",
     "TraceState",
     "ScaleByScheduleState",
@@ -54,4 +74,25 @@ __all__ = [
     "warmup_cosine",
     "warmup_linear",
     "wsd",
+    "join_schedules",
+    "Schedule",
+    "masked",
+    "MaskedState",
+    "multi_transform",
+    "MultiTransformState",
+    "inject_hyperparams",
+    "InjectHyperparamsState",
+    "apply_every",
+    "ApplyEvery",
+    "multi_steps",
+    "MultiStepsState",
+    "ema",
+    "param_ema",
+    "EmaState",
+    "lion",
+    "scale_by_lion",
+    "ScaleByLionState",
+    "adafactor",
+    "scale_by_factored_rms",
+    "FactoredState",
 ]

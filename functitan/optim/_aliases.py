@@ -13,8 +13,10 @@ from functitan.optim._transforms import (
     Schedule,
     ScaleByAdamState,
     ScaleByScheduleState,
-    _resolve_mask,
+    _axpy_,
     adam_moments,
+    decay_indices,
+    step_number,
     learning_rate_at,
     add_decayed_weights,
     default_decay_mask,
@@ -38,8 +40,9 @@ def adamw(
     """AdamW (Loshchilov & Hutter, 2019): Adam's direction plus decoupled weight decay, times ``-lr``.
 
     Equals ``torch.optim.AdamW`` with the decayed params in one group and the rest in a group with
-    ``weight_decay=0``. By default matrices are decayed and vectors and embeddings are not
-    (``default_decay_mask``); ``mask=None`` decays everything. ``learning_rate`` may be a schedule
+    ``weight_decay=0``. By default matrices are decayed and vectors are not (``default_decay_mask``); the
+    trainer passes ``decay_mask_from_specs(specs)``, which also spares the ``vocab`` tables; ``mask=None``
+    decays everything. ``learning_rate`` may be a schedule
     ``step -> float`` (``functitan.optim.warmup_cosine`` ...), read at step 0 for the first update.
 
     State: ``(ScaleByAdamState(count, mu, nu), EmptyState(), ScaleByScheduleState(count) or EmptyState())``.
@@ -61,27 +64,28 @@ def adamw(
         nu = _local.flatten_like(mu, adam.nu, ("state.mu", "state.nu"))
         g = _local.flatten_like(mu, grads, ("optimizer state", "grads"))
         p = _local.flatten_like(mu, params, ("optimizer state", "params"))
-        t = int(adam.count) + 1
-        lr = learning_rate_at(learning_rate, int(sched.count)) if callable(learning_rate) else float(learning_rate)
+        # ints eagerly; 0-d tensors under torch.compile (no graph break, no recompilation per step)
+        t = step_number(adam.count, 1)
+        lr = learning_rate_at(learning_rate, step_number(sched.count)) if callable(learning_rate) else float(learning_rate)
         with torch.no_grad():
             new_mu, new_nu, u = adam_moments(mu, nu, g, b1=b1, b2=b2, eps=eps, t=t)
             torch._foreach_reciprocal_(u)
             torch._foreach_mul_(u, new_mu)
             torch._foreach_mul_(u, -lr / (1 - b1**t))
-            idx = decay_indices(p) if weight_decay else []
+            idx = decay_indices(mask, p, mask_cache) if weight_decay else []
             if idx:
-                torch._foreach_add_([u[i] for i in idx], [p.locals[i] for i in idx], alpha=-lr * weight_decay)
+                _axpy_([u[i] for i in idx], [p.locals[i] for i in idx], -lr * weight_decay)
         new_adam = ScaleByAdamState(adam.count + 1, _local.unflatten(mu, new_mu), _local.unflatten(mu, new_nu))
         new_sched = ScaleByScheduleState(count=sched.count + 1) if isinstance(sched, ScaleByScheduleState) else sched
         return _local.unflatten(g, u), (new_adam, empty, new_sched)
 
-    def decay_indices(p: Any) -> list[int]:
-        if p.treedef not in mask_cache:
-            mask_cache[p.treedef] = [i for i, m in enumerate(_resolve_mask(mask, p.tree)) if m]
-        return mask_cache[p.treedef]
+    def init(params: Any) -> Any:
+        if weight_decay:
+            decay_indices(mask, _local.flatten(params, "params"), mask_cache)  # a bad mask fails here
+        return composed.init(params)
 
-    mask_cache: dict[Any, list[int]] = {}
-    return GradientTransformation(composed.init, update)
+    mask_cache: dict[str, Any] = {}
+    return GradientTransformation(init, update)
 
 
 def sgd(learning_rate: float | Schedule, *, momentum: float = 0.0, nesterov: bool = False) -> GradientTransformation:

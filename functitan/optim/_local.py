@@ -12,7 +12,7 @@ kernels are loops too; on GPU foreach launches one kernel per op for many leaves
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import optree
 import torch
@@ -96,7 +96,7 @@ def wrap(local: Tensor, spec: DTensorSpec | None, requires_grad: bool = False) -
     return _dt.wrap(local, spec, requires_grad)
 
 
-def unflatten(ref: Flat, locals_: list[Tensor]) -> Any:
+def unflatten(ref: Flat, locals_: Sequence[Tensor]) -> Any:
     """The tree of ``ref`` with each local shard replaced by ``locals_[i]``, wrapped like the ref leaf."""
     return optree.tree_unflatten(ref.treedef, [wrap(t, s) for t, s in zip(locals_, ref.specs)])
 

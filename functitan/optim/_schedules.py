@@ -10,11 +10,35 @@ step 60 and 0.0 at step 110.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
-__all__ = ["constant", "warmup_cosine", "warmup_linear", "wsd"]
+import torch
+from torch import Tensor
 
-Schedule = Callable[[int], float]
+__all__ = ["constant", "warmup_cosine", "warmup_linear", "wsd", "join_schedules"]
+
+Schedule = Callable[[Any], Any]  # step (int, or a 0-d tensor under torch.compile) -> rate (float, or 0-d tensor)
+
+# Each schedule reads a Python int eagerly (plain float math, no tensor op per step) and a 0-d step tensor under
+# torch.compile, where it becomes part of the compiled train step (no graph break, no recompile per step).
+
+
+def _step(step: Any) -> Any:
+    return step.to(torch.float64) if isinstance(step, Tensor) else int(step)
+
+
+def _where(cond: Any, a: Any, b: Any) -> Any:
+    if isinstance(cond, Tensor):
+        return torch.where(cond, torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64))
+    return a if cond else b
+
+
+def _clamp01(x: Any) -> Any:
+    return x.clamp(0.0, 1.0) if isinstance(x, Tensor) else min(max(x, 0.0), 1.0)
+
+
+def _cos(x: Any) -> Any:
+    return torch.cos(x) if isinstance(x, Tensor) else math.cos(x)
 
 
 def _check(peak: float, warmup_steps: int, total_steps: int, final: float, name: str) -> None:
@@ -44,7 +68,7 @@ def constant(value: float) -> Schedule:
     """``value`` at every step."""
     if value < 0:
         raise ValueError(f"constant: value={value}; a learning rate is non-negative")
-    return lambda step: float(value)
+    return lambda step: torch.full_like(_step(step), float(value)) if isinstance(step, Tensor) else float(value)
 
 
 def _warmup_then(
@@ -53,12 +77,10 @@ def _warmup_then(
     """Warmup, then ``final + (peak - final) * shape(progress)`` with progress going 0 -> 1 until total_steps."""
     span = max(total_steps - warmup_steps, 1)
 
-    def schedule(step: int) -> float:
-        step = int(step)
-        if step < warmup_steps:
-            return _warmup(peak, warmup_steps, step)
-        progress = min((step - warmup_steps) / span, 1.0)
-        return final + (peak - final) * shape(progress)
+    def schedule(step: Any) -> Any:
+        step = _step(step)
+        progress = _clamp01((step - warmup_steps) / span)
+        return _where(step < warmup_steps, _warmup(peak, max(warmup_steps, 1), step), final + (peak - final) * shape(progress))
 
     return schedule
 
@@ -67,7 +89,7 @@ def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, final: float
     """Linear warmup to ``peak``, then half a cosine down to ``final`` at ``total_steps`` (Loshchilov & Hutter,
     2017). The cosine's midpoint, step ``(warmup_steps + total_steps) / 2``, gives ``(peak + final) / 2``."""
     _check(peak, warmup_steps, total_steps, final, "warmup_cosine")
-    return _warmup_then(peak, warmup_steps, total_steps, final, lambda p: 0.5 * (1 + math.cos(math.pi * p)))
+    return _warmup_then(peak, warmup_steps, total_steps, final, lambda p: 0.5 * (1 + _cos(math.pi * p)))
 
 
 def warmup_linear(peak: float, warmup_steps: int, total_steps: int, final: float = 0.0) -> Schedule:
@@ -94,13 +116,34 @@ def wsd(peak: float, warmup_steps: int, total_steps: int, decay_fraction: float 
             f"step {decay_start}, inside the {warmup_steps}-step warmup; lower decay_fraction or warmup_steps"
         )
 
-    def schedule(step: int) -> float:
-        step = int(step)
-        if step < warmup_steps:
-            return _warmup(peak, warmup_steps, step)
-        if step < decay_start or decay_steps == 0:
-            return float(peak)
-        progress = min((step - decay_start) / decay_steps, 1.0)
-        return final + (peak - final) * (1 - progress)
+    def schedule(step: Any) -> Any:
+        step = _step(step)
+        decay = final + (peak - final) * (1 - _clamp01((step - decay_start) / max(decay_steps, 1)))
+        held = _where(step < decay_start, float(peak), decay) if decay_steps else float(peak)
+        return _where(step < warmup_steps, _warmup(peak, max(warmup_steps, 1), step), held)
+
+    return schedule
+
+
+def join_schedules(schedules: list[Schedule], boundaries: list[int]) -> Schedule:
+    """``optax.join_schedules``: ``schedules[i]`` from step ``boundaries[i-1]`` on, read at the step counted
+    from its own start (``step - boundaries[i-1]``). ``len(boundaries) == len(schedules) - 1``.
+
+    ``join_schedules([constant(1.0), lambda s: 1.0 / (1 + s)], [10])``: 1.0 up to step 9, 1.0 at 10, 0.5 at 11.
+    """
+    if len(boundaries) != len(schedules) - 1 or any(b > c for b, c in zip(boundaries, boundaries[1:])):
+        raise ValueError(f"join_schedules: {len(schedules)} schedules need {len(schedules) - 1} increasing boundaries, "
+                         f"got {boundaries}")
+
+    def schedule(step: Any) -> Any:
+        if isinstance(step, Tensor):  # every piece evaluated, the right one selected: no data-dependent branch
+            out = schedules[0](step)
+            for b, piece in zip(boundaries, schedules[1:]):
+                out = torch.where(step >= b, torch.as_tensor(piece(step - b), dtype=torch.float64), out)
+            return out
+        step, start, i = int(step), 0, 0
+        while i < len(boundaries) and step >= boundaries[i]:
+            start, i = boundaries[i], i + 1
+        return float(schedules[i](step - start))
 
     return schedule

@@ -24,8 +24,9 @@ __all__ = [
     "ScaleByAdamState",
     "TraceState",
     "ScaleByScheduleState",
-    "EMBEDDING_NAMES",
+    "NO_DECAY_AXES",
     "default_decay_mask",
+    "decay_mask_from_specs",
     "scale",
     "scale_by_learning_rate",
     "scale_by_adam",
@@ -37,7 +38,6 @@ __all__ = [
 Schedule = Callable[[int], float]
 Mask = Union[Callable[[str, Any], bool], Any]  # (name, param) -> bool, or a pytree of bools mirroring params
 
-EMBEDDING_NAMES = frozenset({"embed", "tok_embeddings", "embed_tokens", "wte", "wpe"})
 
 
 class ScaleByAdamState(NamedTuple):
@@ -58,20 +58,65 @@ def _zero_count() -> Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
+def step_number(count: Tensor, offset: int = 0) -> Any:
+    """``count + offset``: a Python int eagerly (bias corrections and schedules in float math, no device
+    sync), a float64 0-d tensor under ``torch.compile`` (traced into the step: no graph break at ``int()``)."""
+    if torch.compiler.is_compiling():
+        return count.to(torch.float64) + offset
+    return int(count) + offset
+
+
+def _axpy_(ys: list[Tensor], xs: list[Tensor], a: Any) -> None:
+    """``ys += a * xs`` for a Python or a 0-d tensor scalar ``a`` (foreach's ``alpha`` takes numbers only)."""
+    if isinstance(a, Tensor):
+        torch._foreach_add_(ys, torch._foreach_mul(xs, a))
+    else:
+        torch._foreach_add_(ys, xs, alpha=a)
+
+
 def _check(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)
 
 
-def default_decay_mask(name: str, param: Any) -> bool:
-    """Decay matrices, not vectors or embeddings: ``param.ndim >= 2`` and no segment of the dotted ``name``
-    is one of ``EMBEDDING_NAMES`` (GPT-2 / nanoGPT practice: decaying norms, biases and embedding rows hurts).
+# Logical axis names whose params are not decayed: an embedding row (or an untied output row) is only
+# updated by the tokens that use it, so decay would shrink rare tokens' rows toward zero between updates.
+NO_DECAY_AXES = frozenset({"vocab"})
 
-    >>> w = torch.zeros(4, 4)
-    >>> default_decay_mask("layers.0.attn.wq", w), default_decay_mask("tok_embeddings", w)
+
+def default_decay_mask(name: str, param: Any) -> bool:
+    """Decay matrices, not vectors: ``param.ndim >= 2``. Norm scales and biases are 1-D, and decaying them
+    pulls them toward 0 (a norm's neutral value is 1). With specs at hand, ``decay_mask_from_specs`` also
+    leaves out embeddings.
+
+    >>> default_decay_mask("layers.0.attn.wq", torch.zeros(4, 4)), default_decay_mask("norm.weight", torch.zeros(4))
     (True, False)
     """
-    return param.ndim >= 2 and not any(seg in EMBEDDING_NAMES for seg in name.split("."))
+    return param.ndim >= 2
+
+
+def decay_mask_from_specs(specs: Any, *, no_decay_axes: frozenset[str] | set[str] = NO_DECAY_AXES) -> Callable[[str, Any], bool]:
+    """A weight-decay mask read from the params' logical names: decay a param iff it has >= 2 dims and none
+    of them is named in ``no_decay_axes`` (by default ``{"vocab"}``: the embedding and output tables).
+
+    The mask is ``(name, param) -> bool`` over dotted names, so it also serves a sub-tree with the same names
+    (a pipeline stage's params); a name the specs do not have falls back to ``default_decay_mask``.
+
+    >>> mask = decay_mask_from_specs({"embed": ("vocab", "embed"), "wq": ("heads", "embed"), "norm": ("embed",)})
+    >>> [mask(n, torch.zeros(2, 2) if n != "norm" else torch.zeros(2)) for n in ("embed", "wq", "norm")]
+    [False, True, False]
+    """
+    from functitan._rules import is_spec
+
+    named = dict(flatten_with_names(specs, is_leaf=is_spec)[0])
+
+    def mask(name: str, param: Any) -> bool:
+        spec = named.get(name)
+        if spec is None:
+            return default_decay_mask(name, param)
+        return len(spec) >= 2 and not any(a in no_decay_axes for a in spec if a is not None)
+
+    return mask
 
 
 def scale(factor: float) -> GradientTransformation:
@@ -98,7 +143,7 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
         return ScaleByScheduleState(count=_zero_count())
 
     def update(updates: Any, state: ScaleByScheduleState, params: Any = None) -> tuple[Any, ScaleByScheduleState]:
-        lr = learning_rate_at(learning_rate, int(state.count))
+        lr = learning_rate_at(learning_rate, step_number(state.count))
         u = _local.flatten(updates, "updates")
         with torch.no_grad():
             out = _local.unflatten(u, torch._foreach_mul(u.locals, -lr))
@@ -107,7 +152,7 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
     return GradientTransformation(init, update)
 
 
-def adam_moments(mu: _local.Flat, nu: _local.Flat, g: _local.Flat, *, b1: float, b2: float, eps: float, t: int) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+def adam_moments(mu: _local.Flat, nu: _local.Flat, g: _local.Flat, *, b1: float, b2: float, eps: float, t: Any) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     """Adam's new moments and denominator ``sqrt(nu / (1 - b2**t)) + eps`` on local shards (call under no_grad).
 
     The arithmetic follows ``torch.optim.AdamW`` (``lerp`` for mu, ``addcmul`` for nu); shared by
@@ -118,15 +163,18 @@ def adam_moments(mu: _local.Flat, nu: _local.Flat, g: _local.Flat, *, b1: float,
     new_nu = torch._foreach_mul(nu.locals, b2)
     torch._foreach_addcmul_(new_nu, gl, gl, value=1 - b2)
     denom = torch._foreach_sqrt(new_nu)
-    torch._foreach_div_(denom, math.sqrt(1 - b2**t))
+    torch._foreach_div_(denom, (1 - b2**t) ** 0.5)  # t: an int, or a tensor under torch.compile
     torch._foreach_add_(denom, eps)
     return new_mu, new_nu, denom
 
 
-def learning_rate_at(learning_rate: float | Schedule, step: int) -> float:
-    """The rate a constant or a schedule gives at ``step``; a schedule's bad value is an error naming the step."""
+def learning_rate_at(learning_rate: float | Schedule, step: Any) -> Any:
+    """The rate a constant or a schedule gives at ``step``; a schedule's bad value is an error naming the step.
+    Under torch.compile ``step`` is a 0-d tensor and so is the rate (not checked: that would sync)."""
     if not callable(learning_rate):
         return float(learning_rate)
+    if isinstance(step, Tensor):
+        return torch.as_tensor(learning_rate(step), dtype=torch.float64)
     lr = float(learning_rate(step))
     _check(math.isfinite(lr) and lr >= 0, f"the learning-rate schedule returned {lr} at step {step}; fix it")
     return lr
@@ -149,7 +197,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         mu = _local.flatten(state.mu, "state.mu")
         nu = _local.flatten_like(mu, state.nu, ("state.mu", "state.nu"))
         g = _local.flatten_like(mu, grads, ("optimizer state", "grads"))
-        t = int(state.count) + 1
+        t = step_number(state.count, 1)
         with torch.no_grad():
             new_mu, new_nu, denom = adam_moments(mu, nu, g, b1=b1, b2=b2, eps=eps, t=t)
             out = torch._foreach_div(new_mu, denom)
@@ -196,6 +244,22 @@ def _resolve_mask(mask: Mask | None, params: Any) -> list[bool]:
     return flat
 
 
+def decay_indices(mask: Mask | None, p: _local.Flat, cache: dict[str, Any]) -> list[int]:
+    """The indices of the leaves of ``p`` that ``mask`` decays, cached per tree structure (``init`` fills it).
+    Under torch.compile the last eager answer is a constant of the graph: the mask reads names, which dynamo
+    cannot trace through optree, and the compiled step always sees the tree ``init`` saw."""
+    if torch.compiler.is_compiling():
+        if "last" not in cache:
+            raise ValueError("a weight-decay mask is resolved by this optimizer's init: call opt.init(params) on this "
+                             "optimizer before its first compiled update")
+        return cache["last"]
+    by_tree = cache.setdefault("by_tree", {})  # keyed by treedef, which only eager code hashes
+    if p.treedef not in by_tree:
+        by_tree[p.treedef] = [i for i, m in enumerate(_resolve_mask(mask, p.tree)) if m]
+    cache["last"] = by_tree[p.treedef]
+    return cache["last"]
+
+
 def add_decayed_weights(weight_decay: float, *, mask: Mask | None = None) -> GradientTransformation:
     """Add ``weight_decay * param`` to the updates of the params ``mask`` selects (all when None).
 
@@ -204,12 +268,10 @@ def add_decayed_weights(weight_decay: float, *, mask: Mask | None = None) -> Gra
     pytree of bools mirroring params; the choice is fixed per tree structure and cached.
     """
     _check(weight_decay >= 0, f"weight_decay={weight_decay}: pass a non-negative decay, e.g. 0.1")
-    cache: dict[optree.PyTreeSpec, list[int]] = {}
+    cache: dict[str, Any] = {}
 
     def decayed(p: _local.Flat) -> list[int]:
-        if p.treedef not in cache:
-            cache[p.treedef] = [i for i, m in enumerate(_resolve_mask(mask, p.tree)) if m]
-        return cache[p.treedef]
+        return decay_indices(mask, p, cache)
 
     def init(params: Any) -> EmptyState:
         decayed(_local.flatten(params, "params"))  # a bad mask fails here, not at the first step

@@ -1,0 +1,318 @@
+"""Combinators over optimizers, with optax's semantics: ``masked``, ``multi_transform``, ``inject_hyperparams``,
+``apply_every``, ``multi_steps`` (``optax.MultiSteps``), ``ema`` and ``param_ema``.
+
+Inner transforms see a *list* of the selected leaves (a pytree like any other), so a fused ``adamw`` keeps its
+fast path inside ``masked`` or ``multi_transform``, and DTensor leaves keep their placements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import Tensor
+
+from functitan.optim import _local
+from functitan.optim._base import GradientTransformation
+from functitan.optim._transforms import Mask, _resolve_mask
+from functitan.tree import flatten_with_names, map_with_names
+
+__all__ = [
+    "MaskedState",
+    "MultiTransformState",
+    "InjectHyperparamsState",
+    "ApplyEvery",
+    "MultiStepsState",
+    "EmaState",
+    "masked",
+    "multi_transform",
+    "inject_hyperparams",
+    "apply_every",
+    "multi_steps",
+    "ema",
+    "param_ema",
+]
+
+
+def _leaves(tree: Any) -> tuple[list[Any], Any]:
+    return optree.tree_flatten(tree)
+
+
+def _zero_count() -> Tensor:
+    return torch.zeros((), dtype=torch.int64)
+
+
+# ------------------------------------------------------------------------------------------ masked
+
+
+class MaskedState(NamedTuple):
+    inner_state: Any  # the inner transform's state over the selected leaves (a list)
+
+
+def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
+    """Apply ``inner`` to the leaves ``mask`` selects; the other updates pass through unchanged (``optax.masked``).
+
+    ``mask`` is ``(name, param) -> bool`` or a pytree of bools mirroring the params. The inner transform's
+    state holds only the selected leaves.
+    """
+
+    def select(tree: Any, params_like: Any) -> tuple[list[int], list[Any], Any]:
+        leaves, treedef = _leaves(tree)
+        keep = _resolve_mask(mask, params_like)
+        return [i for i, m in enumerate(keep) if m], leaves, treedef
+
+    def init(params: Any) -> MaskedState:
+        idx, leaves, _ = select(params, params)
+        return MaskedState(inner.init([leaves[i] for i in idx]))
+
+    def update(updates: Any, state: MaskedState, params: Any = None) -> tuple[Any, MaskedState]:
+        idx, leaves, treedef = select(updates, params if params is not None else updates)
+        sub_params = None if params is None else [_leaves(params)[0][i] for i in idx]
+        new, inner_state = inner.update([leaves[i] for i in idx], state.inner_state, sub_params)
+        out = list(leaves)
+        for i, u in zip(idx, new):
+            out[i] = u
+        return optree.tree_unflatten(treedef, out), MaskedState(inner_state)
+
+    return GradientTransformation(init, update)
+
+
+# ------------------------------------------------------------------------------------------ multi_transform
+
+
+class MultiTransformState(NamedTuple):
+    inner_states: dict[str, Any]  # label -> that transform's state over its leaves
+
+
+def multi_transform(
+    transforms: Mapping[str, GradientTransformation], param_labels: Callable[[str, Any], str] | Any
+) -> GradientTransformation:
+    """A different transform per group of leaves (``optax.multi_transform``).
+
+    ``param_labels`` is ``(name, param) -> label`` or a pytree of labels mirroring the params; every label
+    must be a key of ``transforms``. Each transform sees (and keeps state for) only its leaves.
+
+    >>> opt = multi_transform({"adam": adamw(1e-3), "frozen": set_to_zero()},
+    ...                       lambda name, p: "frozen" if name.startswith("embed") else "adam")  # doctest: +SKIP
+    """
+    if not transforms:
+        raise ValueError("multi_transform needs at least one transform: pass {label: transformation}")
+
+    def labels(params: Any) -> list[str]:
+        if callable(param_labels):
+            tree = map_with_names(lambda name, p: param_labels(name, p), params)
+        else:
+            tree = map_with_names(lambda name, p, lab: lab, params, param_labels, what=("params", "param_labels"))
+        flat = optree.tree_leaves(tree)
+        for (name, _), lab in zip(flatten_with_names(params)[0], flat):
+            if lab not in transforms:
+                raise ValueError(
+                    f"param_labels gives {name!r} the label {lab!r}, which is not one of the transforms "
+                    f"{sorted(transforms)}; add a transform for it or relabel the param"
+                )
+        return flat
+
+    def groups(params: Any) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {k: [] for k in transforms}
+        for i, lab in enumerate(labels(params)):
+            out[lab].append(i)
+        return out
+
+    def init(params: Any) -> MultiTransformState:
+        leaves, _ = _leaves(params)
+        return MultiTransformState({k: t.init([leaves[i] for i in groups(params)[k]]) for k, t in transforms.items()})
+
+    def update(updates: Any, state: MultiTransformState, params: Any = None) -> tuple[Any, MultiTransformState]:
+        leaves, treedef = _leaves(updates)
+        plist = _leaves(params)[0] if params is not None else None
+        out, new_states = list(leaves), {}
+        for k, idx in groups(params if params is not None else updates).items():
+            sub_p = None if plist is None else [plist[i] for i in idx]
+            new, new_states[k] = transforms[k].update([leaves[i] for i in idx], state.inner_states[k], sub_p)
+            for i, u in zip(idx, new):
+                out[i] = u
+        return optree.tree_unflatten(treedef, out), MultiTransformState(new_states)
+
+    return GradientTransformation(init, update)
+
+
+# ------------------------------------------------------------------------------------------ inject_hyperparams
+
+
+class InjectHyperparamsState(NamedTuple):
+    count: Tensor  # type: ignore[assignment]  # () int64: the step the schedules are read at next
+    hyperparams: dict[str, Tensor]  # 0-d float64 tensors on the CPU: read and overwrite them between steps
+    inner_state: Any
+
+
+def inject_hyperparams(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+    """``optax.inject_hyperparams``: the factory's numeric arguments live in the state, so a schedule or a
+    controller can change them between steps (``state.hyperparams["learning_rate"]`` is a 0-d tensor).
+
+    A schedule argument (a callable ``step -> value``) is evaluated at the state's count each step; a number
+    is stored once and may be overwritten in the state. Other arguments are passed through unchanged.
+
+    >>> opt = inject_hyperparams(adamw)(learning_rate=1e-3, weight_decay=0.1)   # doctest: +SKIP
+    >>> state.hyperparams["learning_rate"].fill_(5e-4)                          # doctest: +SKIP
+    """
+
+    def build(*args: Any, **kwargs: Any) -> GradientTransformation:
+        if args:
+            raise TypeError(
+                "inject_hyperparams: pass the factory's hyperparameters by keyword, e.g. learning_rate=1e-3"
+            )
+        numeric = {
+            k: v for k, v in kwargs.items() if isinstance(v, (int, float)) and not isinstance(v, bool) or callable(v)
+        }
+        static = {k: v for k, v in kwargs.items() if k not in numeric}
+
+        def values(count: int, hp: dict[str, Tensor]) -> dict[str, float]:
+            return {k: (float(numeric[k](count)) if callable(numeric[k]) else float(hp[k])) for k in numeric}
+
+        def init(params: Any) -> InjectHyperparamsState:
+            hp = {
+                k: torch.tensor(float(v(0)) if callable(v) else float(v), dtype=torch.float64)
+                for k, v in numeric.items()
+            }
+            return InjectHyperparamsState(_zero_count(), hp, factory(**static, **values(0, hp)).init(params))
+
+        def update(
+            updates: Any, state: InjectHyperparamsState, params: Any = None
+        ) -> tuple[Any, InjectHyperparamsState]:
+            count = int(state.count)
+            now = values(count, state.hyperparams)
+            hp = {k: torch.tensor(v, dtype=torch.float64) for k, v in now.items()}
+            new, inner = factory(**static, **now).update(updates, state.inner_state, params)
+            return new, InjectHyperparamsState(state.count + 1, hp, inner)
+
+        return GradientTransformation(init, update)
+
+    return build
+
+
+# ------------------------------------------------------------------------------------------ apply_every, MultiSteps
+
+
+class ApplyEvery(NamedTuple):
+    count: Tensor  # type: ignore[assignment]  # () int64
+    grad_acc: Any  # mirrors params
+
+
+def apply_every(k: int = 1) -> GradientTransformation:
+    """``optax.apply_every``: accumulate updates over ``k`` steps; emit the sum every ``k``-th step and zeros on
+    the others (put it after the learning rate, so the sum of ``k`` scaled updates lands at once)."""
+    if k < 1:
+        raise ValueError(f"apply_every: k={k} must be >= 1")
+
+    def init(params: Any) -> ApplyEvery:
+        return ApplyEvery(_zero_count(), _local.zeros_like(_local.flatten(params, "params")))
+
+    def update(updates: Any, state: ApplyEvery, params: Any = None) -> tuple[Any, ApplyEvery]:
+        acc = _local.flatten(state.grad_acc, "state.grad_acc")
+        u = _local.flatten_like(acc, updates, ("state.grad_acc", "updates"))
+        first = int(state.count) % k == 0  # the first step of a window starts from zero
+        emit = int(state.count) % k == k - 1
+        with torch.no_grad():
+            summed = [t.clone() for t in u.locals] if first else torch._foreach_add(acc.locals, u.locals)
+            out = [t.clone() for t in summed] if emit else [torch.zeros_like(t) for t in u.locals]
+        return _local.unflatten(u, out), ApplyEvery(state.count + 1, _local.unflatten(acc, summed))
+
+    return GradientTransformation(init, update)
+
+
+class MultiStepsState(NamedTuple):
+    mini_step: Tensor  # () int64: microsteps accumulated in this window
+    gradient_step: Tensor  # () int64: inner updates applied
+    inner_opt_state: Any
+    acc_grads: Any  # running mean of this window's gradients, mirrors params
+
+
+def multi_steps(opt: GradientTransformation, every_k: int) -> GradientTransformation:
+    """``optax.MultiSteps(opt, every_k).gradient_transformation()``: average the gradients of ``every_k`` calls
+    and apply ``opt`` to the mean on the last one; the other calls return zero updates and leave ``opt``'s
+    state unchanged. Gradient accumulation across steps (``transforms.accumulate`` does it within one)."""
+    if every_k < 1:
+        raise ValueError(f"multi_steps: every_k={every_k} must be >= 1")
+
+    def init(params: Any) -> MultiStepsState:
+        return MultiStepsState(
+            _zero_count(), _zero_count(), opt.init(params), _local.zeros_like(_local.flatten(params))
+        )
+
+    def update(grads: Any, state: MultiStepsState, params: Any = None) -> tuple[Any, MultiStepsState]:
+        acc = _local.flatten(state.acc_grads, "state.acc_grads")
+        g = _local.flatten_like(acc, grads, ("state.acc_grads", "grads"))
+        n = int(state.mini_step)
+        with torch.no_grad():  # running mean, as optax: acc + (g - acc) / (n + 1)
+            mean = torch._foreach_lerp(acc.locals, [x.to(a.dtype) for x, a in zip(g.locals, acc.locals)], 1.0 / (n + 1))
+        if n + 1 < every_k:
+            zeros = _local.unflatten(g, [torch.zeros_like(t) for t in g.locals])
+            return zeros, state._replace(mini_step=state.mini_step + 1, acc_grads=_local.unflatten(acc, mean))
+        updates, inner = opt.update(_local.unflatten(acc, mean), state.inner_opt_state, params)
+        fresh = _local.unflatten(acc, [torch.zeros_like(t) for t in acc.locals])
+        return updates, MultiStepsState(_zero_count(), state.gradient_step + 1, inner, fresh)
+
+    return GradientTransformation(init, update)
+
+
+# ------------------------------------------------------------------------------------------ EMA
+
+
+class EmaState(NamedTuple):
+    count: Tensor  # type: ignore[assignment]  # () int64
+    ema: Any  # mirrors params
+
+
+def ema(decay: float, *, debias: bool = True) -> GradientTransformation:
+    """``optax.ema``: updates become their exponential moving average ``decay * ema + (1 - decay) * u``,
+    divided by ``1 - decay**t`` with ``debias``."""
+    if not 0 <= decay <= 1:
+        raise ValueError(f"ema: decay={decay} must lie in [0, 1], e.g. 0.999")
+
+    def init(params: Any) -> EmaState:
+        return EmaState(_zero_count(), _local.zeros_like(_local.flatten(params)))
+
+    def update(updates: Any, state: EmaState, params: Any = None) -> tuple[Any, EmaState]:
+        e = _local.flatten(state.ema, "state.ema")
+        u = _local.flatten_like(e, updates, ("state.ema", "updates"))
+        t = int(state.count) + 1
+        with torch.no_grad():
+            new = torch._foreach_lerp(e.locals, [x.to(a.dtype) for x, a in zip(u.locals, e.locals)], 1 - decay)
+            out = torch._foreach_div(new, 1 - decay**t) if debias and decay < 1 else [x.clone() for x in new]
+        return _local.unflatten(u, out), EmaState(state.count + 1, _local.unflatten(e, new))
+
+    return GradientTransformation(init, update)
+
+
+class ParamEma(NamedTuple):
+    """An EMA of the params themselves (for evaluation weights): ``init(params) -> EmaState``,
+    ``update(params, state) -> EmaState``; read ``state.ema``."""
+
+    init: Callable[[Any], EmaState]
+    update: Callable[[Any, EmaState], EmaState]
+
+
+def param_ema(decay: float, *, warmup: bool = False) -> ParamEma:
+    """Exponential moving average of params: ``ema = decay * ema + (1 - decay) * params`` after every step,
+    starting from the initial params. ``warmup=True`` uses ``min(decay, (1 + t) / (10 + t))`` (the schedule
+    of TF's ExponentialMovingAverage with num_updates), so early averages are not dominated by the init."""
+    if not 0 <= decay <= 1:
+        raise ValueError(f"param_ema: decay={decay} must lie in [0, 1], e.g. 0.999")
+
+    def init(params: Any) -> EmaState:
+        p = _local.flatten(params)
+        with torch.no_grad():
+            return EmaState(_zero_count(), _local.unflatten(p, [t.detach().clone() for t in p.locals]))
+
+    def update(params: Any, state: EmaState) -> EmaState:
+        e = _local.flatten(state.ema, "state.ema")
+        p = _local.flatten_like(e, params, ("state.ema", "params"))
+        t = int(state.count)
+        d = min(decay, (1 + t) / (10 + t)) if warmup else decay
+        with torch.no_grad():
+            new = torch._foreach_lerp(e.locals, [x.detach() for x in p.locals], 1 - d)
+        return EmaState(state.count + 1, _local.unflatten(e, new))
+
+    return ParamEma(init, update)

@@ -1,0 +1,61 @@
+"""The whole train step under torch.compile (functitan/step.py's ``compile``): one graph, no breaks, the same
+numbers as the eager step."""
+
+import functools
+
+import torch
+
+from functitan import optim
+from functitan.random import key
+from functitan.step import _set_requires_grad, make_train_step
+from functitan.train_state import TrainState
+from functitan.transforms import value_and_grad
+from functitan.tree import tree_leaves
+from models import llama
+
+CFG = llama.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64)
+
+
+def _batch(seed):
+    t = torch.randint(0, CFG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed))
+    return {"inputs": t[:, :-1], "targets": t[:, 1:]}
+
+
+def _state(opt):
+    params = llama.init(CFG, key(0))
+    for p in tree_leaves(params):
+        p.requires_grad_(True)
+    return TrainState(step=0, params=params, opt_state=opt.init(params), data_state={}, rng=key(0))
+
+
+def _step(compile, opt=None):
+    opt = opt or optim.adamw(optim.warmup_cosine(1e-2, 2, 10), mask=optim.decay_mask_from_specs(llama.specs(CFG)))
+    grad_fn = value_and_grad(functools.partial(llama.loss, cfg=CFG))
+    return opt, make_train_step(grad_fn, opt, max_norm=1.0, compile=compile)
+
+
+def test_the_whole_step_is_one_graph_without_breaks():
+    opt, step = _step("aot_eager")
+    state = _state(opt)
+    _set_requires_grad(state.params, False)
+    explained = torch._dynamo.explain(step.update)(state.params, state.opt_state, _batch(0))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_compiled_step_trains_like_the_eager_step_and_compiles_once():
+    torch._dynamo.reset()
+    opt, eager = _step(False)
+    _, compiled = _step("aot_eager", opt)
+    a, b = _state(opt), _state(opt)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for i in range(4):
+        a, ma = eager(a, _batch(i))
+        b, mb = compiled(b, _batch(i))
+        assert abs(ma["loss"] - mb["loss"]) < 1e-5 and abs(ma["grad_norm"] - mb["grad_norm"]) < 1e-4, (i, ma, mb)
+    assert counters["stats"]["unique_graphs"] == 1  # steps 2..4 reuse step 1's graph: counters are tensors
+    for x, y in zip(tree_leaves(a.params), tree_leaves(b.params)):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
+        assert y.requires_grad and y.is_leaf
+    assert int(b.opt_state[0].count) == 4
