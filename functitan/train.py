@@ -101,7 +101,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     if cfg.checkpoint.enable:
         ckpt = CheckpointManager(run_dir / cfg.checkpoint.folder, interval=cfg.checkpoint.interval,
                                  keep_last=cfg.checkpoint.keep_last, mesh=mesh)
-    restored = ckpt.restore_latest(state) if ckpt is not None else None
+    restored = ckpt.restore_latest(state, in_place=True) if ckpt is not None else None  # reuses the fresh state's memory
     if restored is not None:
         state = restored
     elif cfg.checkpoint.load_path and not is_hf_dir(cfg.checkpoint.load_path):

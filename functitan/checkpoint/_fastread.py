@@ -140,16 +140,18 @@ def _pread(fd: int, offset: int, n: int, where: str, scratch: Any = None) -> mem
     return view
 
 
-def read_box(path: str, spec: Spec, off: tuple[int, ...], shp: tuple[int, ...], scratch: Any = None) -> np.ndarray:
+def read_box(
+    path: str, spec: Spec, off: tuple[int, ...], shp: tuple[int, ...], scratch: Any = None, out: np.ndarray | None = None
+) -> np.ndarray:
     """The block ``[off, off + shp)`` of the array stored under the directory ``path``.
 
     ``scratch``: a ``threading.local()`` whose per-thread buffer is reused for file contents (None: a
-    fresh buffer per file).
+    fresh buffer per file). ``out``: an array of shape ``shp`` to fill (default: a new one).
 
     Raises:
         ValueError: a crc32c mismatch or a truncated file (the message says which file).
     """
-    out = np.empty(shp, spec.dtype)
+    out = np.empty(shp, spec.dtype) if out is None else out
     if math.prod(shp) == 0:
         return out
     ranges = [range(o // c, -(-(o + s) // c)) for o, s, c in zip(off, shp, spec.cell)]

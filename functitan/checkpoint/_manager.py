@@ -176,11 +176,14 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------- restoring
 
-    def restore(self, step_or_path: int | str | os.PathLike, exemplar: Any, *, only: str | None = None) -> Any:
+    def restore(
+        self, step_or_path: int | str | os.PathLike, exemplar: Any, *, only: str | None = None, in_place: bool = False
+    ) -> Any:
         """Restore one checkpoint (a step of this root, or a path) into ``exemplar``.
 
         ``only="params"`` reads just that subtree (``exemplar`` is then the params tree): a weights-only load
-        for fine-tuning. Excluded key paths come back from the exemplar.
+        for fine-tuning. Excluded key paths come back from the exemplar. ``in_place``: fill the exemplar's
+        own CPU tensors (see ``functitan.checkpoint.restore``).
         """
         if isinstance(step_or_path, int):
             path = os.path.join(self.step_dir(step_or_path), ITEM)
@@ -191,13 +194,13 @@ class CheckpointManager:
         if only is not None:
             if _under(only, self.exclude):
                 raise ValueError(f"only={only!r}: that key path is excluded from these checkpoints ({self.exclude})")
-            return restore(path, exemplar, only=only)
+            return restore(path, exemplar, only=only, in_place=in_place)
         if not self.exclude:
-            return restore(path, exemplar)
+            return restore(path, exemplar, in_place=in_place)
         kept, rest = partition(exemplar, lambda n, x: not _under(n, self.exclude))
-        return combine(restore(path, kept), rest)
+        return combine(restore(path, kept, in_place=in_place), rest)
 
-    def restore_latest(self, exemplar: Any, *, only: str | None = None) -> Any | None:
+    def restore_latest(self, exemplar: Any, *, only: str | None = None, in_place: bool = False) -> Any | None:
         """Restore the newest checkpoint that is intact; None when the root has none.
 
         A damaged newest checkpoint (truncated or corrupted file) is skipped with a ``warnings.warn``, and
@@ -208,7 +211,7 @@ class CheckpointManager:
         for step in reversed(self.all_steps()):
             value, error = None, None
             try:
-                value = self.restore(step, exemplar, only=only)
+                value = self.restore(step, exemplar, only=only, in_place=in_place)
             except CheckpointError as exc:
                 error = exc
             if self._all_ok(error is None):

@@ -93,7 +93,9 @@ def _with_prefix(exemplar: Any, only: str | None) -> list[tuple[str, Any]]:
     return [((f"{only}.{n}" if n else only) if only else n, x) for n, _, x in named]
 
 
-def restore(path: str | os.PathLike, exemplar: Any, *, only: str | None = None, check: bool = True) -> Any:
+def restore(
+    path: str | os.PathLike, exemplar: Any, *, only: str | None = None, check: bool = True, in_place: bool = False
+) -> Any:
     """Read the checkpoint at ``path`` into a tree shaped like ``exemplar`` (see the module docstring).
 
     Args:
@@ -101,6 +103,10 @@ def restore(path: str | os.PathLike, exemplar: Any, *, only: str | None = None, 
         exemplar: the target tree; its tensor leaves give shape, dtype, device, mesh and placements.
         only: restore just the subtree at this key path (e.g. ``"params"``); ``exemplar`` is that subtree.
         check: verify the files' sizes against the commit marker first.
+        in_place: write the values into the exemplar's own CPU tensors (and return them) instead of new
+            ones, as ``torch.distributed.checkpoint.load`` does: no allocation, no page faults (for a
+            trainer restoring into the state it just built, whose memory is then reused). Leaves that
+            cannot take it (meta, CUDA, non-contiguous; Orbax/OCDBT files) are built new as usual.
 
     Raises:
         ValueError: a key missing from the checkpoint, one the exemplar lacks, a shape or dtype mismatch;
@@ -117,11 +123,11 @@ def restore(path: str | os.PathLike, exemplar: Any, *, only: str | None = None, 
     _check_keys(named, stored, meta_file, only)
     with ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="functitan-restore") as pool:
         pool.scratch = threading.local()  # each reader thread's reused file buffer, freed with the pool
-        out = _read_leaves(path, meta, named, pool)
+        out = _read_leaves(path, meta, named, pool, in_place)
     return optree.tree_unflatten(optree.tree_structure(exemplar), out)
 
 
-def _read_leaves(path: str, meta: dict, named: list[tuple[str, Any]], pool: ThreadPoolExecutor) -> list[Any]:
+def _read_leaves(path: str, meta: dict, named: list[tuple[str, Any]], pool: ThreadPoolExecutor, in_place: bool) -> list[Any]:
     """Every leaf's value: functitan's own chunk files read directly (in ``pool``), others by tensorstore."""
     ctx = ts.Context()
     direct = meta.get("use_zarr3", False) and not meta.get("use_ocdbt", False)
@@ -133,7 +139,7 @@ def _read_leaves(path: str, meta: dict, named: list[tuple[str, Any]], pool: Thre
             arr = fut if isinstance(fut, _FastArray) else fut.result()
         except ValueError as exc:  # unreadable or unknown metadata (e.g. a dtype tensorstore does not know)
             raise CheckpointError(f"{name}: cannot open the array {where_of(path, name)}: {_short(exc)}") from None
-        futures.append(_start_read(name, x, arr, where_of(path, name)))
+        futures.append(_start_read(name, x, arr, where_of(path, name), in_place))
     out = []
     for (name, x), (fut, finish) in zip(named, futures):
         try:
@@ -163,8 +169,8 @@ class _FastArray:
         box = (tuple(s.start for s in index), tuple(s.stop - s.start for s in index))
         return _FastArray(self._path, self._spec, self._pool, box)
 
-    def read(self):
-        return self._pool.submit(_fastread.read_box, self._path, self._spec, *self._box, self._pool.scratch)
+    def read(self, out: np.ndarray | None = None):
+        return self._pool.submit(_fastread.read_box, self._path, self._spec, *self._box, self._pool.scratch, out)
 
 
 def _fast_array(path: str, name: str, pool: ThreadPoolExecutor) -> _FastArray | None:
@@ -204,7 +210,7 @@ def _check_keys(named: list[tuple[str, Any]], stored: dict[str, str], meta_file:
         )
 
 
-def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str):
+def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str, in_place: bool = False):
     """Start reading what this rank needs of one leaf; return (future, finish(np_value) -> leaf)."""
     shape = tuple(int(s) for s in arr.shape)
     np_dt = np.dtype(arr.dtype.numpy_dtype)
@@ -221,8 +227,10 @@ def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str):
                 f"dtype {dt} and cast after restoring"
             )
     if isinstance(x, DTensor):
-        return _start_dtensor(x, arr)
+        return _start_dtensor(x, arr, in_place)
     if isinstance(x, torch.Tensor):
+        if in_place and _writable(x, arr, shape):
+            return arr.read(out=L.as_numpy(x.detach())), lambda _: x
         device = torch.device("cpu") if x.device.type == "meta" else x.device
         grad = x.requires_grad
         return arr.read(), lambda a: L.from_numpy(a).to(device).requires_grad_(grad)
@@ -238,7 +246,15 @@ def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str):
     raise TypeError(f"{name}: cannot restore into a {type(x).__name__} exemplar leaf")
 
 
-def _start_dtensor(x: DTensor, arr: ts.TensorStore):
+def _writable(local: torch.Tensor, arr: Any, shape: tuple[int, ...]) -> bool:
+    """Whether a direct read can fill ``local`` (the whole of a block of ``shape``) in place."""
+    return (
+        isinstance(arr, _FastArray) and local.device.type == "cpu" and local.is_contiguous()
+        and tuple(local.shape) == tuple(shape) and math.prod(shape) > 0
+    )
+
+
+def _start_dtensor(x: DTensor, arr: ts.TensorStore, in_place: bool = False):
     mesh = x.device_mesh
     boxes = L.dtensor_boxes(x, "exemplar")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -254,5 +270,9 @@ def _start_dtensor(x: DTensor, arr: ts.TensorStore):
     if math.prod(shp) == 0:
         empty = np.empty(shp, dtype=np.dtype(arr.dtype.numpy_dtype))
         return None, lambda _: finish(empty)
+    if in_place:
+        local = x._local_tensor  # the same storage as x.to_local(), without autograd in between
+        if _writable(local, arr, shp):
+            return arr[index].read(out=L.as_numpy(local.detach())), lambda _: x
     return (arr[index].read() if index else arr.read()), finish
 
