@@ -52,9 +52,6 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     """
     device = _init_process(cfg.training)
     par, tcfg = cfg.parallelism, cfg.training
-    if cfg.checkpoint.enable and par.pp > 1:
-        raise ValueError("checkpoint.enable with parallelism.pp > 1 is not supported yet (each pipeline rank holds "
-                         "a different part of the tree); train with pp=1 to checkpoint, or disable checkpoints")
     # 1. mesh: every layout is a choice of degrees; pipeline stages compute on the mesh without pp
     mesh = make_mesh(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, device=device.type)
     rules = default_rules(sequence_parallel=par.sequence_parallel and par.tp > 1)

@@ -187,7 +187,7 @@ def _read_shard(fd: int, file: str, spec: Spec, c_off, ov, out: np.ndarray, off,
     lo = [(a - c) // i for a, c, i in zip(ov[0], c_off, spec.inner)]
     hi = [-(-(a + s - c) // i) for a, s, c, i in zip(ov[0], ov[1], c_off, spec.inner)]
     wanted = list(itertools.product(*(range(a, b) for a, b in zip(lo, hi))))
-    whole = len(wanted) * 2 >= n_inner  # most of the file: one read
+    whole = 4 * len(wanted) >= 3 * n_inner  # most of the file: one read
     data = _pread(fd, 0, size, file, scratch) if whole else None
     index_view = data[size - index_bytes :] if whole else _pread(fd, size - index_bytes, index_bytes, file)
     index = np.frombuffer(_check(index_view, f"{file} (shard index)"), "<u8").reshape(*counts, 2)

@@ -94,7 +94,13 @@ def _with_prefix(exemplar: Any, only: str | None) -> list[tuple[str, Any]]:
 
 
 def restore(
-    path: str | os.PathLike, exemplar: Any, *, only: str | None = None, check: bool = True, in_place: bool = False
+    path: str | os.PathLike,
+    exemplar: Any,
+    *,
+    only: str | None = None,
+    check: bool = True,
+    in_place: bool = False,
+    partial: bool = False,
 ) -> Any:
     """Read the checkpoint at ``path`` into a tree shaped like ``exemplar`` (see the module docstring).
 
@@ -107,6 +113,8 @@ def restore(
             ones, as ``torch.distributed.checkpoint.load`` does: no allocation, no page faults (for a
             trainer restoring into the state it just built, whose memory is then reused). Leaves that
             cannot take it (meta, CUDA, non-contiguous; Orbax/OCDBT files) are built new as usual.
+        partial: the exemplar may hold only some of the checkpoint's leaves (a pipeline rank's stages);
+            the caller checks that the ranks together restore all of them (``CheckpointManager`` does).
 
     Raises:
         ValueError: a key missing from the checkpoint, one the exemplar lacks, a shape or dtype mismatch;
@@ -120,7 +128,7 @@ def restore(
     meta = _read_json(meta_file)
     stored = L.names_in_metadata(meta)
     named = _with_prefix(exemplar, only)
-    _check_keys(named, stored, meta_file, only)
+    _check_keys(named, stored, meta_file, only, partial)
     with ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="functitan-restore") as pool:
         pool.scratch = threading.local()  # each reader thread's reused file buffer, freed with the pool
         out = _read_leaves(path, meta, named, pool, in_place)
@@ -192,7 +200,9 @@ def _short(exc: BaseException, limit: int = 400) -> str:
     return s if len(s) <= limit else s[:limit] + "..."
 
 
-def _check_keys(named: list[tuple[str, Any]], stored: dict[str, str], meta_file: str, only: str | None) -> None:
+def _check_keys(
+    named: list[tuple[str, Any]], stored: dict[str, str], meta_file: str, only: str | None, partial: bool = False
+) -> None:
     wanted = [n for n, _ in named]
     missing = [n for n in wanted if n not in stored]
     if missing:
@@ -203,7 +213,7 @@ def _check_keys(named: list[tuple[str, Any]], stored: dict[str, str], meta_file:
         )
     scope = [n for n in stored if only is None or n == only or n.startswith(only + ".")]
     extra = sorted(set(scope) - set(wanted))
-    if extra:
+    if extra and not partial:
         raise ValueError(
             f"{extra[0]}: in the checkpoint ({meta_file}) but not in the exemplar; extra keys: {extra[:8]}"
             f"{' ...' if len(extra) > 8 else ''}. Fix: add them to the exemplar, or restore a subtree with only=..."
