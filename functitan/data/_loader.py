@@ -148,9 +148,14 @@ class TokenLoader:
         width = self.seq_len + 1
         out = np.empty((self.batch_size, width), dtype=np.int64)  # (B, S + 1)
         first = seq + self.dp_rank * self.batch_size
-        for b in range(self.batch_size):
-            e, j = self._normalize(epoch, first + b)
-            self._read(e, j * width, (j + 1) * width, out[b])
+        e0, j0 = self._normalize(epoch, first)
+        e1, j1 = self._normalize(epoch, first + self.batch_size - 1)
+        if (e0, j0 + self.batch_size - 1) == (e1, j1):  # consecutive sequences of one epoch: one read
+            self._read(e0, j0 * width, (j1 + 1) * width, out.reshape(-1))
+        else:
+            for b in range(self.batch_size):
+                e, j = self._normalize(epoch, first + b)
+                self._read(e, j * width, (j + 1) * width, out[b])
         e, j = self._normalize(epoch, seq + self.dp_size * self.batch_size)
         inputs = torch.from_numpy(np.ascontiguousarray(out[:, :-1]))  # (B, S)
         targets = torch.from_numpy(np.ascontiguousarray(out[:, 1:]))  # (B, S)
