@@ -102,7 +102,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     if restored is not None:
         state = restored
     elif cfg.checkpoint.load_path and not is_hf_dir(cfg.checkpoint.load_path):
-        state = state._replace(params=restore_params(cfg.checkpoint.load_path, state.params))
+        state = state._replace(params=restore_params(cfg.checkpoint.load_path, state.params, partial=par.pp > 1))
 
     # 6. metrics, and the loop
     meter = M.Meter(world_size=dist.get_world_size(), flops_per_token=model.flops_per_token(model_cfg, tcfg.seq_len),

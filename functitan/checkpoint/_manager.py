@@ -274,11 +274,12 @@ def restore_names(meta_file: str) -> list[str]:
     return list(L.names_in_metadata(_read_json(meta_file)))
 
 
-def restore_params(path: str | os.PathLike, exemplar: Any) -> Any:
+def restore_params(path: str | os.PathLike, exemplar: Any, *, partial: bool = False) -> Any:
     """A weights-only load of the ``params`` subtree from a checkpoint: a manager's step directory, its item
-    directory, or ``import_hf``'s output. ``exemplar`` is the params tree with the target placements."""
+    directory, or ``import_hf``'s output. ``exemplar`` is the params tree with the target placements
+    (``partial``: a pipeline rank's part of it)."""
     path = os.fspath(path)
     if os.path.isdir(os.path.join(path, ITEM)):
         path = os.path.join(path, ITEM)
-    return restore(path, exemplar, only="params")
+    return restore(path, exemplar, only="params", partial=partial)
 
