@@ -113,3 +113,34 @@ def test_hf_export_of_a_pipeline_checkpoint_loads_in_transformers(tmp_path):
     assert torch.equal(sd["model.embed_tokens.weight"], params["embed.weight"])
     assert torch.equal(sd["lm_head.weight"], params["output.weight"])
     assert torch.equal(sd["model.layers.1.mlp.down_proj.weight"], params["layers.1.mlp.w_down"])
+
+
+def _chain_run(layout: dict, root: str, name: str, src: str | None, src_step: int, steps: int):
+    """Run ``name`` to ``steps`` in ``layout``, starting from run ``src``'s checkpoint at ``src_step``."""
+    if src is not None and int(os.environ.get("RANK", "0")) == 0:
+        (Path(root) / name / "checkpoints").mkdir(parents=True)
+        shutil.copytree(Path(root) / src / "checkpoints" / str(src_step), Path(root) / name / "checkpoints" / str(src_step))
+    if src is not None:
+        torch.distributed.barrier()
+    _, params, data_state = _train({**layout, **CHAIN, "training.steps": steps, "metrics.run_dir": root, "metrics.run_name": name})
+    return params, data_state
+
+
+# a constant learning rate: the runs of the chain stop at different training.steps, which a schedule would see
+CHAIN = {"model.n_layers": 4, "training.microbatches": 4, "checkpoint.enable": True, "checkpoint.interval": 2,
+         "checkpoint.keep_last": 3, "optimizer.schedule": "constant", "optimizer.lr": 3e-3}
+
+
+def test_pipeline_checkpoint_goes_pp4_pp2_pp1_and_back(tmp_path):
+    pp = lambda n: {"parallelism.pp": n, "parallelism.dp_shard": 1, "parallelism.pipeline_schedule": "1f1b"}  # noqa: E731
+    root = str(tmp_path)
+    straight = _merged(run_distributed(_chain_run, 1, {}, root, "straight", None, 0, 8, timeout=900))
+    for i, (world, layout, src) in enumerate([(4, pp(4), None), (2, pp(2), "r0"), (1, {}, "r1"), (4, pp(4), "r2")]):
+        got = _merged(run_distributed(_chain_run, world, layout, root, f"r{i}", src, 2 * i, 2 * (i + 1), timeout=900))
+    want = _losses(tmp_path / "straight")
+    losses = {s: v for i in range(4) for s, v in _losses(tmp_path / f"r{i}").items()}
+    assert sorted(losses) == list(range(1, 9))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(want[step], rel=1e-5), step
+    for name, p in straight.items():
+        torch.testing.assert_close(got[name], p, rtol=1e-4, atol=1e-5, msg=name)
