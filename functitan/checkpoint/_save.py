@@ -6,11 +6,12 @@ never given the live tensors: mutating a parameter right after ``save`` returns 
 
 Commit protocol (a crash at any moment leaves the old set of checkpoints or the new one, never a mix):
 
-1. every rank writes its shards under ``<dir>.tmp-<uuid>`` (rank 0 also every ``zarr.json``), fsyncs its
-   files and writes their sizes to ``_sizes.<rank>``;
-2. barrier; rank 0 writes ``_METADATA`` and ``_COMMIT`` (all files with their sizes), fsyncs, renames
-   ``<dir>.tmp-<uuid>`` to ``<dir>`` and fsyncs the parent directory (re-saving a damaged step: the
-   damaged ``<dir>`` is first renamed to ``<dir>.tmp-deleting-<uuid>``, removed after the commit);
+1. every rank writes its shards under ``<dir>.tmp-<uuid>`` (and the ``zarr.json`` of each leaf whose lowest
+   holder it is), fsyncs its files and writes their sizes and its leaves to ``_sizes.<rank>``;
+2. barrier; rank 0 writes ``_METADATA`` (every rank's leaves: pipeline ranks hold different ones) and
+   ``_COMMIT`` (all files with their sizes), fsyncs, renames ``<dir>.tmp-<uuid>`` to ``<dir>`` and fsyncs
+   the parent directory (re-saving a damaged step: the damaged ``<dir>`` is first renamed to
+   ``<dir>.tmp-deleting-<uuid>``, removed after the commit);
 3. barrier, so that ``wait()`` returns on every rank only once the checkpoint is visible.
 
 The barriers run on a private gloo group, so they never interleave with the training's collectives.
