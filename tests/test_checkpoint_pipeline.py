@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,20 +116,27 @@ def test_hf_export_of_a_pipeline_checkpoint_loads_in_transformers(tmp_path):
     assert torch.equal(sd["model.layers.1.mlp.down_proj.weight"], params["layers.1.mlp.w_down"])
 
 
-# Orbax rebuilds a tree from _METADATA alone, and the trainer's opt_state tuple has an element without leaves
-# (index 1 of 0..2): Orbax then fails on the sequence with a hole, pipelined or not. Recording empty nodes in
-# _METADATA is issue 8's (the defects branch); with it (checked by hand: renumbering the hole away) Orbax
-# restores this checkpoint with `layers` as a list. Drop the marker once that lands.
-@pytest.mark.xfail(strict=False, reason="opt_state's empty element is not in _METADATA yet (issue 8)")
+# Orbax rebuilds the tree from _METADATA alone: `layers` comes back as a list, as from an unpipelined run
 def test_orbax_restores_a_pipeline_checkpoint(tmp_path):
     pytest.importorskip("orbax.checkpoint")
     from test_checkpoint_orbax import _dump, _orbax
 
+    from functitan.checkpoint import _fastread
+    from functitan.checkpoint._layout import names_in_metadata
+
     params = _merged(run_distributed(_run, 2, PP2, str(tmp_path), "a", timeout=600))
-    _dump({f"params.{k}": v.numpy() for k, v in params.items()}, tmp_path / "expected")
-    report = _orbax("read", str(tmp_path / "a" / "checkpoints" / "6" / "default"), str(tmp_path / "expected"))
-    assert report["pytree"] and all(report["pytree"].values())
-    assert "params.layers.1.attn.wq" in report["pytree_keys"]
+    item = tmp_path / "a" / "checkpoints" / "6" / "default"
+    names = names_in_metadata(json.loads((item / "_METADATA").read_text()))
+    stored = {}
+    for n in names:
+        spec = _fastread.parse(json.loads((item / n / "zarr.json").read_text()))
+        stored[n] = _fastread.read_box(str(item / n), spec, (0,) * len(spec.shape), spec.shape)
+    for k, v in params.items():
+        assert np.array_equal(stored[f"params.{k}"], v.numpy()), k
+    _dump(stored, tmp_path / "expected", scalars=tuple(n for n, t in names.items() if t == "scalar"))
+    report = _orbax("read", str(item), str(tmp_path / "expected"))
+    assert report["pytree"] and all(report["pytree"].values()), [k for k, ok in report["pytree"].items() if not ok]
+    assert "params.layers.1.attn.wq" in report["pytree"]
 
 
 def _chain_run(layout: dict, root: str, name: str, src: str | None, src_step: int, steps: int):

@@ -115,7 +115,7 @@ def test_bad_sources_are_named_errors(tmp_path: Path):
                         str(tmp_path / "o")], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]  # after the progress bar
-    assert last.startswith("functitan data prepare: ") and "is not UTF-8" in last
+    assert last.startswith("functitan: error: ") and "binary.txt: byte 0xff at offset 3 is not UTF-8" in last
 
 
 def _word_tokenizer(path: Path, words: list[str]) -> Path:

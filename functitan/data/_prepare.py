@@ -28,13 +28,14 @@ import numpy as np
 from functitan.data._corpus import _jsonl_text, expand_paths, is_jsonl
 from functitan.data._shards import FORMAT, INDEX, file_hash, tokenizer_identity
 from functitan.data._tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from functitan.errors import UserError, pop_debug, user_errors_exit
 
 __all__ = ["prepare", "source_files", "DataError"]
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB of uint16
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A source file that cannot be prepared: empty, not decodable, not readable in its format."""
 
 
@@ -328,7 +329,7 @@ shards, in parallel; run it again with the same arguments to resume. Train on th
 def main(argv: Sequence[str]) -> int:
     import argparse
 
-    args = list(argv)
+    debug, args = pop_debug(argv)
     if not args or args[0] != "prepare":
         print(USAGE, file=sys.stderr if args else sys.stdout)
         return 2 if args else 0
@@ -341,12 +342,12 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     ap.add_argument("--no-progress", action="store_true")
     ns = ap.parse_args(args[1:])
-    try:
+
+    def body() -> int:
         index = prepare(ns.sources, ns.out, tokenizer=ns.tokenizer, text_key=ns.text_key, workers=ns.workers,
                         shard_tokens=ns.shard_tokens, progress=not ns.no_progress)
-    except (DataError, FileNotFoundError, ImportError, ValueError) as e:
-        print(f"functitan data prepare: {e}", file=sys.stderr)
-        return 2
-    print(f"functitan data prepare: {index['documents']} documents, {index['tokens']} tokens in "
-          f"{len(index['shards'])} shards ({index['dtype']}) under {ns.out}")
-    return 0
+        print(f"functitan data prepare: {index['documents']} documents, {index['tokens']} tokens in "
+              f"{len(index['shards'])} shards ({index['dtype']}) under {ns.out}")
+        return 0
+
+    return user_errors_exit(body, debug=debug)
