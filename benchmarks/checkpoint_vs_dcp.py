@@ -4,11 +4,12 @@ About 500 MB of state (params + Adam mu/nu, fp32, FSDP Shard(0) over 2 ranks). M
   (a) how long the training loop is blocked per save: functitan async, DCP async_save, a synchronous save;
   (b) save throughput (GB/s, to fsync'd files): functitan Checkpointer.save_sync (steady state) and
       module-level save_sync (one-off: sets up a commit group), DCP save, torch.save per rank;
-  (c) load time into the same sharding and resharded (FSDP Shard(0) -> TP Shard(1)).
-Each number is the median over ``--reps`` repetitions of the slowest rank. Writes
+  (c) load time into the same sharding and resharded (FSDP Shard(0) -> TP Shard(1)), functitan and DCP
+      alternating, ``--load-rounds`` rounds per repetition after one unrecorded read of each.
+Each number is the median over the repetitions (loads: over reps x load rounds) of the slowest rank. Writes
 benchmarks/results/checkpoint_vs_dcp.json.
 
-    python benchmarks/checkpoint_vs_dcp.py [--mb 500] [--reps 3] [--dir /tmp/ckpt_bench]
+    python benchmarks/checkpoint_vs_dcp.py [--mb 500] [--reps 3] [--load-rounds 2] [--dir /tmp/ckpt_bench]
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _fsync_tree(path: str) -> None:
             os.close(fd)
 
 
-def _bench(root: str, n: int, reps: int) -> dict:
+def _bench(root: str, n: int, reps: int, load_rounds: int) -> dict:
     rank = dist.get_rank()
     fsdp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
     state = _state(fsdp, n, Shard(0))
@@ -103,12 +104,19 @@ def _bench(root: str, n: int, reps: int) -> dict:
             _fsync_tree(f"{p}/torch")
 
         add("save_torch", _timed(torch_save))
-        # (c) loads; one unrecorded read first, so that no load pays for the writeback of the saves above
-        _timed(lambda: restore(f"{p}/ft_async", same_ex))
-        add("load_functitan_same", _timed(lambda: restore(f"{p}/ft_sync", same_ex)))
-        add("load_functitan_reshard", _timed(lambda: restore(f"{p}/ft_sync", tp_ex)))
-        add("load_dcp_same", _timed(lambda: dcp.load(same_ex, checkpoint_id=f"{p}/dcp")))
-        add("load_dcp_reshard", _timed(lambda: dcp.load(tp_ex, checkpoint_id=f"{p}/dcp")))
+        # (c) loads: one unrecorded read of each checkpoint first (no load pays for the writeback of the
+        # saves above, both are in the page cache), then rounds that alternate functitan and DCP
+        _timed(lambda: restore(f"{p}/ft_sync", same_ex))
+        _timed(lambda: dcp.load(same_ex, checkpoint_id=f"{p}/dcp"))
+        # DCP loads in place into the exemplar's tensors; functitan does with in_place=True (what the trainer
+        # uses), and builds new tensors by default ("_new": every byte page-faulted into fresh memory)
+        for _ in range(load_rounds):
+            add("load_functitan_same", _timed(lambda: restore(f"{p}/ft_sync", same_ex, in_place=True)))
+            add("load_dcp_same", _timed(lambda: dcp.load(same_ex, checkpoint_id=f"{p}/dcp")))
+            add("load_functitan_reshard", _timed(lambda: restore(f"{p}/ft_sync", tp_ex, in_place=True)))
+            add("load_dcp_reshard", _timed(lambda: dcp.load(tp_ex, checkpoint_id=f"{p}/dcp")))
+            add("load_functitan_same_new", _timed(lambda: restore(f"{p}/ft_sync", same_ex)))
+            add("load_functitan_reshard_new", _timed(lambda: restore(f"{p}/ft_sync", tp_ex)))
         dist.barrier()
         if rank == 0:
             shutil.rmtree(p, ignore_errors=True)
@@ -121,20 +129,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=float, default=500.0)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--load-rounds", type=int, default=2, help="alternating load rounds per repetition")
     ap.add_argument("--dir", default="/tmp/ckpt_bench")
     args = ap.parse_args()
     n = max(1, round(args.mb * 1e6 / (3 * ROWS * COLS * 4)))
     nbytes = 3 * n * ROWS * COLS * 4
     shutil.rmtree(args.dir, ignore_errors=True)
-    per_rank = run_distributed(_bench, 2, args.dir, n, args.reps, timeout=3600)
+    per_rank = run_distributed(_bench, 2, args.dir, n, args.reps, args.load_rounds, timeout=3600)
     shutil.rmtree(args.dir, ignore_errors=True)
     # slowest rank per repetition, then the median over repetitions
-    med = {k: statistics.median(max(r[k][i] for r in per_rank) for i in range(args.reps)) for k in per_rank[0]}
+    med = {k: statistics.median(max(r[k][i] for r in per_rank) for i in range(len(per_rank[0][k]))) for k in per_rank[0]}
     gb = nbytes / 1e9
     res = {
         "state_MB": round(nbytes / 1e6, 1),
         "processes": 2,
         "reps": args.reps,
+        "load_samples": args.reps * args.load_rounds,
         "torch": torch.__version__,
         "seconds_median": {k: round(v, 4) for k, v in med.items()},
         "throughput_GBps": {k: round(gb / med[k], 3) for k in ("save_functitan_sync", "save_functitan_oneoff", "save_dcp", "save_torch", "commit_functitan_async")},
@@ -145,6 +155,8 @@ def main() -> None:
             "throughput_functitan_over_torch_save": round(med["save_torch"] / med["save_functitan_sync"], 3),
             "load_functitan_over_dcp_same": round(med["load_functitan_same"] / med["load_dcp_same"], 3),
             "load_functitan_over_dcp_reshard": round(med["load_functitan_reshard"] / med["load_dcp_reshard"], 3),
+            "load_functitan_new_over_dcp_same": round(med["load_functitan_same_new"] / med["load_dcp_same"], 3),
+            "load_functitan_new_over_dcp_reshard": round(med["load_functitan_reshard_new"] / med["load_dcp_reshard"], 3),
         },
         "note": "2 shared CPU cores, local disk, page cache warm for loads; numbers vary with load from other jobs",
     }

@@ -1,4 +1,4 @@
-"""The ``functitan`` command: ``train``, ``rendezvous``, ``pipeline show``, ``export hf``, ``import hf``."""
+"""The ``functitan`` command: ``train``, ``rendezvous``, ``pipeline show``, ``export hf``, ``import hf``, ``data prepare``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ commands:
   gradcheck --model.name=NAME [--layouts fsdp,tp_sp]                   a model's gradients under each layout vs one process
   export hf CHECKPOINT OUT_DIR                                          write a Hugging Face model directory
   import hf HF_DIR OUT_CHECKPOINT                                       make a functitan checkpoint from HF
+  data prepare SRC... --out DIR [--tokenizer FILE]                     tokenize a corpus into memory-mapped shards
 
 A user error (a bad value, path or checkpoint) prints one line and exits with code 2; add --debug to any
 command to see its traceback.
@@ -43,6 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .model._cli import main as gradcheck_main
 
         return gradcheck_main(rest)
+    if command == "data":
+        from .data._prepare import main as data_main
+
+        return data_main(rest)
     if command in ("export", "import"):
         from .checkpoint._hf_cli import main as hf_main
 

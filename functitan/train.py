@@ -53,9 +53,6 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     """
     device = _init_process(cfg.training)
     par, tcfg = cfg.parallelism, cfg.training
-    if cfg.checkpoint.enable and par.pp > 1:
-        raise ValueError("checkpoint.enable with parallelism.pp > 1 is not supported yet (each pipeline rank holds "
-                         "a different part of the tree); train with pp=1 to checkpoint, or disable checkpoints")
     # 1. mesh: every layout is a choice of degrees; pipeline stages compute on the mesh without pp
     mesh = make_mesh(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, device=device.type)
     rules = default_rules(sequence_parallel=par.sequence_parallel and par.tp > 1)
@@ -102,11 +99,11 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     if cfg.checkpoint.enable:
         ckpt = CheckpointManager(run_dir / cfg.checkpoint.folder, interval=cfg.checkpoint.interval,
                                  keep_last=cfg.checkpoint.keep_last, mesh=mesh)
-    restored = ckpt.restore_latest(state) if ckpt is not None else None
+    restored = ckpt.restore_latest(state, in_place=True) if ckpt is not None else None  # reuses the fresh state's memory
     if restored is not None:
         state = restored
     elif cfg.checkpoint.load_path and not is_hf_dir(cfg.checkpoint.load_path):
-        state = state._replace(params=restore_params(cfg.checkpoint.load_path, state.params))
+        state = state._replace(params=restore_params(cfg.checkpoint.load_path, state.params, partial=par.pp > 1))
 
     # 6. metrics, and the loop
     meter = M.Meter(world_size=dist.get_world_size(), flops_per_token=model.flops_per_token(model_cfg, tcfg.seq_len),

@@ -288,6 +288,41 @@ def test_flipped_bits_are_caught_by_the_chunk_checksum(tmp_path):
         restore(tmp_path / "ck", {"w": torch.zeros(64, 64)})
 
 
+def test_direct_reader_reads_only_the_inner_chunks_a_box_needs(tmp_path, monkeypatch):
+    from functitan.checkpoint import _fastread
+
+    w = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(0))  # 8 MiB: two 4 MiB inner chunks
+    save_sync(tmp_path / "ck", {"w": w})
+    spec = _fastread.parse(json.loads((tmp_path / "ck" / "w" / "zarr.json").read_text()))
+    assert spec.inner == (1024, 1024)
+    read = []
+    real = _fastread._pread
+    monkeypatch.setattr(_fastread, "_pread", lambda fd, off, n, *a: read.append(n) or real(fd, off, n, *a))
+    got = _fastread.read_box(str(tmp_path / "ck" / "w"), spec, (100, 0), (500, 1024))  # inside the first inner chunk
+    assert np.array_equal(got, w[100:600].numpy())
+    assert sum(read) == (4 << 20) + 4 + 2 * 16 + 4  # one inner chunk + its crc32c, the index + its crc32c
+    # a flipped bit in the chunk read is caught; one in the other chunk is not read at all
+    f = tmp_path / "ck" / "w" / "c" / "0" / "0"
+    data = bytearray(f.read_bytes())
+    data[(4 << 20) + 4 + 100] ^= 1  # inside the second inner chunk
+    f.write_bytes(bytes(data))
+    assert np.array_equal(_fastread.read_box(str(tmp_path / "ck" / "w"), spec, (0, 0), (1024, 1024)), w[:1024].numpy())
+    with pytest.raises(CheckpointError, match=r"^w: reading .*/ck/w failed: Digest mismatch: the crc32c of .*c/0/0 inner "
+                                              r"chunk \(1, 0\) does not match.*the checkpoint is corrupted"):
+        restore(tmp_path / "ck", {"w": torch.zeros(2048, 1024)})
+
+
+def test_in_place_restore_fills_the_exemplars_tensors(tmp_path):
+    tree = {"w": _full((64, 48), 3), "n": torch.arange(5), "step": 7}
+    save_sync(tmp_path / "ck", tree)
+    ex = {"w": torch.zeros(64, 48, requires_grad=True), "n": torch.zeros(5, dtype=torch.int64), "step": 0}
+    new = restore(tmp_path / "ck", ex)  # default: new tensors, the exemplar untouched
+    assert torch.equal(new["w"], tree["w"]) and not ex["w"].any() and new["w"].requires_grad
+    got = restore(tmp_path / "ck", ex, in_place=True)
+    assert got["w"] is ex["w"] and got["n"] is ex["n"] and got["step"] == 7
+    assert torch.equal(ex["w"], tree["w"]) and torch.equal(ex["n"], tree["n"])
+
+
 # ----------------------------------------------------------------------------------------------- errors
 
 

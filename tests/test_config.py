@@ -55,7 +55,8 @@ def test_cli_surface_is_frozen():
     # adding a key is fine (update this list); renaming or removing one breaks users' TOML files
     assert list(flat_keys(JobConfig)) == [
         "model.name", "model.flavor",
-        "data.paths", "data.tokenizer", "data.text_key", "data.add_bos", "data.seed", "data.max_corpus_bytes",
+        "data.paths", "data.path", "data.tokenizer", "data.text_key", "data.add_bos", "data.seed", "data.max_corpus_bytes",
+        "data.max_open_shards",
         "training.steps", "training.batch_size", "training.seq_len", "training.microbatches", "training.seed",
         "training.remat", "training.param_dtype", "training.reduce_dtype", "training.compile",
         "training.on_nonfinite", "training.device", "training.threads",

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..tree import combine, partition
 from . import _layout as L
-from ._restore import CheckpointError, restore
+from ._restore import CheckpointError, _read_json, restore
 from ._save import Checkpointer, SaveHandle, _Group, _move_aside
 
 __all__ = ["CheckpointManager"]
@@ -53,7 +53,9 @@ class CheckpointManager:
         exclude: key paths not saved (e.g. ``("opt_state",)`` for a weights-only run); on restore they
             come back from the exemplar unchanged.
         async_save: return from ``maybe_save`` once staged (True) or once committed (False).
-        mesh: the mesh whose ranks take part (default: all ranks).
+        mesh: the mesh whose ranks take part (default: all ranks). With a ``pp`` axis of size > 1 each
+            pipeline rank saves and restores only its stages' leaves, under the same key paths as the whole
+            model; the checkpoint is the one an unpipelined run writes, so any layout restores it.
 
     Every rank constructs the manager and calls ``maybe_save`` / ``restore_latest`` at the same points.
     """
@@ -83,6 +85,8 @@ class CheckpointManager:
         self.exclude = tuple(exclude)
         self.async_save = async_save
         self._group = _Group(mesh, timeout_s)
+        names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+        self._partial = "pp" in names and mesh.size(names.index("pp")) > 1  # each rank holds part of the tree
         self._ck = Checkpointer(mesh=mesh, timeout_s=timeout_s, group=self._group)
         self._last_saved: int | None = None
         self._damaged: set[int] = set()  # steps restore_latest found damaged: re-saved in place, never kept
@@ -176,11 +180,14 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------------------------- restoring
 
-    def restore(self, step_or_path: int | str | os.PathLike, exemplar: Any, *, only: str | None = None) -> Any:
+    def restore(
+        self, step_or_path: int | str | os.PathLike, exemplar: Any, *, only: str | None = None, in_place: bool = False
+    ) -> Any:
         """Restore one checkpoint (a step of this root, or a path) into ``exemplar``.
 
         ``only="params"`` reads just that subtree (``exemplar`` is then the params tree): a weights-only load
-        for fine-tuning. Excluded key paths come back from the exemplar.
+        for fine-tuning. Excluded key paths come back from the exemplar. ``in_place``: fill the exemplar's
+        own CPU tensors (see ``functitan.checkpoint.restore``).
         """
         if isinstance(step_or_path, int):
             path = os.path.join(self.step_dir(step_or_path), ITEM)
@@ -191,13 +198,33 @@ class CheckpointManager:
         if only is not None:
             if _under(only, self.exclude):
                 raise ValueError(f"only={only!r}: that key path is excluded from these checkpoints ({self.exclude})")
-            return restore(path, exemplar, only=only)
-        if not self.exclude:
-            return restore(path, exemplar)
-        kept, rest = partition(exemplar, lambda n, x: not _under(n, self.exclude))
-        return combine(restore(path, kept), rest)
+            self._check_covered(path, exemplar, only)
+            return restore(path, exemplar, only=only, in_place=in_place, partial=self._partial)
+        kept, rest = partition(exemplar, lambda n, x: not _under(n, self.exclude)) if self.exclude else (exemplar, None)
+        self._check_covered(path, kept, None)
+        value = restore(path, kept, in_place=in_place, partial=self._partial)
+        return combine(value, rest) if self.exclude else value
 
-    def restore_latest(self, exemplar: Any, *, only: str | None = None) -> Any | None:
+    def _check_covered(self, path: str, exemplar: Any, only: str | None) -> None:
+        """Pipeline ranks restore parts of the tree: check that together they restore all of it."""
+        if not self._partial or self._group.pg is None:
+            return
+        names = {f"{only}.{n}" if only else n for n, _, _ in L.named_leaves(exemplar)[0]}
+        gathered: list[Any] = [None] * len(self._group.ranks)
+        dist.all_gather_object(gathered, sorted(names), group=self._group.pg)
+        union = set().union(*map(set, gathered))
+        meta_file = os.path.join(path, L.METADATA)
+        if not os.path.isfile(meta_file):
+            return  # restore() names the problem
+        stored = {n for n in restore_names(meta_file) if only is None or n == only or n.startswith(only + ".")}
+        extra = sorted(stored - union)
+        if extra:
+            raise ValueError(
+                f"{extra[0]}: in the checkpoint ({meta_file}) but restored by no pipeline rank; extra keys: {extra[:8]}. "
+                f"Fix: restore into the model the checkpoint was saved from (e.g. the same n_layers)"
+            )
+
+    def restore_latest(self, exemplar: Any, *, only: str | None = None, in_place: bool = False) -> Any | None:
         """Restore the newest checkpoint that is intact; None when the root has none.
 
         A damaged newest checkpoint (truncated or corrupted file) is skipped with a ``warnings.warn``, and
@@ -208,7 +235,7 @@ class CheckpointManager:
         for step in reversed(self.all_steps()):
             value, error = None, None
             try:
-                value = self.restore(step, exemplar, only=only)
+                value = self.restore(step, exemplar, only=only, in_place=in_place)
             except CheckpointError as exc:
                 error = exc
             if self._all_ok(error is None):
@@ -242,11 +269,17 @@ class CheckpointManager:
         self.close()
 
 
-def restore_params(path: str | os.PathLike, exemplar: Any) -> Any:
+def restore_names(meta_file: str) -> list[str]:
+    """The leaf names (dotted key paths) a checkpoint's ``_METADATA`` lists."""
+    return list(L.names_in_metadata(_read_json(meta_file)))
+
+
+def restore_params(path: str | os.PathLike, exemplar: Any, *, partial: bool = False) -> Any:
     """A weights-only load of the ``params`` subtree from a checkpoint: a manager's step directory, its item
-    directory, or ``import_hf``'s output. ``exemplar`` is the params tree with the target placements."""
+    directory, or ``import_hf``'s output. ``exemplar`` is the params tree with the target placements
+    (``partial``: a pipeline rank's part of it)."""
     path = os.fspath(path)
     if os.path.isdir(os.path.join(path, ITEM)):
         path = os.path.join(path, ITEM)
-    return restore(path, exemplar, only="params")
+    return restore(path, exemplar, only="params", partial=partial)
 

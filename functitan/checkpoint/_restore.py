@@ -19,6 +19,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..errors import UserError
+from . import _fastread
 from . import _layout as L
 
 __all__ = ["restore", "verify", "CheckpointError"]
@@ -89,7 +93,15 @@ def _with_prefix(exemplar: Any, only: str | None) -> list[tuple[str, Any]]:
     return [((f"{only}.{n}" if n else only) if only else n, x) for n, _, x in named]
 
 
-def restore(path: str | os.PathLike, exemplar: Any, *, only: str | None = None, check: bool = True) -> Any:
+def restore(
+    path: str | os.PathLike,
+    exemplar: Any,
+    *,
+    only: str | None = None,
+    check: bool = True,
+    in_place: bool = False,
+    partial: bool = False,
+) -> Any:
     """Read the checkpoint at ``path`` into a tree shaped like ``exemplar`` (see the module docstring).
 
     Args:
@@ -97,6 +109,12 @@ def restore(path: str | os.PathLike, exemplar: Any, *, only: str | None = None, 
         exemplar: the target tree; its tensor leaves give shape, dtype, device, mesh and placements.
         only: restore just the subtree at this key path (e.g. ``"params"``); ``exemplar`` is that subtree.
         check: verify the files' sizes against the commit marker first.
+        in_place: write the values into the exemplar's own CPU tensors (and return them) instead of new
+            ones, as ``torch.distributed.checkpoint.load`` does: no allocation, no page faults (for a
+            trainer restoring into the state it just built, whose memory is then reused). Leaves that
+            cannot take it (meta, CUDA, non-contiguous; Orbax/OCDBT files) are built new as usual.
+        partial: the exemplar may hold only some of the checkpoint's leaves (a pipeline rank's stages);
+            the caller checks that the ranks together restore all of them (``CheckpointManager`` does).
 
     Raises:
         ValueError: a key missing from the checkpoint, one the exemplar lacks, a shape or dtype mismatch;
@@ -110,16 +128,26 @@ def restore(path: str | os.PathLike, exemplar: Any, *, only: str | None = None, 
     meta = _read_json(meta_file)
     stored = L.names_in_metadata(meta)
     named = _with_prefix(exemplar, only)
-    _check_keys(named, stored, meta_file, only)
+    _check_keys(named, stored, meta_file, only, partial)
+    with ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="functitan-restore") as pool:
+        pool.scratch = threading.local()  # each reader thread's reused file buffer, freed with the pool
+        out = _read_leaves(path, meta, named, pool, in_place)
+    return optree.tree_unflatten(optree.tree_structure(exemplar), out)
+
+
+def _read_leaves(path: str, meta: dict, named: list[tuple[str, Any]], pool: ThreadPoolExecutor, in_place: bool) -> list[Any]:
+    """Every leaf's value: functitan's own chunk files read directly (in ``pool``), others by tensorstore."""
     ctx = ts.Context()
-    opened = [ts.open(L.array_spec(path, name, meta), open=True, read=True, context=ctx) for name, _ in named]
+    direct = meta.get("use_zarr3", False) and not meta.get("use_ocdbt", False)
+    fast = [_fast_array(path, name, pool) if direct else None for name, _ in named]
+    opened = [f or ts.open(L.array_spec(path, name, meta), open=True, read=True, context=ctx) for (name, _), f in zip(named, fast)]
     futures = []
     for (name, x), fut in zip(named, opened):
         try:
-            arr = fut.result()
+            arr = fut if isinstance(fut, _FastArray) else fut.result()
         except ValueError as exc:  # unreadable or unknown metadata (e.g. a dtype tensorstore does not know)
             raise CheckpointError(f"{name}: cannot open the array {where_of(path, name)}: {_short(exc)}") from None
-        futures.append(_start_read(name, x, arr, where_of(path, name)))
+        futures.append(_start_read(name, x, arr, where_of(path, name), in_place))
     out = []
     for (name, x), (fut, finish) in zip(named, futures):
         try:
@@ -130,7 +158,37 @@ def restore(path: str | os.PathLike, exemplar: Any, *, only: str | None = None, 
                 f"restore an older one"
             ) from None
         out.append(finish(value))
-    return optree.tree_unflatten(optree.tree_structure(exemplar), out)
+    return out
+
+
+_READ_THREADS = min(16, 2 * (os.cpu_count() or 1))
+
+
+class _FastArray:
+    """The part of a ``ts.TensorStore``'s API that ``_start_read`` uses, over ``_fastread.read_box``."""
+
+    def __init__(self, path: str, spec: _fastread.Spec, pool: ThreadPoolExecutor, box: tuple | None = None):
+        self._path, self._spec, self._pool = path, spec, pool
+        self.shape = spec.shape
+        self.dtype = SimpleNamespace(numpy_dtype=spec.dtype)
+        self._box = box or ((0,) * len(spec.shape), spec.shape)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> "_FastArray":
+        box = (tuple(s.start for s in index), tuple(s.stop - s.start for s in index))
+        return _FastArray(self._path, self._spec, self._pool, box)
+
+    def read(self, out: np.ndarray | None = None):
+        return self._pool.submit(_fastread.read_box, self._path, self._spec, *self._box, self._pool.scratch, out)
+
+
+def _fast_array(path: str, name: str, pool: ThreadPoolExecutor) -> _FastArray | None:
+    """A direct reader of leaf ``name`` when its zarr.json is one ``_fastread`` decodes, else None."""
+    try:
+        with open(os.path.join(path, name, "zarr.json")) as f:
+            spec = _fastread.parse(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # tensorstore reports it
+    return _FastArray(os.path.join(path, name), spec, pool) if spec is not None else None
 
 
 def where_of(path: str, name: str) -> str:
@@ -142,7 +200,9 @@ def _short(exc: BaseException, limit: int = 400) -> str:
     return s if len(s) <= limit else s[:limit] + "..."
 
 
-def _check_keys(named: list[tuple[str, Any]], stored: dict[str, str], meta_file: str, only: str | None) -> None:
+def _check_keys(
+    named: list[tuple[str, Any]], stored: dict[str, str], meta_file: str, only: str | None, partial: bool = False
+) -> None:
     wanted = [n for n, _ in named]
     missing = [n for n in wanted if n not in stored]
     if missing:
@@ -153,14 +213,14 @@ def _check_keys(named: list[tuple[str, Any]], stored: dict[str, str], meta_file:
         )
     scope = [n for n in stored if only is None or n == only or n.startswith(only + ".")]
     extra = sorted(set(scope) - set(wanted))
-    if extra:
+    if extra and not partial:
         raise ValueError(
             f"{extra[0]}: in the checkpoint ({meta_file}) but not in the exemplar; extra keys: {extra[:8]}"
             f"{' ...' if len(extra) > 8 else ''}. Fix: add them to the exemplar, or restore a subtree with only=..."
         )
 
 
-def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str):
+def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str, in_place: bool = False):
     """Start reading what this rank needs of one leaf; return (future, finish(np_value) -> leaf)."""
     shape = tuple(int(s) for s in arr.shape)
     np_dt = np.dtype(arr.dtype.numpy_dtype)
@@ -177,8 +237,10 @@ def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str):
                 f"dtype {dt} and cast after restoring"
             )
     if isinstance(x, DTensor):
-        return _start_dtensor(x, arr)
+        return _start_dtensor(x, arr, in_place)
     if isinstance(x, torch.Tensor):
+        if in_place and _writable(x, arr, shape):
+            return arr.read(out=L.as_numpy(x.detach())), lambda _: x
         device = torch.device("cpu") if x.device.type == "meta" else x.device
         grad = x.requires_grad
         return arr.read(), lambda a: L.from_numpy(a).to(device).requires_grad_(grad)
@@ -194,7 +256,15 @@ def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str):
     raise TypeError(f"{name}: cannot restore into a {type(x).__name__} exemplar leaf")
 
 
-def _start_dtensor(x: DTensor, arr: ts.TensorStore):
+def _writable(local: torch.Tensor, arr: Any, shape: tuple[int, ...]) -> bool:
+    """Whether a direct read can fill ``local`` (the whole of a block of ``shape``) in place."""
+    return (
+        isinstance(arr, _FastArray) and local.device.type == "cpu" and local.is_contiguous()
+        and tuple(local.shape) == tuple(shape) and math.prod(shape) > 0
+    )
+
+
+def _start_dtensor(x: DTensor, arr: ts.TensorStore, in_place: bool = False):
     mesh = x.device_mesh
     boxes = L.dtensor_boxes(x, "exemplar")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -210,5 +280,9 @@ def _start_dtensor(x: DTensor, arr: ts.TensorStore):
     if math.prod(shp) == 0:
         empty = np.empty(shp, dtype=np.dtype(arr.dtype.numpy_dtype))
         return None, lambda _: finish(empty)
+    if in_place:
+        local = x._local_tensor  # the same storage as x.to_local(), without autograd in between
+        if _writable(local, arr, shp):
+            return arr[index].read(out=L.as_numpy(local.detach())), lambda _: x
     return (arr[index].read() if index else arr.read()), finish
 

@@ -6,11 +6,12 @@ never given the live tensors: mutating a parameter right after ``save`` returns 
 
 Commit protocol (a crash at any moment leaves the old set of checkpoints or the new one, never a mix):
 
-1. every rank writes its shards under ``<dir>.tmp-<uuid>`` (rank 0 also every ``zarr.json``), fsyncs its
-   files and writes their sizes to ``_sizes.<rank>``;
-2. barrier; rank 0 writes ``_METADATA`` and ``_COMMIT`` (all files with their sizes), fsyncs, renames
-   ``<dir>.tmp-<uuid>`` to ``<dir>`` and fsyncs the parent directory (re-saving a damaged step: the
-   damaged ``<dir>`` is first renamed to ``<dir>.tmp-deleting-<uuid>``, removed after the commit);
+1. every rank writes its shards under ``<dir>.tmp-<uuid>`` (and the ``zarr.json`` of each leaf whose lowest
+   holder it is), fsyncs its files and writes their sizes and its leaves to ``_sizes.<rank>``;
+2. barrier; rank 0 writes ``_METADATA`` (every rank's leaves: pipeline ranks hold different ones) and
+   ``_COMMIT`` (all files with their sizes), fsyncs, renames ``<dir>.tmp-<uuid>`` to ``<dir>`` and fsyncs
+   the parent directory (re-saving a damaged step: the damaged ``<dir>`` is first renamed to
+   ``<dir>.tmp-deleting-<uuid>``, removed after the commit);
 3. barrier, so that ``wait()`` returns on every rank only once the checkpoint is visible.
 
 The barriers run on a private gloo group, so they never interleave with the training's collectives.
@@ -89,6 +90,7 @@ class _Leaf:
     dtype: np.dtype
     metadata: dict
     pieces: list[_Piece] = field(default_factory=list)
+    writes_metadata: bool = False  # this rank writes the leaf's zarr.json: the lowest rank holding the leaf
 
 
 def _signature(named: list, treedef: Any) -> tuple:
@@ -140,7 +142,8 @@ def _plan(named: list, rank: int, ranks: tuple[int, ...]) -> list[_Leaf]:
             boxes = L.full_boxes(tuple(a.shape), ranks)
             my_off = (0,) * a.ndim
         leaf = L.zarr3_metadata(boxes.shape, dtype, L.chunk_grid(boxes))
-        item = _Leaf(name=name, keys=keys, vtype=vtype, shape=boxes.shape, dtype=dtype, metadata=leaf)
+        item = _Leaf(name=name, keys=keys, vtype=vtype, shape=boxes.shape, dtype=dtype, metadata=leaf,
+                     writes_metadata=rank == min(boxes.by_rank, default=rank))
         for box, writer in boxes.writers.items():
             if writer == rank:
                 local = tuple(slice(o - m, o - m + s) for o, m, s in zip(box[0], my_off, box[1]))
@@ -220,16 +223,17 @@ def _write_json(path: str, doc: dict) -> int:
     return len(data)
 
 
-def _write_shards(item: str, plan: list[_Leaf], rank: int, leader: bool) -> dict[str, int]:
-    """Write this rank's pieces (and, on the leader, every zarr.json); return {relative file: size}."""
+def _write_shards(item: str, plan: list[_Leaf], rank: int) -> dict[str, int]:
+    """Write this rank's pieces (and the zarr.json of the leaves it writes metadata for); return {file: size}."""
     ctx = ts.Context({"file_io_sync": False})
     futures, written = [], []
     for leaf in plan:
         spec = L.array_spec(item, leaf.name, {"use_zarr3": True}, metadata=leaf.metadata)
         spec["store_data_equal_to_fill_value"] = True  # every chunk is a file: sizes verify completeness
+        leader = leaf.writes_metadata
         if not leaf.pieces and not leader:
             continue
-        # the leader creates zarr.json; the others assume it (no metadata I/O, no race)
+        # one rank creates zarr.json; the others assume it (no metadata I/O, no race)
         opened = ts.open(spec, create=True, context=ctx) if leader else ts.open(spec, open=True, assume_metadata=True, context=ctx)
         arr = opened.result()
         grid = tuple(leaf.metadata["chunk_grid"]["configuration"]["chunk_shape"])
@@ -296,19 +300,29 @@ def _commit(final: str, item_rel: str, plan: list[_Leaf], empty: list, group: _G
     tmp = f"{final}{L.TMP_MARK}{group.shared_token()}"
     item = os.path.join(tmp, item_rel) if item_rel else tmp
     os.makedirs(item, exist_ok=True)
-    sizes = _write_shards(item, plan, group.rank, group.leader)
-    _write_json(os.path.join(item, f"_sizes.{group.rank}"), sizes)
+    sizes = _write_shards(item, plan, group.rank)
+    leaves = [[leaf.name, list(leaf.keys), leaf.vtype, leaf.metadata["shape"]] for leaf in plan]
+    _write_json(os.path.join(item, f"_sizes.{group.rank}"), {"files": sizes, "leaves": leaves})
     group.barrier()
     if group.leader:
         files: dict[str, int] = {}
+        entries: dict[str, list] = {}  # every rank's leaves (pipeline ranks hold different ones), first seen wins
         for r in group.ranks:
             part = os.path.join(item, f"_sizes.{r}")
             with open(part) as f:
-                files.update(json.load(f))
+                doc = json.load(f)
+            files.update(doc["files"])
+            for entry in doc["leaves"]:
+                entries.setdefault(entry[0], entry)
             os.remove(part)
-        meta = L.orbax_metadata([(leaf.name, leaf.keys, leaf.vtype) for leaf in plan], empty)
+        merged = list(entries.values())
+        empties = [[name, list(keys), vtype, None] for name, keys, vtype in empty]
+        if len(merged) != len(plan):  # trees differ across ranks: write the whole tree's metadata
+            both = _as_sequences(merged + empties)
+            merged, empties = both[: len(merged)], both[len(merged) :]
+        meta = L.orbax_metadata([(n, tuple(k), v) for n, k, v, _ in merged], [(n, tuple(k), v) for n, k, v, _ in empties])
         files[L.METADATA] = _write_json(os.path.join(item, L.METADATA), meta)
-        commit = {"format": L.FORMAT, "files": files, "arrays": {leaf.name: leaf.metadata["shape"] for leaf in plan}}
+        commit = {"format": L.FORMAT, "files": files, "arrays": {name: shape for name, _, _, shape in merged}}
         _write_json(os.path.join(item, L.COMMIT), commit)
         _fsync(item, directory=True)
         if item != tmp:
@@ -324,6 +338,30 @@ def _commit(final: str, item_rel: str, plan: list[_Leaf], empty: list, group: _G
     for leaf in plan:  # drop references to live values (synchronous saves) until the next save
         for p in leaf.pieces:
             p.source = None
+
+
+def _as_sequences(entries: list[list]) -> list[list]:
+    """Mark dict levels keyed exactly "0".."n-1" over the union of all ranks' trees as sequences.
+
+    A pipeline rank holds ``layers`` as a dict of its blocks' global indices, where the unpipelined model
+    has a list; in the merged tree the keys are 0..n-1 again, and writing them as sequence indices (Orbax
+    key_type 1) makes the checkpoint the same as one written without pipelining.
+    """
+    children: dict[tuple, set] = {}
+    for _, keys, _, _ in entries:
+        for i, k in enumerate(keys):
+            children.setdefault(tuple(x["key"] for x in keys[:i]), set()).add((k["key"], k["key_type"]))
+    seqs = {
+        prefix for prefix, ks in children.items()
+        if all(t == 2 and k.isdigit() for k, t in ks) and sorted(int(k) for k, _ in ks) == list(range(len(ks)))
+    }
+    out = []
+    for name, keys, vtype, shape in entries:
+        keys = [
+            {"key": k["key"], "key_type": 1} if tuple(x["key"] for x in keys[:i]) in seqs else k for i, k in enumerate(keys)
+        ]
+        out.append([name, keys, vtype, shape])
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- API

@@ -5,10 +5,15 @@ Typical use::
     loader = TokenLoader(batch_size=8, seq_len=256, dp_rank=r, dp_size=n)  # stdlib corpus, byte tokens
     state = loader.init_state()                  # {"epoch": 0, "seq": 0}: checkpoint it with the model
     batch, state = loader.next(state)            # batch["inputs"], batch["targets"]: (8, 256) int64
+
+A corpus larger than memory: ``functitan data prepare SRC... --out DIR`` once, then
+``TokenLoader(shards=ShardSet(DIR), ...)`` (or ``--data.path=DIR``) reads it memory-mapped.
 """
 
 from functitan.data._corpus import DEFAULT_CORPUS_BYTES, default_corpus, expand_paths, read_documents
 from functitan.data._loader import DataConfig, TokenLoader, build_loader, dp_coords
+from functitan.data._prepare import DataError, prepare
+from functitan.data._shards import ShardSet
 from functitan.data._tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
@@ -23,4 +28,7 @@ __all__ = [
     "DataConfig",
     "build_loader",
     "dp_coords",
+    "prepare",
+    "DataError",
+    "ShardSet",
 ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import operator
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple, Sequence
@@ -34,12 +35,14 @@ import numpy as np
 import torch
 
 from functitan.data._corpus import DEFAULT_CORPUS_BYTES, default_corpus, expand_paths, read_documents
+from functitan.data._shards import ShardSet, is_prepared
 from functitan.data._tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from functitan.mesh import DP_AXES
 
 __all__ = ["TokenLoader", "DataConfig", "build_loader", "dp_coords"]
 
 _STATE_KEYS = ("epoch", "seq")
+_DOC_ORDERS_KEPT = 8  # per epoch: the files whose document order is kept between batches
 
 
 class _FileTokens(NamedTuple):
@@ -55,7 +58,8 @@ class _Epoch:
     def __init__(self, order: np.ndarray):
         self.order = order  # (n_files,) file ids in stream order
         self.ends: list[int] = []  # ends[i]: stream offset where the block of file order[i] ends
-        self.docs: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # file id -> (doc order, doc end offsets)
+        # file id -> (doc order, doc end offsets), the few most recently read (recomputed when evicted)
+        self.docs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
 
 class TokenLoader:
@@ -70,8 +74,13 @@ class TokenLoader:
     so the first batch costs only the first few files and later epochs cost no tokenisation. Restoring a
     state in a new process re-tokenises the files before that point (to count tokens).
 
+    With ``shards`` (a directory written by ``functitan data prepare``, see ``ShardSet``) each shard is one
+    "file" of the stream: sizes come from its index, tokens are memory-mapped when read and at most
+    ``ShardSet.max_open`` shards stay mapped, so resident memory does not grow with the corpus.
+
     Args:
         paths: text / ``.jsonl`` files or directories (see ``expand_paths``); None for ``default_corpus()``.
+        shards: prepared shards instead of ``paths`` (their tokenizer is ``shards.tokenizer``).
         batch_size: sequences per rank per step (B).
         seq_len: tokens per input sequence (S).
         tokenizer: any :class:`Tokenizer`; default the byte tokenizer.
@@ -91,6 +100,7 @@ class TokenLoader:
         self,
         paths: Sequence[str | os.PathLike] | None = None,
         *,
+        shards: ShardSet | None = None,
         batch_size: int,
         seq_len: int,
         tokenizer: Tokenizer | None = None,
@@ -106,9 +116,16 @@ class TokenLoader:
                 raise ValueError(f"TokenLoader: {name} must be a positive int, got {value!r}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"TokenLoader: dp_rank must be in [0, dp_size={dp_size}), got {dp_rank!r}")
-        self.files = expand_paths(paths) if paths is not None else default_corpus()
+        if shards is not None:
+            if paths is not None or tokenizer is not None:
+                raise ValueError("TokenLoader: pass either shards (whose tokenizer is shards.tokenizer) or paths/tokenizer")
+            self.files = [Path(shards.name(i)) for i in range(len(shards))]
+            tokenizer = shards.tokenizer
+        else:
+            self.files = expand_paths(paths) if paths is not None else default_corpus()
         if not self.files:
             raise ValueError("TokenLoader: no data files (the paths name no files); pass files or directories")
+        self.shards = shards
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -131,9 +148,14 @@ class TokenLoader:
         width = self.seq_len + 1
         out = np.empty((self.batch_size, width), dtype=np.int64)  # (B, S + 1)
         first = seq + self.dp_rank * self.batch_size
-        for b in range(self.batch_size):
-            e, j = self._normalize(epoch, first + b)
-            self._read(e, j * width, (j + 1) * width, out[b])
+        e0, j0 = self._normalize(epoch, first)
+        e1, j1 = self._normalize(epoch, first + self.batch_size - 1)
+        if (e0, j0 + self.batch_size - 1) == (e1, j1):  # consecutive sequences of one epoch: one read
+            self._read(e0, j0 * width, (j1 + 1) * width, out.reshape(-1))
+        else:
+            for b in range(self.batch_size):
+                e, j = self._normalize(epoch, first + b)
+                self._read(e, j * width, (j + 1) * width, out[b])
         e, j = self._normalize(epoch, seq + self.dp_size * self.batch_size)
         inputs = torch.from_numpy(np.ascontiguousarray(out[:, :-1]))  # (B, S)
         targets = torch.from_numpy(np.ascontiguousarray(out[:, 1:]))  # (B, S)
@@ -202,8 +224,8 @@ class TokenLoader:
     def _reach(self, ep: _Epoch, stop: float) -> bool:
         """Index files of ``ep`` until its stream holds ``stop`` tokens; False when the epoch is shorter."""
         while (ep.ends[-1] if ep.ends else 0) < stop and len(ep.ends) < len(ep.order):
-            ft = self._tokens(int(ep.order[len(ep.ends)]))
-            size = len(ft.tokens) + self._specials * (len(ft.starts) - 1)
+            n_tokens, n_docs = self._size(int(ep.order[len(ep.ends)]))
+            size = n_tokens + self._specials * n_docs
             ep.ends.append((ep.ends[-1] if ep.ends else 0) + size)
         if len(ep.ends) == len(ep.order):
             self._total = ep.ends[-1] if ep.ends else 0
@@ -228,6 +250,9 @@ class TokenLoader:
             n_docs = len(ft.starts) - 1
             order = np.random.default_rng([self.seed, epoch, fid]).permutation(n_docs)
             ep.docs[fid] = (order, np.cumsum(np.diff(ft.starts)[order] + self._specials))
+            if len(ep.docs) > _DOC_ORDERS_KEPT:
+                ep.docs.popitem(last=False)
+        ep.docs.move_to_end(fid)
         order, ends = ep.docs[fid]
         k, pos = int(np.searchsorted(ends, lo, side="right")), lo
         while pos < hi:
@@ -245,7 +270,16 @@ class TokenLoader:
             if lo < hi:
                 out[lo - i : hi - i] = src if src is not None else ft.tokens[s + lo - nb : s + hi - nb]
 
+    def _size(self, fid: int) -> tuple[int, int]:
+        """``(tokens, documents)`` of one file (a shard's from its index, without reading it)."""
+        if self.shards is not None:
+            return self.shards.size(fid)
+        ft = self._tokens(fid)
+        return len(ft.tokens), len(ft.starts) - 1
+
     def _tokens(self, fid: int) -> _FileTokens:
+        if self.shards is not None:
+            return _FileTokens(*self.shards.get(fid))
         if fid not in self._cache:
             path, vocab = self.files[fid], self.tokenizer.vocab_size
             arrays = []
@@ -285,7 +319,10 @@ class DataConfig:
 
     Attributes:
         paths: text / .jsonl files or directories; empty for the default corpus (the Python stdlib).
-        tokenizer: a tokenizer.json or tiktoken file; None for the byte tokenizer.
+        path: a directory written by ``functitan data prepare`` (memory-mapped shards) instead of ``paths``.
+        tokenizer: a tokenizer.json or tiktoken file; None for the byte tokenizer (with ``path``: None for
+            the one the shards were made with, else it must be that one).
+        max_open_shards: with ``path``, the shards kept memory-mapped at once (bounds resident memory).
         text_key: the JSONL field holding the text.
         add_bos: put BOS before each document (EOS always follows it).
         seed: the document shuffle seed.
@@ -293,11 +330,13 @@ class DataConfig:
     """
 
     paths: tuple[str, ...] = ()
+    path: str | None = None
     tokenizer: str | None = None
     text_key: str = "text"
     add_bos: bool = False
     seed: int = 0
     max_corpus_bytes: int = DEFAULT_CORPUS_BYTES
+    max_open_shards: int = 4
 
 
 def build_loader(
@@ -310,10 +349,21 @@ def build_loader(
     device: torch.device | str | None = None,
 ) -> TokenLoader:
     """The TokenLoader that ``cfg`` describes, for one data-parallel rank."""
-    paths = list(cfg.paths) if cfg.paths else default_corpus(cfg.max_corpus_bytes)
-    tokenizer = load_tokenizer(Path(cfg.tokenizer)) if cfg.tokenizer else None
+    if cfg.path is not None:
+        if cfg.paths:
+            raise ValueError(f"data.path={cfg.path} and data.paths={list(cfg.paths)}: give one (path: prepared shards)")
+        shards = ShardSet(cfg.path, tokenizer=cfg.tokenizer, max_open=cfg.max_open_shards)
+        paths, tokenizer = None, None
+    else:
+        for p in cfg.paths:
+            if is_prepared(p):
+                raise ValueError(f"data.paths: {p} is a directory of prepared shards; pass it as data.path={p}")
+        paths = list(cfg.paths) if cfg.paths else default_corpus(cfg.max_corpus_bytes)
+        tokenizer = load_tokenizer(Path(cfg.tokenizer)) if cfg.tokenizer else None
+        shards = None
     return TokenLoader(
         paths,
+        shards=shards,
         batch_size=batch_size,
         seq_len=seq_len,
         tokenizer=tokenizer,
