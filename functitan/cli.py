@@ -13,6 +13,7 @@ commands:
   rendezvous [--host H] [--port 29400]                                 the store elastic nodes meet in
   pipeline show --schedule zb_v --pp 4 --microbatches 8 [--out t.png]   draw a pipeline schedule
   gradcheck --model.name=NAME [--layouts fsdp,tp_sp]                   a model's gradients under each layout vs one process
+  plan --model.flavor llama3_8b --nodes 8 --device h100 [--out plan.toml]  recommend a parallel layout
   export hf CHECKPOINT OUT_DIR                                          write a Hugging Face model directory
   import hf HF_DIR OUT_CHECKPOINT                                       make a functitan checkpoint from HF
   data prepare SRC... --out DIR [--tokenizer FILE]                     tokenize a corpus into memory-mapped shards
@@ -48,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .data._prepare import main as data_main
 
         return data_main(rest)
+    if command == "plan":
+        from .plan import main as plan_main
+
+        return plan_main(rest)
     if command in ("export", "import"):
         from .checkpoint._hf_cli import main as hf_main
 

@@ -23,6 +23,7 @@ import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -395,10 +396,11 @@ class _Regather:
         self.pending = 0
 
     def track(self, gathered: list[Tensor]) -> None:
-        self.where = {t.untyped_storage().data_ptr(): i for i, t in enumerate(gathered)}
+        # keyed by the storage object (not its address: fake tensors, which the planner traces, have none)
+        self.where = {t.untyped_storage()._cdata: i for i, t in enumerate(gathered)}
 
     def pack(self, t: Tensor) -> Any:
-        i = self.where.get(t.untyped_storage().data_ptr()) if type(t) is Tensor else None
+        i = self.where.get(t.untyped_storage()._cdata) if type(t) is Tensor or type(t) is FakeTensor else None
         if i is None:
             return t
         self.pending += 1

@@ -38,7 +38,7 @@ from .step import make_train_step
 from .train_state import TrainState
 from .transforms import accumulate, value_and_grad
 
-__all__ = ["main", "run", "EXIT_REJOIN"]
+__all__ = ["main", "run", "EXIT_REJOIN", "make_layout", "place_model", "make_step", "local_batch"]
 
 EXIT_REJOIN = 3  # elastic: a peer left after a checkpoint; torchrun restarts this worker into the new group
 
@@ -55,12 +55,8 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     par, tcfg = cfg.parallelism, cfg.training
     # 1. mesh: every layout is a choice of degrees; pipeline stages compute on the mesh without pp
     mesh = make_mesh(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, device=device.type)
-    rules = default_rules(sequence_parallel=par.sequence_parallel and par.tp > 1)
-    compute_mesh, compute_rules = (pipeline.stage_mesh(mesh), pipeline.stage_rules(rules)) if par.pp > 1 else (mesh, rules)
-    layout = Layout(compute_mesh, compute_rules, remat=tcfg.remat, compile=tcfg.compile,
-                    reshard_after_forward=par.reshard_after_forward,
-                    param_dtype=getattr(torch, tcfg.param_dtype), reduce_dtype=getattr(torch, tcfg.reduce_dtype))
-    per_rank, microbatches = _local_batch(cfg, layout.dp_size)
+    layout, rules = make_layout(cfg, mesh)
+    per_rank, microbatches = local_batch(cfg, layout.dp_size)
     loader = build_loader(cfg.data, batch_size=per_rank, seq_len=tcfg.seq_len,
                           dp_rank=layout.dp_rank, dp_size=layout.dp_size, device=device)
 
@@ -68,25 +64,15 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     rng = key(tcfg.seed)
     name, model, model_cfg, full_params = _init_model(cfg, model, rng, vocab=loader.tokenizer.vocab_size, device=device)
     _check_model(model, model_cfg, tp=par.tp, pp=par.pp, seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel)
-    specs = model_specs(model.params(model_cfg))
 
     # 3. place: each rank keeps its shards (and only its pipeline stages); the grad_fn follows the layout
-    if par.pp > 1:
-        stage_model = model.stages(model_cfg, layout, seq_len=tcfg.seq_len, dtype=layout.param_dtype or torch.float32)
-        stages = pipeline.make_stages(stage_model, build_schedule(par, tcfg.microbatches), mesh)
-        params = pipeline.place_stages(full_params, specs, rules, stages)
-        grad_fn, norm_across, loss_grad = pipeline.pipeline_grad_fn(stages), stages.pp_group, None
-    else:
-        params = place(full_params, specs, rules, mesh)
-        loss_grad = value_and_grad(lambda p, b: model.loss(p, b, model_cfg, layout))
-        grad_fn, norm_across = accumulate(loss_grad, microbatches), None
+    params, grad_fn, norm_across, loss_grad = place_model(cfg, model, model_cfg, full_params, mesh, layout, rules,
+                                                          microbatches=microbatches)
     del full_params
 
     # 4. optimizer and step
-    optimizer = build_optimizer(cfg.optimizer, tcfg.steps, decay_mask=optim.decay_mask_from_specs(specs))
+    optimizer, train_step = make_step(cfg, model, model_cfg, grad_fn, norm_across)
     state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=loader.init_state(), rng=rng)
-    train_step = make_train_step(grad_fn, optimizer, max_norm=cfg.optimizer.max_norm, norm_across=norm_across,
-                                 on_nonfinite=tcfg.on_nonfinite)
 
     # 5. checkpoint: resume from the newest complete checkpoint of this run, else a weights-only load_path
     run_dir = _run_dir(cfg, name)
@@ -110,6 +96,44 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
                     peak=M.peak_flops(device, layout.param_dtype or torch.float32))
     with _stepper(cfg, train_step, loader, device, loss_grad=loss_grad, optimizer=optimizer) as advance:
         return _loop(cfg, state, advance, loader, meter, ckpt, run_dir, device)
+
+
+def make_layout(cfg: JobConfig, mesh: Any) -> tuple[Layout, Any]:
+    """``(Layout, rules)`` the step computes with on ``mesh`` (pipeline stages: the mesh without ``pp``)."""
+    par, tcfg = cfg.parallelism, cfg.training
+    rules = default_rules(sequence_parallel=par.sequence_parallel and par.tp > 1)
+    compute_mesh, compute_rules = (pipeline.stage_mesh(mesh), pipeline.stage_rules(rules)) if par.pp > 1 else (mesh, rules)
+    layout = Layout(compute_mesh, compute_rules, remat=tcfg.remat, compile=tcfg.compile,
+                    reshard_after_forward=par.reshard_after_forward,
+                    param_dtype=getattr(torch, tcfg.param_dtype), reduce_dtype=getattr(torch, tcfg.reduce_dtype))
+    return layout, rules
+
+
+def place_model(cfg: JobConfig, model: Model, model_cfg: Any, full_params: Any, mesh: Any, layout: Layout,
+                rules: Any, *, microbatches: int, stage_layers: Any = None) -> tuple[Any, Any, Any, Any]:
+    """``(this rank's params, grad_fn, norm_across, loss_grad)``: shards (and only this rank's pipeline stages)
+    placed, and the grad_fn that follows the layout (accumulated microbatches, or the pipeline schedule's
+    executor; ``loss_grad`` is the per-microbatch one, None with pipelining).
+
+    ``stage_layers``: the blocks of each pipeline stage (default: balanced by cost; the planner fixes them)."""
+    par, tcfg = cfg.parallelism, cfg.training
+    specs = model_specs(model.params(model_cfg))
+    if par.pp > 1:
+        stage_model = model.stages(model_cfg, layout, seq_len=tcfg.seq_len, dtype=layout.param_dtype or torch.float32)
+        stages = pipeline.make_stages(stage_model, build_schedule(par, tcfg.microbatches), mesh, layers=stage_layers)
+        return (pipeline.place_stages(full_params, specs, rules, stages), pipeline.pipeline_grad_fn(stages),
+                stages.pp_group, None)
+    params = place(full_params, specs, rules, mesh)
+    loss_grad = value_and_grad(lambda p, b: model.loss(p, b, model_cfg, layout))
+    return params, accumulate(loss_grad, microbatches), None, loss_grad
+
+
+def make_step(cfg: JobConfig, model: Model, model_cfg: Any, grad_fn: Any, norm_across: Any) -> tuple[Any, Any]:
+    """``(optimizer, train_step)`` as the config says (weight decay masked by the params' specs)."""
+    specs = model_specs(model.params(model_cfg))
+    optimizer = build_optimizer(cfg.optimizer, cfg.training.steps, decay_mask=optim.decay_mask_from_specs(specs))
+    return optimizer, make_train_step(grad_fn, optimizer, max_norm=cfg.optimizer.max_norm, norm_across=norm_across,
+                                      on_nonfinite=cfg.training.on_nonfinite)
 
 
 def _init_model(cfg: JobConfig, model: Model | None, rng: int, *, vocab: int,
@@ -285,7 +309,7 @@ def _init_process(tcfg: Any) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
-def _local_batch(cfg: JobConfig, dp_size: int) -> tuple[int, int]:
+def local_batch(cfg: JobConfig, dp_size: int) -> tuple[int, int]:
     """``(per-rank batch, microbatches)``: the global batch is constant, whatever the world size (elastic)."""
     par = cfg.parallelism
     return split_batch(cfg.training.batch_size, dp_size, microbatches=cfg.training.microbatches,

@@ -1,0 +1,94 @@
+"""``functitan plan``: predict memory and step time of every layout of a model on a cluster; recommend one."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Sequence
+
+from ._devices import DEVICES, Cluster, calibrate, device
+from ._plan import PlanError, plan
+from ._report import render_png, table, write_toml
+
+__all__ = ["main"]
+
+DESCRIPTION = """Predict per-rank peak memory (a real train step traced under FakeTensorMode with a fake process
+group at the target world size) and step time (alpha-beta collectives, FLOPs, pipeline bubble) of every valid
+layout, and recommend the fastest that fits. Model fields: --model.<field>=value (e.g. --model.n_layers=8)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="functitan plan", description=DESCRIPTION)
+    p.add_argument("--model.name", dest="model_name", default=None, help="a model plugin, module or file (default llama)")
+    p.add_argument("--model.flavor", dest="flavor", default=None, help="a flavor of the model (default debug)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node")
+    p.add_argument("--device", default="h100", help=f"one of {sorted(DEVICES)}")
+    p.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per step (default: 8 sequences per device)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default 8192; 256 on cpu)")
+    p.add_argument("--top", type=int, default=4, help="how many fitting candidates to trace and show")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine's matmul FLOP/s and gloo collectives")
+    p.add_argument("--out", default=None, help="write the recommended config (functitan train --config FILE)")
+    p.add_argument("--png", default=None, help="draw the memory and time breakdown of the top candidates")
+    p.add_argument("--measure", type=int, default=0, metavar="N", help="train the top candidates N steps here, re-rank")
+    return p
+
+
+def _model_overrides(rest: list[str]) -> tuple[dict, list[str]]:
+    out, unknown = {}, []
+    for a in rest:
+        if a.startswith("--model.") and "=" in a:
+            k, v = a[len("--model."):].split("=", 1)
+            out[k] = v
+        else:
+            unknown.append(a)
+    return out, unknown
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    overrides, unknown = _model_overrides(rest)
+    if unknown:
+        print(f"functitan plan: unknown argument {unknown[0]!r}; see functitan plan --help", file=sys.stderr)
+        return 2
+    try:
+        dev = device(args.device)
+        if args.nodes < 1 or args.gpus_per_node < 1:
+            raise PlanError(f"--nodes={args.nodes} --gpus-per-node={args.gpus_per_node}: both must be >= 1")
+        if args.calibrate:
+            dev = calibrate(dev)
+        cluster = Cluster(device=dev, nodes=args.nodes, per_node=args.gpus_per_node)
+        seq = args.seq_len or (256 if dev.name == "cpu" else 8192)
+        tokens = args.global_batch_tokens or 8 * seq * cluster.world
+        result = plan(model_name=args.model_name, flavor=args.flavor, overrides=overrides, cluster=cluster,
+                      global_batch_tokens=tokens, seq_len=seq, top=args.top)
+    except ValueError as e:
+        print(f"functitan plan: {e}", file=sys.stderr)
+        return 2
+    print("assumptions:")
+    for a in result.assumptions:
+        print(f"  {a}")
+    print(f"{result.screened} valid layouts; {result.over_memory} over memory by formula; pruned families:")
+    for reason, n in sorted(result.pruned.items()):
+        print(f"  {reason} ({n})")
+    print(table(result, cluster.device.usable))
+    if args.measure:
+        from ._measure import measure
+
+        result, measured = measure(result, steps=args.measure, world=cluster.world)
+        print("re-ranked by measured step time on this machine:")
+        for r in result.rows[:len(measured)]:
+            print(f"  {r.cand.label():<44} predicted {r.time.total:.4g} s, measured {measured[r.cand.label()]:.4g} s")
+    print(f"planned in {result.seconds:.1f} s")
+    if args.out:
+        write_toml(result.cfg, args.out)
+        print(f"wrote {args.out}: functitan train --config {args.out}" +
+              (f" --nproc {cluster.world}" if cluster.world > 1 else ""))
+    if args.png:
+        render_png(result, args.png)
+        print(f"wrote {args.png}")
+    return 0
+def _recommended(result):
+    return result.cfg

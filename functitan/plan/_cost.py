@@ -1,0 +1,174 @@
+"""The analytic side: memory by formula (ZeRO; Korthikanti et al. 2022) and step time by an alpha-beta model.
+
+Memory per rank (bytes), for the screen that picks which candidates to trace and for the column printed
+beside every traced peak:
+
+    params + grads + optimizer state   (4 + 4 + 8) * P_rank            ZeRO-3 over dp_shard (Rajbhandari 2020)
+    gathered params                    c * (top + 2 blocks) / tp       FSDP: this block + the prefetched one
+    activations per block, per token   c * (6h + 4kv + 4f) / tp        all saved (SwiGLU, GQA, flash attention:
+                                       c * (4h + 2kv + 2f) / tp        selective: matmul/attention outputs
+                                       c * h / tp (+ one block)        full: the block input
+    logits                             tokens * V / tp * (c + 8)       compute-dtype logits, fp32 loss + grad
+
+with ``c`` the compute bytes, ``h, kv, f`` the model, kv and MLP widths, ``/tp`` with sequence parallelism
+(Korthikanti et al.'s ``34 sbh / t`` without dropout, for a SwiGLU MLP and flash attention). Pipelines
+multiply block activations by the microbatches their schedule keeps in flight (the simulator's count).
+
+Time per step: compute = model FLOPs of the rank / (peak x achievable fraction), stretched by the pipeline
+bubble of functitan's own schedule simulator; each collective costs ``alpha * (n-1) + bytes * (n-1)/n / bw``
+(an all-reduce twice that) on the link level its group spans (NVLink inside a node, InfiniBand across). The
+FSDP all-gather of the next block is prefetched, so it hides behind compute; reduce-scatters, tensor-parallel,
+DDP and pipeline transfers are synchronous in functitan and add up.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+from .. import pipeline
+from ..job_config import build_schedule
+from ._candidates import Candidate
+from ._devices import Cluster
+from ._predict import job_config_par
+
+__all__ = ["Time", "step_time", "analytic_memory", "analytic_comm", "axis_degree", "spans_nodes"]
+
+_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+class Time(NamedTuple):
+    total: float  # seconds per step
+    compute: float  # pure compute (with remat's recompute), before the bubble
+    bubble: float  # fraction of the pipeline idle (0 without pp)
+    comm_exposed: float  # seconds of communication not hidden behind compute
+    by_axis: dict  # axes -> seconds (all collectives on them, hidden or not)
+    tokens_per_s: float
+    mfu: float
+
+
+def axis_degree(c: Candidate, axes: tuple[str, ...]) -> int:
+    d = {"pp": c.pp, "dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "tp": c.tp}
+    return math.prod(d[a] for a in axes)
+
+
+def spans_nodes(c: Candidate, axes: tuple[str, ...], per_node: int) -> bool:
+    """Does the group of rank 0 over ``axes`` reach beyond the first node? (axis order pp, dp_replicate, dp_shard,
+    tp with tp innermost: a rank's stride on an axis is the product of the inner degrees)."""
+    d = {"pp": c.pp, "dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "tp": c.tp}
+    stride, top = 1, 0
+    for a in reversed(_ORDER):
+        if a in axes:
+            top += (d[a] - 1) * stride
+        stride *= d[a]
+    return top >= per_node
+
+
+@functools.lru_cache(maxsize=4096)
+def bubble(c: Candidate) -> float:
+    if c.pp == 1:
+        return 0.0
+    return float(pipeline.simulate(build_schedule(job_config_par(c), c.microbatches)).bubble_fraction)
+
+
+@functools.lru_cache(maxsize=4096)
+def in_flight(c: Candidate) -> int:
+    if c.pp == 1:
+        return 1
+    return max(pipeline.simulate(build_schedule(job_config_par(c), c.microbatches)).peak_activations)
+
+
+def _collective_s(kind: str, nbytes: float, count: float, n: int, bw: float, alpha: float) -> float:
+    if kind == "p2p":
+        return count * alpha + nbytes / bw
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return factor * (count * alpha * (n - 1) + nbytes * (n - 1) / n / bw)
+
+
+def step_time(c: Candidate, cluster: Cluster, comm: dict, *, flops_per_token: float, tokens: int, n_blocks: int) -> Time:
+    dev = cluster.device
+    flops = flops_per_token * tokens / cluster.world * (4 / 3 if c.remat == "full" else 1.0)
+    compute = flops / (dev.peak(c.param_dtype) * dev.efficiency)
+    by_axis, exposed, gather = {}, 0.0, 0.0
+    for axes, kinds in comm.items():
+        n = axis_degree(c, axes)
+        if n <= 1:
+            continue
+        inter = spans_nodes(c, axes, cluster.per_node)
+        bw, alpha = (dev.inter_bw, dev.inter_alpha) if inter else (dev.intra_bw, dev.intra_alpha)
+        for kind, (nbytes, count) in kinds.items():
+            t = _collective_s(kind, nbytes, count, n, bw, alpha)
+            by_axis[axes] = by_axis.get(axes, 0.0) + t
+            if axes == ("dp_shard",) and kind == "all_gather":
+                gather += t
+            else:
+                exposed += t
+    b = bubble(c)
+    busy = compute / (1 - b) if b < 1 else math.inf
+    # FSDP prefetch: the next block's all-gather runs under this block's compute; the first one is exposed
+    exposed += max(gather - compute, gather / max(n_blocks + 1, 2))
+    total = busy + exposed
+    return Time(total=total, compute=compute, bubble=b, comm_exposed=exposed, by_axis=by_axis,
+                tokens_per_s=tokens / total, mfu=flops_per_token * tokens / (total * cluster.world * dev.peak(c.param_dtype)))
+
+
+class ModelDims(NamedTuple):
+    h: int
+    kv: int
+    f: int
+    vocab: int
+    block_params: int
+    top_params: int  # embedding, head, final norm
+    n_blocks: int
+
+
+def analytic_memory(c: Candidate, d: ModelDims, *, seq_len: int, batch_size: int, blocks: int,
+                    first: bool = True, last: bool = True) -> dict[str, float]:
+    """Bytes per rank by formula (module docstring); ``blocks`` on this rank."""
+    cb = _BYTES[c.param_dtype]
+    tops = (0.5 if first else 0) + (0.5 if last else 0)
+    p_rank = (blocks * d.block_params + tops * d.top_params) / (c.tp * c.dp_shard)
+    mbs = batch_size // c.dp // c.microbatches
+    tok = mbs * seq_len
+    sp = c.tp
+    per_block = {"none": cb * (6 * d.h + 4 * d.kv + 4 * d.f), "selective": cb * (4 * d.h + 2 * d.kv + 2 * d.f),
+                 "full": cb * d.h}[c.remat] * tok / sp
+    stage_blocks = blocks / max(c.stages_per_rank, 1) if c.pp > 1 else blocks
+    acts = per_block * (blocks if c.pp == 1 else stage_blocks * in_flight(c))
+    if c.remat == "full":
+        acts += cb * (6 * d.h + 4 * d.kv + 4 * d.f) * tok / sp
+    logits = tok * d.vocab / c.tp * (cb + 8) if last else 0.0
+    if c.dp_shard > 1:
+        held = 2 if (c.reshard_after_forward or c.remat != "none") else blocks
+        gathered = cb * (held * d.block_params + tops * d.top_params) / c.tp
+    else:
+        gathered = 2 * cb * d.block_params / c.tp if cb < 4 else 0.0
+    out = {"params": 4 * p_rank, "grads": 4 * p_rank, "opt_state": 8 * p_rank, "buffers": gathered,
+           "activations": acts + logits}
+    out["total"] = sum(out.values())
+    return out
+
+
+def analytic_comm(c: Candidate, d: ModelDims, *, seq_len: int, batch_size: int, blocks: int) -> dict:
+    """Collective bytes per step on each axis group by formula, in the trace's format (the screen's input)."""
+    cb, m = _BYTES[c.param_dtype], c.microbatches
+    mbs = batch_size // c.dp // m
+    p_stage = (blocks * d.block_params + d.top_params / max(c.pp, 1)) / c.tp
+    out: dict = {}
+    if c.dp_shard > 1:
+        regather = 2 if (c.reshard_after_forward or c.remat != "none") else 1
+        out[("dp_shard",)] = {"all_gather": [regather * p_stage * cb * m, regather * (blocks + 1) * m],
+                              "reduce_scatter": [4 * p_stage * m, (blocks + 1) * m]}
+    if c.dp_replicate > 1:
+        out[("dp_replicate",)] = {"all_reduce": [4 * p_stage / c.dp_shard * m, 9 * (blocks + 1) * m]}
+    if c.tp > 1:
+        act = mbs * seq_len * d.h * cb
+        per = 4 + (2 if c.remat == "full" else 0)
+        out[("tp",)] = {"all_gather": [per * act * blocks * m, per * blocks * m],
+                        "reduce_scatter": [per * act * blocks * m, per * blocks * m]}
+    if c.pp > 1:
+        act = mbs * seq_len * d.h * cb / c.tp
+        out[("pp",)] = {"p2p": [4 * act * m * c.stages_per_rank, 4 * m * c.stages_per_rank]}
+    return out

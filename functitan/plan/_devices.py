@@ -1,0 +1,145 @@
+"""The cluster a plan is for: devices (memory, peak FLOP/s, link bandwidths) and how many of them.
+
+Every number here is an assumption the planner prints beside its table. Peak FLOP/s come from the metrics
+datasheet table (``functitan.metrics.peak_flops``'s, one source); memory is what ``torch.cuda`` reports as the
+device's total; link figures are per-GPU unidirectional bandwidths of the usual HGX systems (NVLink within a
+node, one InfiniBand NIC per GPU between nodes) and ring latencies typical of NCCL. ``--calibrate`` measures
+this machine's matmul rate and gloo collectives instead (``calibrate``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..metrics._peak import _table_lookup
+
+__all__ = ["Device", "Cluster", "DEVICES", "device", "calibrate", "matmul_rate"]
+
+_GIB = float(1 << 30)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """One accelerator and its links (bytes, FLOP/s, bytes/s, seconds)."""
+
+    name: str
+    memory: float  # bytes a process may use (the device total)
+    peak_bf16: float  # dense FLOP/s in bf16
+    peak_fp32: float  # dense FLOP/s in fp32 (TF32 tensor cores on GPUs)
+    efficiency: float  # achievable fraction of peak for a transformer step's matmuls
+    intra_bw: float  # bytes/s per device within a node (NVLink; CPU: loopback)
+    intra_alpha: float  # seconds of latency per ring step within a node
+    inter_bw: float  # bytes/s per device between nodes (InfiniBand)
+    inter_alpha: float
+    reserve: float  # bytes not available to tensors (CUDA context, NCCL buffers, allocator fragmentation)
+    source: str  # where the numbers come from (printed)
+
+    def peak(self, dtype: str) -> float:
+        return self.peak_bf16 if dtype in ("bfloat16", "float16") else self.peak_fp32
+
+    @property
+    def usable(self) -> float:
+        return self.memory - self.reserve
+
+
+def _gpu(key: str, table_name: str, mem_gib: float, intra_gbs: float, inter_gbs: float) -> Device:
+    bf16 = _table_lookup(table_name, "bf16", None).value
+    tf32 = _table_lookup(table_name, "tf32", None).value
+    return Device(name=key, memory=mem_gib * _GIB, peak_bf16=bf16, peak_fp32=tf32, efficiency=0.45,
+                  intra_bw=intra_gbs * 1e9, intra_alpha=5e-6, inter_bw=inter_gbs * 1e9, inter_alpha=10e-6,
+                  reserve=6 * _GIB,
+                  source=f"{table_name} datasheet peak; {mem_gib} GiB; NVLink {intra_gbs:g} GB/s and IB "
+                         f"{inter_gbs:g} GB/s per GPU; 5/10 us latency; 45% of peak achievable; 6 GiB reserved")
+
+
+def matmul_rate(n: int = 512, budget_s: float = 0.3) -> float:
+    """Best fp32 square-matmul FLOP/s of this CPU over ``budget_s`` (best-of rides out a busy machine)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best, deadline = math.inf, time.perf_counter() + budget_s
+    while True:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() > deadline:
+            return 2 * n**3 / best
+
+
+def _cpu() -> Device:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 * (1 << 30)
+    fp32 = matmul_rate()
+    return Device(name="cpu", memory=float(total), peak_bf16=fp32 / 8, peak_fp32=fp32, efficiency=0.6,
+                  intra_bw=1e9, intra_alpha=100e-6, inter_bw=0.1e9, inter_alpha=500e-6, reserve=0.0,
+                  source="this machine: host memory; fp32 matmul rate measured (bf16 = fp32 / 8 without AMX); "
+                         "gloo loopback 1 GB/s, 100 us per ring step (--calibrate measures them); 60% achievable")
+
+
+# name -> factory (the CPU entry measures the matmul rate, so it is built on demand)
+DEVICES = {
+    "h100": lambda: _gpu("h100", "H100", 79.6, 450.0, 50.0),
+    "h200": lambda: _gpu("h200", "H200", 139.8, 450.0, 50.0),
+    "a100": lambda: _gpu("a100", "A100", 79.2, 300.0, 25.0),
+    "cpu": _cpu,
+}
+
+
+def device(name: str) -> Device:
+    """The device table's entry ``name`` (ValueError naming the known ones)."""
+    key = name.lower()
+    if key not in DEVICES:
+        raise ValueError(f"--device={name!r} is not in the device table; choose one of {sorted(DEVICES)}")
+    return DEVICES[key]()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """``nodes`` x ``per_node`` devices; a mesh axis whose group spans nodes runs at the inter-node figures."""
+
+    device: Device
+    nodes: int
+    per_node: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+
+def _gloo_allreduce(sizes: tuple[int, ...], reps: int) -> list[float]:
+    import torch.distributed as dist
+
+    out = []
+    for n in sizes:
+        x = torch.zeros(n // 4)
+        dist.all_reduce(x)
+        best = math.inf
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            best = min(best, time.perf_counter() - t0)
+        out.append(best)
+    return out
+
+
+def calibrate(dev: Device, *, processes: int = 2) -> Device:
+    """``dev`` with this machine's numbers: fp32/bf16 matmul FLOP/s (efficiency 1: the measured rate is the
+    achievable one) and the alpha-beta fit of a gloo all-reduce between ``processes`` local processes."""
+    from ..testing import run_distributed
+
+    fp32 = matmul_rate(1024, 1.0)
+    sizes = (4 << 10, 4 << 20)
+    t_small, t_big = run_distributed(_gloo_allreduce, processes, sizes, 5, timeout=120)[0]
+    ring = 2 * (processes - 1)  # ring steps of an all-reduce
+    alpha = t_small / ring
+    bw = max(2 * (processes - 1) / processes * (sizes[1] - sizes[0]) / max(t_big - t_small, 1e-9), 1e6)
+    return replace(dev, peak_fp32=fp32, peak_bf16=dev.peak_bf16 if dev.name != "cpu" else fp32 / 8, efficiency=1.0,
+                   intra_bw=bw, intra_alpha=alpha, inter_bw=min(bw, dev.inter_bw) if dev.name != "cpu" else bw,
+                   inter_alpha=alpha, source=f"calibrated here: fp32 matmul {fp32 / 1e9:.1f} GFLOP/s; gloo all-reduce "
+                   f"{bw / 1e9:.2f} GB/s, {alpha * 1e6:.0f} us per ring step ({processes} processes)")

@@ -1,0 +1,147 @@
+"""Per-rank memory and collective bytes of a candidate: traced at 1 and 2 blocks per stage, extrapolated.
+
+Memory and communication are affine in the number of blocks a rank holds (each block adds the same params,
+states, saved activations and collectives), so the step is traced twice, with one and with two blocks per
+pipeline stage, and extended to the real count: ``v(k) = v(1) + (k - 1) * (v(2) - v(1))``. Ranks that are
+alike are traced once: without pipelining every rank runs the same program on equal shapes (rank 0 holds the
+largest shard where a split is uneven: DTensor splits like ``torch.chunk``); with pipelining the first and
+the last pipeline rank are traced (embedding and most microbatches in flight; head and loss), the middle
+ranks hold no more blocks or in-flight microbatches than the first. A gradient-accumulation step is traced
+with two microbatches (the peak is reached by the second; collectives scale with the count). A pipeline rank
+is traced with one and two microbatches and extended to the number its schedule keeps in flight (the
+schedule simulator's ``peak_activations``): four small traces per rank instead of a full schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from .. import pipeline
+from ..job_config import build_schedule
+from ..sharding import Layout
+from ._candidates import Candidate, job_config
+from ._trace import trace_rank
+
+__all__ = ["Prediction", "predict", "ModelShape", "model_shape"]
+
+
+class ModelShape(NamedTuple):
+    """What the planner reads off a model: its block count, the config field that sets it, block costs."""
+
+    n_blocks: int  # 0: the model declares no pipeline stages (traced whole)
+    field: str | None  # the config field whose value is the block count
+    stage_model: Any  # the StageModel (costs, keys) or None
+
+
+def model_shape(model: Any, model_cfg: Any, seq_len: int) -> ModelShape:
+    """Find the block count and the config field that sets it (the one field that, set to 1, leaves one block)."""
+    if model.stages is None:
+        return ModelShape(0, None, None)
+    sm = model.stages(model_cfg, Layout(), seq_len=seq_len, dtype=torch.float32)
+    for f in dataclasses.fields(model_cfg):
+        value = getattr(model_cfg, f.name)
+        if f.init and isinstance(value, int) and not isinstance(value, bool) and value == sm.n_blocks:
+            try:
+                blocks = model.params(dataclasses.replace(model_cfg, **{f.name: 1}))[sm.blocks_key]
+            except (ValueError, TypeError, KeyError):
+                continue
+            if len(blocks) == 1:
+                return ModelShape(sm.n_blocks, f.name, sm)
+    return ModelShape(sm.n_blocks, None, sm)
+
+
+class Prediction(NamedTuple):
+    """One candidate's worst rank (bytes) and its collectives per step (see ``_trace.RankTrace.comm``)."""
+
+    peak: float
+    params: float
+    opt_state: float
+    grads: float
+    rank: int  # the global rank whose peak this is
+    comm: dict
+    blocks: int  # blocks on that rank
+
+
+def _lerp(a: float, b: float, k: float) -> float:
+    return a + (k - 1) * (b - a)
+
+
+def _lerp_comm(c1: dict, c2: dict, k: float, scale: float) -> dict:
+    out: dict = {}
+    for axes in set(c1) | set(c2):
+        for kind in set(c1.get(axes, {})) | set(c2.get(axes, {})):
+            b1, n1 = c1.get(axes, {}).get(kind, [0, 0])
+            b2, n2 = c2.get(axes, {}).get(kind, [0, 0])
+            out.setdefault(axes, {})[kind] = [max(_lerp(b1, b2, k), 0.0) * scale, max(_lerp(n1, n2, k), 0.0) * scale]
+    return out
+
+
+def rank_blocks(shape: ModelShape, cand: Candidate, microbatches: int) -> dict[int, int]:
+    """pp rank -> blocks it holds in the real model (the trainer's balance of the model's block costs)."""
+    if cand.pp == 1:
+        return {0: shape.n_blocks}
+    par = dataclasses.replace(job_config_par(cand))
+    sched = build_schedule(par, microbatches)
+    sm = shape.stage_model
+    layers = pipeline.balance(sm.block_cost, sm.n_blocks, sched.num_stages, first_cost=sm.first_cost, last_cost=sm.last_cost)
+    return {r: sum(len(layers[s]) for s in sched.stages_of(r)) for r in range(cand.pp)}
+
+
+def job_config_par(cand: Candidate):
+    from ..job_config import ParallelismConfig
+
+    return ParallelismConfig(dp_replicate=cand.dp_replicate, dp_shard=cand.dp_shard, tp=cand.tp, pp=cand.pp,
+                             pipeline_schedule=cand.schedule, stages_per_rank=cand.stages_per_rank)
+
+
+def predict(base_cfg: Any, model: Any, model_cfg: Any, shape: ModelShape, cand: Candidate, *, batch_size: int,
+            seq_len: int) -> Prediction:
+    """Trace ``cand`` (one or two ranks, two block counts) and extrapolate to the model's real size."""
+    world, m = cand.world, cand.microbatches
+    if shape.field is None:  # no block structure known: trace the whole model
+        cfg = job_config(base_cfg, cand, batch_size=batch_size, seq_len=seq_len)
+        t = trace_rank(cfg, model, model_cfg, world=world, rank=0)
+        return Prediction(t.peak, t.params, t.opt_state, t.grads, 0, t.comm, shape.n_blocks)
+    real = rank_blocks(shape, cand, m)
+    if cand.pp == 1:
+        m_traced = min(m, 2)
+        traced = dataclasses.replace(cand, microbatches=m_traced)
+        cfg = job_config(base_cfg, traced, batch_size=batch_size // m * m_traced, seq_len=seq_len)
+        t1, t2 = (trace_rank(cfg, model, dataclasses.replace(model_cfg, **{shape.field: n}), world=world, rank=0)
+                  for n in (1, 2))
+        return _combine(t1, t2, real[0], 0, m / m_traced)
+    stages = cand.pp * cand.stages_per_rank
+    real_inflight = pipeline.simulate(build_schedule(job_config_par(cand), m)).peak_activations
+    worst = None
+    for pp_rank in sorted({0, cand.pp - 1}):
+        rank = pp_rank * (world // cand.pp)
+        grid = {}  # (blocks per stage, microbatches) -> trace
+        for mt in (1, 2):
+            cfg = job_config(base_cfg, dataclasses.replace(cand, microbatches=mt), batch_size=batch_size // m * mt,
+                             seq_len=seq_len)
+            for per_stage in (1, 2):
+                layers = tuple(range(s * per_stage, (s + 1) * per_stage) for s in range(stages))
+                mcfg = dataclasses.replace(model_cfg, **{shape.field: stages * per_stage})
+                grid[per_stage, mt] = trace_rank(cfg, model, mcfg, world=world, rank=rank, stage_layers=layers)
+        # in-flight microbatches on this rank with 1 and 2 microbatches, and in the real schedule
+        i1, i2 = (pipeline.simulate(build_schedule(job_config_par(cand), mt)).peak_activations[pp_rank] for mt in (1, 2))
+        u = (real_inflight[pp_rank] - i1) / (i2 - i1) if i2 != i1 else 0.0  # 0 at one microbatch, 1 at two
+        k = real[pp_rank] / cand.stages_per_rank  # blocks per stage on this rank, on average
+        p1, p2 = _combine(grid[1, 1], grid[2, 1], k, rank, 1.0), _combine(grid[1, 2], grid[2, 2], k, rank, 1.0)
+        peak = p1.peak + u * (p2.peak - p1.peak)
+        comm = _lerp_comm(p1.comm, p2.comm, m, 1.0)  # collectives grow by microbatch, in flight or not
+        p = p2._replace(peak=peak, comm=comm, blocks=real[pp_rank])
+        if worst is None or p.peak > worst.peak:
+            worst = p
+    return worst
+
+
+def _combine(t1, t2, k: float, rank: int, comm_scale: float, blocks: int | None = None) -> Prediction:
+    return Prediction(
+        peak=_lerp(t1.peak, t2.peak, k), params=_lerp(t1.params, t2.params, k),
+        opt_state=_lerp(t1.opt_state, t2.opt_state, k), grads=_lerp(t1.grads, t2.grads, k), rank=rank,
+        comm=_lerp_comm(t1.comm, t2.comm, k, comm_scale), blocks=int(round(k)) if blocks is None else blocks)

@@ -1,0 +1,213 @@
+"""Trace one real train step of one rank without memory or devices: per-rank peak memory and collective bytes.
+
+The step is the trainer's own (``train.make_layout``, ``train.place_model``, ``train.make_step``) run under
+``FakeTensorMode`` with torch's fake process group at the target world size, in this one CPU process: tensors
+carry shapes and dtypes but no storage, collectives return at once, and torch's ``MemTracker`` sums the
+storages alive at each instant exactly as it does in a real run. Two dispatch modes ride along: one answers
+the step's host reads (``loss.item()``: a fake tensor has no value; every read gives 1.0, a finite loss), one
+counts the bytes of every c10d collective by the mesh axes its group spans.
+
+Gotchas (measured, torch 2.13): the mesh is built outside FakeTensorMode (its construction reads values); a
+first step runs before the measured one (lazy state is created on it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import warnings
+from collections import defaultdict
+from typing import Any, NamedTuple
+
+import optree
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..mesh import AXES, make_mesh
+from ..model import Param
+from ..train import local_batch, make_layout, make_step, place_model
+from ..train_state import TrainState
+
+__all__ = ["RankTrace", "trace_rank", "fake_world", "build_step", "step_peak", "COMM_KINDS"]
+
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "p2p")
+
+_C10D_KIND = {
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter", "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce", "send": "p2p", "recv_": "p2p", "broadcast_": "all_reduce",
+}
+
+
+class RankTrace(NamedTuple):
+    """One rank's traced step (bytes).
+
+    ``comm``: {axes: {kind: [bytes, count]}}; ``axes`` is the tuple of mesh axes the collective's group spans
+    (``("dp_shard",)``, ``("pp", "dp_replicate", "dp_shard", "tp")`` for the world); bytes are the full
+    collective's payload (the gathered output, the reduce-scatter input, the all-reduced tensor, the sent one).
+    """
+
+    peak: int
+    params: int
+    opt_state: int
+    grads: int
+    comm: dict
+
+
+def _nbytes(tree: Any) -> int:
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for x in optree.tree_leaves(tree, none_is_leaf=False):
+        if isinstance(x, DTensor):
+            x = x._local_tensor
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+    return total
+
+
+class _HostReads(TorchDispatchMode):
+    """Fake tensors hold no values: every host read (``item``, ``tolist``) answers 1 (finite, so the step
+    takes its normal path)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return 1.0 if args[0].is_floating_point() else 1
+        return func(*args, **(kwargs or {}))
+
+
+class _CommCounter(TorchDispatchMode):
+    """Counts c10d collectives by the mesh axes their group spans."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        self.comm: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+        self._shape = tuple(mesh.mesh.shape)
+        self._names = tuple(mesh.mesh_dim_names)
+        self._axes: dict[str, tuple[str, ...]] = {}
+
+    def _axes_of(self, pg) -> tuple[str, ...]:
+        name = pg.group_name
+        if name not in self._axes:
+            ranks = dist.get_process_group_ranks(pg)
+            coords = [self._unravel(r) for r in (ranks[0], *ranks[1:2], ranks[-1])] if len(ranks) > 1 else []
+            # a group is a sub-grid: its axes are those along which its ranks' coordinates vary
+            varying = set()
+            for r in ranks[: min(len(ranks), 4096)]:
+                c = self._unravel(r)
+                varying |= {a for a, x, y in zip(self._names, c, coords[0]) if x != y}
+            self._axes[name] = tuple(a for a in self._names if a in varying)
+        return self._axes[name]
+
+    def _unravel(self, r: int) -> tuple[int, ...]:
+        out = []
+        for d in reversed(self._shape):
+            out.append(r % d)
+            r //= d
+        return tuple(reversed(out))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns, name = func.namespace, func.__name__.split(".")[0]
+        if ns in ("c10d", "_c10d_functional") and name in _C10D_KIND:
+            kind = _C10D_KIND[name]
+            tensors = [a for a in optree.tree_leaves(list(args)) if isinstance(a, torch.Tensor)]
+            pg = next((a for a in args if type(a).__name__ == "ScriptObject"), None)
+            group = dist.ProcessGroup.unbox(pg) if pg is not None else None
+            if group is None:
+                gname = next((a for a in args if isinstance(a, str)), None)
+                group = dist.distributed_c10d._resolve_process_group(gname) if gname else None
+            if group is not None and tensors:
+                payload = {"all_gather": tensors[0], "reduce_scatter": tensors[-1] if name == "reduce_scatter_tensor" else
+                           (tensors[1] if len(tensors) > 1 else tensors[0])}.get(kind)
+                nbytes = (payload.numel() * payload.element_size() if payload is not None
+                          else sum(t.numel() * t.element_size() for t in tensors))
+                rec = self.comm[self._axes_of(group)][kind]
+                rec[0] += nbytes
+                rec[1] += 1
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int):
+    """A fake process group of ``world_size`` ranks in which this process is ``rank`` (no communication)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the planner traces with its own fake process group; call it outside torch.distributed "
+                           "(this process already has a process group)")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _full_params(decl: Any, fake: bool, seed: int) -> Any:
+    if fake:  # shapes only: no values, no memory
+        return optree.tree_map(lambda p: torch.empty(p.shape), decl, is_leaf=lambda x: isinstance(x, Param))
+    from ..model import init
+    from ..random import fold_in, key
+
+    return init(decl, fold_in(key(seed), "params"))
+
+
+def build_step(cfg, model, model_cfg, mesh, *, fake: bool, stage_layers=None):
+    """``(state, train_step, batch)`` of this rank, built by the trainer's own functions.
+
+    """
+    layout, rules = make_layout(cfg, mesh)
+    rows, microbatches = local_batch(cfg, layout.dp_size)
+    params, grad_fn, norm_across, _ = place_model(cfg, model, model_cfg,
+                                                  _full_params(model.params(model_cfg), fake, cfg.training.seed),
+                                                  mesh, layout, rules, microbatches=microbatches, stage_layers=stage_layers)
+    optimizer, train_step = make_step(cfg, model, model_cfg, grad_fn, norm_across)
+    state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=None, rng=0)
+    g = torch.Generator().manual_seed(cfg.training.seed)
+    tokens = torch.randint(0, model_cfg.vocab_size, (rows, cfg.training.seq_len + 1), generator=g) if not fake else \
+        torch.zeros(rows, cfg.training.seq_len + 1, dtype=torch.long)
+    return state, train_step, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def step_peak(state, train_step, batch, *modes) -> tuple[int, Any]:
+    """``(MemTracker peak bytes of one step, the new state)``; a first step runs untracked (warm-up)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with contextlib.ExitStack() as stack:
+        for m in modes[:1]:  # host reads answer on the warm-up step too
+            stack.enter_context(m)
+        train_step(state, batch)
+    mt = MemTracker()
+    mt.track_external(*[x for x in optree.tree_leaves((state.params, state.opt_state)) if isinstance(x, torch.Tensor)])
+    with contextlib.ExitStack() as stack:
+        for m in modes:
+            stack.enter_context(m)
+        stack.enter_context(mt)
+        new_state, _ = train_step(state, batch)
+    snap = mt.get_tracker_snapshot("peak")
+    return max(v["Total"] for v in snap.values()), new_state
+
+
+def trace_rank(cfg, model, model_cfg, *, world: int, rank: int, stage_layers=None) -> RankTrace:
+    """Trace rank ``rank`` of ``world`` running ``cfg``'s step under FakeTensorMode (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    par = cfg.parallelism
+    with fake_world(world, rank), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        mesh = make_mesh(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, device="cpu")
+        counter = _CommCounter(mesh)
+        with FakeTensorMode():
+            state, train_step, batch = build_step(cfg, model, model_cfg, mesh, fake=True, stage_layers=stage_layers)
+            peak, _ = step_peak(state, train_step, batch, _HostReads(), counter)
+            params, opt = _nbytes(state.params), _nbytes(state.opt_state)
+    comm = {axes: {k: list(v) for k, v in kinds.items()} for axes, kinds in counter.comm.items()}
+    return RankTrace(peak=peak, params=params, opt_state=opt, grads=params_grad_bytes(state.params), comm=comm)
+
+
+def params_grad_bytes(params: Any) -> int:
+    """Gradients mirror the params' local shards and dtype (``value_and_grad`` keeps placements)."""
+    return _nbytes(params)

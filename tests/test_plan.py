@@ -1,0 +1,109 @@
+"""functitan.plan: traced per-rank peaks against real gloo runs, the CLI as typed, its bad-input errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from functitan.config import parse_config
+from functitan.job_config import JobConfig, ModelConfig
+from functitan.plan import Candidate, job_config, model_shape, predict
+from functitan.plan._cli import main as plan_main
+from functitan.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128}
+SEQ, BATCH = 32, 8
+
+# FSDP, HSDP, TP+SP, PP (1F1B, ZB-V, ZB-H1), remat none/selective/full, bf16 params, accumulation, no reshard
+LAYOUTS = [
+    Candidate(dp_shard=4, remat="none", param_dtype="float32"),
+    Candidate(dp_shard=4, remat="selective", param_dtype="bfloat16", microbatches=2),
+    Candidate(dp_replicate=2, dp_shard=2, remat="full", param_dtype="float32"),
+    Candidate(dp_shard=2, tp=2, remat="none", param_dtype="bfloat16"),
+    Candidate(tp=4, remat="selective", param_dtype="float32", microbatches=2),
+    Candidate(dp_shard=2, pp=2, schedule="1f1b", microbatches=2, remat="none", param_dtype="float32"),
+    Candidate(dp_shard=2, pp=2, schedule="zb_v", stages_per_rank=2, microbatches=4, remat="full", param_dtype="float32"),
+    Candidate(dp_shard=4, reshard_after_forward=False, microbatches=2, param_dtype="bfloat16"),
+    Candidate(tp=2, pp=2, schedule="zb_h1", microbatches=2, remat="none", param_dtype="float32"),
+]
+
+
+def _base() -> JobConfig:
+    return JobConfig(model=ModelConfig(name="llama", flavor="debug", overrides=TINY))
+
+
+def _model():
+    from functitan.model import load_model
+
+    model = load_model("llama")
+    return model, model.config("debug", **TINY)
+
+
+def _measured_peaks(layouts):
+    """On each gloo rank: MemTracker's peak of one real train step per layout (the trainer's functions)."""
+    import torch.distributed as dist
+
+    from functitan.mesh import make_mesh
+    from functitan.plan import build_step, step_peak
+
+    model, mcfg = _model()
+    out = []
+    for c in layouts:
+        cfg = job_config(_base(), c, batch_size=BATCH, seq_len=SEQ)
+        mesh = make_mesh(dp_replicate=c.dp_replicate, dp_shard=c.dp_shard, tp=c.tp, pp=c.pp, device="cpu")
+        state, step, batch = build_step(cfg, model, mcfg, mesh, fake=False)
+        out.append(step_peak(state, step, batch)[0])
+        dist.barrier()
+    return out
+
+
+def test_predicted_peak_matches_real_runs():
+    model, mcfg = _model()
+    shape = model_shape(model, mcfg, SEQ)
+    predicted = [predict(_base(), model, mcfg, shape, c, batch_size=BATCH, seq_len=SEQ).peak for c in LAYOUTS]
+    per_rank = run_distributed(_measured_peaks, 4, LAYOUTS, timeout=900)
+    measured = [max(r[i] for r in per_rank) for i in range(len(LAYOUTS))]
+    rows = [(c.label(), p, m, abs(p - m) / m) for c, p, m in zip(LAYOUTS, predicted, measured)]
+    for label, p, m, err in rows:
+        print(f"{label:<44} predicted {p:>10.0f} measured {m:>10.0f} error {100 * err:.2f}%")
+    assert all(err <= 0.05 for *_, err in rows), rows
+
+
+def test_plan_help():
+    r = subprocess.run([sys.executable, "-m", "functitan.cli", "plan", "--help"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0
+    assert "--global-batch-tokens" in r.stdout and "--calibrate" in r.stdout and "--measure" in r.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "tpu9"], "--device='tpu9' is not in the device table; choose one of ['a100', 'cpu', 'h100', 'h200']"),
+    (["--model.name", "nosuchmodel"], "model.name='nosuchmodel' is not an installed model"),
+    (["--model.flavor", "llama3_405b", "--device", "a100", "--nodes", "1", "--gpus-per-node", "1",
+      "--global-batch-tokens", "8192", "--seq-len", "8192", "--top", "1"], "no layout fits in 79.2 GiB per device (a100); the smallest needs"),
+    (["--gpus-per-node", "7", "--global-batch-tokens", "2048", "--seq-len", "256"],
+     "no layout uses all 7 devices (1 x 7)"),
+])
+def test_plan_bad_input(argv, message, capsys):
+    assert plan_main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_plan_writes_a_config_the_trainer_runs(tmp_path):
+    out = tmp_path / "plan.toml"
+    assert plan_main(["--device", "cpu", "--gpus-per-node", "1", "--global-batch-tokens", "512", "--seq-len", "64",
+                      "--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.ffn_dim=128",
+                      "--top", "1", "--out", str(out)]) == 0
+    cfg = parse_config(JobConfig, ["--config", str(out)])
+    assert cfg.model.overrides["n_layers"] == 2 and cfg.training.batch_size == 8 and cfg.training.seq_len == 64
+    r = subprocess.run([sys.executable, "-m", "functitan.train", "--config", str(out), "--training.steps=2",
+                        f"--metrics.run_dir={tmp_path}"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "2 steps" in r.stdout
