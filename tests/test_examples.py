@@ -19,3 +19,11 @@ def test_ensemble_example():
                          cwd=ROOT, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ensemble losses:" in out.stdout and "per-example gradient norms:" in out.stdout
+
+
+def test_plan_then_train_example():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "plan_then_train.py")], capture_output=True, text=True,
+                         cwd=ROOT, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "recommended:" in out.stdout and "[parallelism]" in out.stdout
+    assert "20 steps, first loss" in out.stdout

@@ -16,7 +16,7 @@ from functitan.plan._cli import main as plan_main
 from functitan.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {"dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128}
+TINY = {"dim": 64, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 128}
 SEQ, BATCH = 32, 8
 
 # FSDP, HSDP, TP+SP, PP (1F1B, ZB-V, ZB-H1), remat none/selective/full, bf16 params, accumulation, no reshard

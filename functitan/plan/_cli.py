@@ -7,6 +7,8 @@ import dataclasses
 import sys
 from typing import Sequence
 
+import torch
+
 from ._devices import DEVICES, Cluster, calibrate, device
 from ._plan import PlanError, plan
 from ._report import render_png, table, write_toml
@@ -58,12 +60,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.nodes < 1 or args.gpus_per_node < 1:
             raise PlanError(f"--nodes={args.nodes} --gpus-per-node={args.gpus_per_node}: both must be >= 1")
         if args.calibrate:
-            dev = calibrate(dev)
+            dev = calibrate(dev, processes=max(2, min(args.nodes * args.gpus_per_node, 8)))
         cluster = Cluster(device=dev, nodes=args.nodes, per_node=args.gpus_per_node)
         seq = args.seq_len or (256 if dev.name == "cpu" else 8192)
         tokens = args.global_batch_tokens or 8 * seq * cluster.world
-        result = plan(model_name=args.model_name, flavor=args.flavor, overrides=overrides, cluster=cluster,
-                      global_batch_tokens=tokens, seq_len=seq, top=args.top)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tracing is single-threaded Python: one core
+        try:
+            result = plan(model_name=args.model_name, flavor=args.flavor, overrides=overrides, cluster=cluster,
+                          global_batch_tokens=tokens, seq_len=seq, top=args.top)
+        finally:
+            torch.set_num_threads(threads)
     except ValueError as e:
         print(f"functitan plan: {e}", file=sys.stderr)
         return 2
@@ -81,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("re-ranked by measured step time on this machine:")
         for r in result.rows[:len(measured)]:
             print(f"  {r.cand.label():<44} predicted {r.time.total:.4g} s, measured {measured[r.cand.label()]:.4g} s")
-    print(f"planned in {result.seconds:.1f} s")
+    print(f"planned in {result.seconds:.1f} s ({result.cpu_seconds:.1f} s CPU)")
     if args.out:
         write_toml(result.cfg, args.out)
         print(f"wrote {args.out}: functitan train --config {args.out}" +

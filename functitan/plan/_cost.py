@@ -33,7 +33,7 @@ from ._candidates import Candidate
 from ._devices import Cluster
 from ._predict import job_config_par
 
-__all__ = ["Time", "step_time", "analytic_memory", "analytic_comm", "axis_degree", "spans_nodes"]
+__all__ = ["pipe_stats", "Time", "step_time", "analytic_memory", "analytic_comm", "axis_degree", "spans_nodes"]
 
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -66,18 +66,30 @@ def spans_nodes(c: Candidate, axes: tuple[str, ...], per_node: int) -> bool:
     return top >= per_node
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=None)
+def pipe_stats(pp: int, schedule: str, v: int, m: int) -> tuple[float, tuple[int, ...]]:
+    """``(bubble fraction, microbatches in flight per rank)`` of a schedule, from functitan's simulator with
+    equal F, B and W costs. Past ``2 * stages`` microbatches a schedule is in steady state (its warm-up and
+    cool-down idle time no longer grows), so it is simulated there and the busy time scaled to ``m``."""
+    from ..job_config import ParallelismConfig
+
+    if pp == 1:
+        return 0.0, (1,)
+    par = ParallelismConfig(pp=pp, pipeline_schedule=schedule, stages_per_rank=v)
+    steady = 2 * pp * v
+    sim = pipeline.simulate(build_schedule(par, min(m, steady)))
+    if m <= steady:
+        return float(sim.bubble_fraction), sim.peak_activations
+    idle, busy = sum(sim.idle), sum(sim.busy) * m / steady
+    return float(idle / (idle + busy)), sim.peak_activations
+
+
 def bubble(c: Candidate) -> float:
-    if c.pp == 1:
-        return 0.0
-    return float(pipeline.simulate(build_schedule(job_config_par(c), c.microbatches)).bubble_fraction)
+    return pipe_stats(c.pp, c.schedule, c.stages_per_rank, c.microbatches)[0]
 
 
-@functools.lru_cache(maxsize=4096)
 def in_flight(c: Candidate) -> int:
-    if c.pp == 1:
-        return 1
-    return max(pipeline.simulate(build_schedule(job_config_par(c), c.microbatches)).peak_activations)
+    return max(pipe_stats(c.pp, c.schedule, c.stages_per_rank, c.microbatches)[1])
 
 
 def _collective_s(kind: str, nbytes: float, count: float, n: int, bw: float, alpha: float) -> float:

@@ -43,7 +43,8 @@ class Plan(NamedTuple):
     over_memory: int  # dropped by the formula screen
     cfg: JobConfig  # the recommended config (rows[0])
     assumptions: list
-    seconds: float
+    seconds: float  # wall time of planning
+    cpu_seconds: float  # CPU time of this process (the planner is single-threaded; wall time on a busy machine is not)
 
 
 def model_dims(model: Any, model_cfg: Any, shape: ModelShape) -> ModelDims:
@@ -63,18 +64,21 @@ def model_dims(model: Any, model_cfg: Any, shape: ModelShape) -> ModelDims:
 
 
 @functools.lru_cache(maxsize=None)
-def _balance(sm_key, n_stages: int, block_cost, n_blocks: int, first: float, last: float):
-    return pipeline.balance(block_cost, n_blocks, n_stages, first_cost=first, last_cost=last)
+def _rank_blocks(stage_model: Any, pp: int, schedule: str, v: int) -> tuple[int, ...]:
+    """Blocks per pipeline rank: the trainer's balance of the model's block costs over the schedule's stages."""
+    from ..job_config import ParallelismConfig
+
+    sched = build_schedule(ParallelismConfig(pp=pp, pipeline_schedule=schedule, stages_per_rank=v), pp * v)
+    sm = stage_model
+    layers = pipeline.balance(sm.block_cost, sm.n_blocks, sched.num_stages, first_cost=sm.first_cost,
+                              last_cost=sm.last_cost)
+    return tuple(sum(len(layers[s]) for s in sched.stages_of(r)) for r in range(pp))
 
 
 def worst_blocks(shape: ModelShape, c: Candidate) -> int:
     if c.pp == 1:
         return shape.n_blocks
-    sm = shape.stage_model
-    sched = build_schedule(job_config_par(c), max(c.microbatches, 1))
-    cost = sm.block_cost if isinstance(sm.block_cost, (int, float)) else tuple(sm.block_cost)
-    layers = _balance(id(sm), sched.num_stages, cost, sm.n_blocks, sm.first_cost, sm.last_cost)
-    return max(sum(len(layers[s]) for s in sched.stages_of(r)) for r in range(c.pp))
+    return max(_rank_blocks(shape.stage_model, c.pp, c.schedule, c.stages_per_rank))
 
 
 def load(name: str | None, flavor: str | None, overrides: dict) -> tuple[str, Any, Any]:
@@ -89,7 +93,7 @@ def load(name: str | None, flavor: str | None, overrides: dict) -> tuple[str, An
 def plan(*, model_name: str | None, flavor: str | None, overrides: dict, cluster: Cluster, global_batch_tokens: int,
          seq_len: int, top: int = 4, base: JobConfig | None = None, param_dtypes: tuple[str, ...] | None = None,
          log=print) -> Plan:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     name, model, model_cfg = load(model_name, flavor, overrides)
     if global_batch_tokens % seq_len or global_batch_tokens < seq_len:
         raise PlanError(f"--global-batch-tokens={global_batch_tokens} is not a multiple of --seq-len={seq_len}; use "
@@ -142,7 +146,8 @@ def plan(*, model_name: str | None, flavor: str | None, overrides: dict, cluster
                    "remat=full recomputes the forward (4/3 of the FLOPs); selective recomputes elementwise ops (no FLOPs)",
                    "middle pipeline ranks hold no more than the first (only the first and last are traced)"]
     return Plan(rows=rows, pruned=pruned, screened=len(cands), over_memory=len(screen) - len(fitting), cfg=cfg,
-                assumptions=assumptions, seconds=time.perf_counter() - t0)
+                assumptions=assumptions, seconds=time.perf_counter() - t0,
+                cpu_seconds=time.process_time() - c0)
 
 
 def _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks, log) -> Row | None:

@@ -84,11 +84,9 @@ def rank_blocks(shape: ModelShape, cand: Candidate, microbatches: int) -> dict[i
     """pp rank -> blocks it holds in the real model (the trainer's balance of the model's block costs)."""
     if cand.pp == 1:
         return {0: shape.n_blocks}
-    par = dataclasses.replace(job_config_par(cand))
-    sched = build_schedule(par, microbatches)
-    sm = shape.stage_model
-    layers = pipeline.balance(sm.block_cost, sm.n_blocks, sched.num_stages, first_cost=sm.first_cost, last_cost=sm.last_cost)
-    return {r: sum(len(layers[s]) for s in sched.stages_of(r)) for r in range(cand.pp)}
+    from ._plan import _rank_blocks
+
+    return dict(enumerate(_rank_blocks(shape.stage_model, cand.pp, cand.schedule, cand.stages_per_rank)))
 
 
 def job_config_par(cand: Candidate):
@@ -115,7 +113,9 @@ def predict(base_cfg: Any, model: Any, model_cfg: Any, shape: ModelShape, cand: 
                   for n in (1, 2))
         return _combine(t1, t2, real[0], 0, m / m_traced)
     stages = cand.pp * cand.stages_per_rank
-    real_inflight = pipeline.simulate(build_schedule(job_config_par(cand), m)).peak_activations
+    from ._cost import pipe_stats
+
+    real_inflight = pipe_stats(cand.pp, cand.schedule, cand.stages_per_rank, m)[1]
     worst = None
     for pp_rank in sorted({0, cand.pp - 1}):
         rank = pp_rank * (world // cand.pp)
@@ -128,7 +128,7 @@ def predict(base_cfg: Any, model: Any, model_cfg: Any, shape: ModelShape, cand: 
                 mcfg = dataclasses.replace(model_cfg, **{shape.field: stages * per_stage})
                 grid[per_stage, mt] = trace_rank(cfg, model, mcfg, world=world, rank=rank, stage_layers=layers)
         # in-flight microbatches on this rank with 1 and 2 microbatches, and in the real schedule
-        i1, i2 = (pipeline.simulate(build_schedule(job_config_par(cand), mt)).peak_activations[pp_rank] for mt in (1, 2))
+        i1, i2 = (pipe_stats(cand.pp, cand.schedule, cand.stages_per_rank, mt)[1][pp_rank] for mt in (1, 2))
         u = (real_inflight[pp_rank] - i1) / (i2 - i1) if i2 != i1 else 0.0  # 0 at one microbatch, 1 at two
         k = real[pp_rank] / cand.stages_per_rank  # blocks per stage on this rank, on average
         p1, p2 = _combine(grid[1, 1], grid[2, 1], k, rank, 1.0), _combine(grid[1, 2], grid[2, 2], k, rank, 1.0)
@@ -141,7 +141,10 @@ def predict(base_cfg: Any, model: Any, model_cfg: Any, shape: ModelShape, cand: 
 
 
 def _combine(t1, t2, k: float, rank: int, comm_scale: float, blocks: int | None = None) -> Prediction:
+    # the peak is the max over program points of affine functions of k; the after-forward point is one of
+    # them, so it bounds the extrapolated peak from below when the peak's location moves with k
+    peak = max(_lerp(t1.peak, t2.peak, k), _lerp(t1.after_forward, t2.after_forward, k))
     return Prediction(
-        peak=_lerp(t1.peak, t2.peak, k), params=_lerp(t1.params, t2.params, k),
+        peak=peak, params=_lerp(t1.params, t2.params, k),
         opt_state=_lerp(t1.opt_state, t2.opt_state, k), grads=_lerp(t1.grads, t2.grads, k), rank=rank,
         comm=_lerp_comm(t1.comm, t2.comm, k, comm_scale), blocks=int(round(k)) if blocks is None else blocks)

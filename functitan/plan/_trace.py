@@ -55,6 +55,8 @@ class RankTrace(NamedTuple):
     opt_state: int
     grads: int
     comm: dict
+    after_forward: int = 0  # live bytes once a microbatch's forward has run (all its saved activations): a
+    #                         lower bound of the peak at a fixed program point (0 with pipelining: not traced)
 
 
 def _nbytes(tree: Any) -> int:
@@ -204,8 +206,29 @@ def trace_rank(cfg, model, model_cfg, *, world: int, rank: int, stage_layers=Non
             state, train_step, batch = build_step(cfg, model, model_cfg, mesh, fake=True, stage_layers=stage_layers)
             peak, _ = step_peak(state, train_step, batch, _HostReads(), counter)
             params, opt = _nbytes(state.params), _nbytes(state.opt_state)
+            after = _after_forward(cfg, model, model_cfg, mesh, state, batch) if par.pp == 1 else 0
     comm = {axes: {k: list(v) for k, v in kinds.items()} for axes, kinds in counter.comm.items()}
-    return RankTrace(peak=peak, params=params, opt_state=opt, grads=params_grad_bytes(state.params), comm=comm)
+    return RankTrace(peak=peak, params=params, opt_state=opt, grads=params_grad_bytes(state.params), comm=comm,
+                     after_forward=after)
+
+
+def _after_forward(cfg, model, model_cfg, mesh, state, batch) -> int:
+    """Live bytes right after one microbatch's forward (the model's loss with its graph kept), params and
+    optimizer state included. The step's peak can move between program points as blocks are added (the
+    head's backward at one block, the start of backward at a hundred); this point is affine in the blocks."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from ..transforms import split_batch
+
+    layout, _ = make_layout(cfg, mesh)
+    mb = split_batch(batch, cfg.training.microbatches)[0]
+    mt = MemTracker()
+    mt.track_external(*[x for x in optree.tree_leaves((state.params, state.opt_state)) if isinstance(x, torch.Tensor)])
+    with _HostReads(), mt, torch.enable_grad():
+        loss = model.loss(state.params, mb, cfg=model_cfg, layout=layout)
+        live = max(v["Total"] for v in mt.get_tracker_snapshot("current").values())
+        del loss
+    return live
 
 
 def params_grad_bytes(params: Any) -> int:
