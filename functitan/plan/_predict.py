@@ -1,8 +1,10 @@
 """Per-rank memory and collective bytes of a candidate: traced at 1 and 2 blocks per stage, extrapolated.
 
 Memory and communication are affine in the number of blocks a rank holds (each block adds the same params,
-states, saved activations and collectives), so the step is traced twice, with one and with two blocks per
-pipeline stage, and extended to the real count: ``v(k) = v(1) + (k - 1) * (v(2) - v(1))``. Ranks that are
+states, saved activations and collectives), so the step is traced twice and extended to the real count:
+``v(k) = v(a) + (k - a) * (v(a + 1) - v(a))``, with ``a = 2`` blocks without pipelining (from two blocks on,
+FSDP's prefetch holds the next block's gather: one block alone has none, measured 20% off) and one and two
+blocks per stage with pipelining. Ranks that are
 alike are traced once: without pipelining every rank runs the same program on equal shapes (rank 0 holds the
 largest shard where a split is uneven: DTensor splits like ``torch.chunk``); with pipelining the first and
 the last pipeline rank are traced (embedding and most microbatches in flight; head and loss), the middle
@@ -109,9 +111,11 @@ def predict(base_cfg: Any, model: Any, model_cfg: Any, shape: ModelShape, cand: 
         m_traced = min(m, 2)
         traced = dataclasses.replace(cand, microbatches=m_traced)
         cfg = job_config(base_cfg, traced, batch_size=batch_size // m * m_traced, seq_len=seq_len)
+        # two and three blocks: from two on, FSDP's prefetch holds the next block's gather (one block has none)
+        a = min(2, real[0])
         t1, t2 = (trace_rank(cfg, model, dataclasses.replace(model_cfg, **{shape.field: n}), world=world, rank=0)
-                  for n in (1, 2))
-        return _combine(t1, t2, real[0], 0, m / m_traced)
+                  for n in (a, a + 1))
+        return _combine(t1, t2, real[0] - a + 1, 0, m / m_traced)
     stages = cand.pp * cand.stages_per_rank
     from ._cost import pipe_stats
 
@@ -129,7 +133,9 @@ def predict(base_cfg: Any, model: Any, model_cfg: Any, shape: ModelShape, cand: 
                 grid[per_stage, mt] = trace_rank(cfg, model, mcfg, world=world, rank=rank, stage_layers=layers)
         # in-flight microbatches on this rank with 1 and 2 microbatches, and in the real schedule
         i1, i2 = (pipe_stats(cand.pp, cand.schedule, cand.stages_per_rank, mt)[1][pp_rank] for mt in (1, 2))
-        u = (real_inflight[pp_rank] - i1) / (i2 - i1) if i2 != i1 else 0.0  # 0 at one microbatch, 1 at two
+        # from two microbatches on, each more in flight adds what the second added (zero-bubble schedules also
+        # hold W's inputs, which the in-flight count does not see: two microbatches are the floor)
+        u = 1.0 + ((real_inflight[pp_rank] - i2) / (i2 - i1) if i2 != i1 else 0.0)
         k = real[pp_rank] / cand.stages_per_rank  # blocks per stage on this rank, on average
         p1, p2 = _combine(grid[1, 1], grid[2, 1], k, rank, 1.0), _combine(grid[1, 2], grid[2, 2], k, rank, 1.0)
         peak = p1.peak + u * (p2.peak - p1.peak)
