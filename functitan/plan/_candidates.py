@@ -14,8 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from ..config import ConfigError
-from ..job_config import JobConfig, ModelConfig, ParallelismConfig, TrainingConfig
+from ..job_config import JobConfig, TrainingConfig
 from ..mesh import resolve_degrees
 from ..train import local_batch
 
