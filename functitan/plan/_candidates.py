@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from ..job_config import JobConfig, TrainingConfig
+from ..job_config import JobConfig, ParallelismConfig, TrainingConfig
 from ..mesh import resolve_degrees
 from ..train import local_batch
 
