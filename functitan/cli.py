@@ -1,26 +1,52 @@
-"""The ``functitan`` command: ``train``, ``rendezvous``, ``pipeline show``, ``export hf``, ``import hf``, ``data prepare``."""
+"""The ``functitan`` command: one line per subcommand here; each subcommand's ``--help`` shows an example."""
 
 from __future__ import annotations
 
+import importlib
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
-USAGE = """usage: functitan <command> [args]
+# name -> (one-line summary, "module:function" taking the remaining arguments and returning an exit status)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("train a model: a TOML config plus --section.key=value overrides (--nproc N, or --nnodes elastic)",
+              "functitan.train:main"),
+    "rendezvous": ("run the store that elastic nodes meet in (docs/elastic.md)", "functitan.elastic._store:main"),
+    "report": ("draw runs' curves (loss, lr, throughput, MFU, memory) and a summary table to a PNG and an HTML page",
+               "functitan.metrics._report_cli:main"),
+    "gradcheck": ("check a model's gradients under FSDP, HSDP, TP and TP + SP against one process",
+                  "functitan.model._cli:main"),
+    "pipeline": ("pipeline show: print, simulate and draw a pipeline schedule (GPipe, 1F1B, interleaved, ZB)",
+                 "functitan.pipeline._cli:main"),
+    "plan": ("recommend a parallel layout for a model on a cluster (writes a config you can train with)",
+             "functitan.plan:main"),
+    "export": ("export hf: write a functitan checkpoint as a Hugging Face model directory",
+               "functitan.checkpoint._hf_cli:export_main"),
+    "import": ("import hf: make a functitan checkpoint from a Hugging Face model directory",
+               "functitan.checkpoint._hf_cli:import_main"),
+    "data": ("data prepare: tokenize a corpus into memory-mapped shards", "functitan.data._prepare:main"),
+}
 
-commands:
-  train [--config FILE.toml] [--section.key=value ...] [--nproc N]   train a model (--help lists every key)
-        [--nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id NAME]     ... elastically (docs/elastic.md)
-  rendezvous [--host H] [--port 29400]                                 the store elastic nodes meet in
-  pipeline show --schedule zb_v --pp 4 --microbatches 8 [--out t.png]   draw a pipeline schedule
-  gradcheck --model.name=NAME [--layouts fsdp,tp_sp]                   a model's gradients under each layout vs one process
-  plan --model.flavor llama3_8b --nodes 8 --device h100 [--out plan.toml]  recommend a parallel layout
-  export hf CHECKPOINT OUT_DIR                                          write a Hugging Face model directory
-  import hf HF_DIR OUT_CHECKPOINT                                       make a functitan checkpoint from HF
-  data prepare SRC... --out DIR [--tokenizer FILE]                     tokenize a corpus into memory-mapped shards
+USAGE = "\n".join([
+    "functitan: JAX-style functional distributed training on PyTorch.",
+    "",
+    "usage: functitan <command> [args]      (functitan <command> --help: every option and an example)",
+    "",
+    "commands:",
+    *(f"  {name:<10} {line}" for name, (line, _) in COMMANDS.items()),
+    "",
+    "examples:",
+    "  functitan train --config configs/debug.toml --training.steps=100",
+    "  functitan report runs/<run-name>",
+    "",
+    "A user error (a bad value, path or checkpoint) prints one line and exits with code 2; add --debug to any",
+    "command to see its traceback.",
+    "",
+])
 
-A user error (a bad value, path or checkpoint) prints one line and exits with code 2; add --debug to any
-command to see its traceback.
-"""
+
+def _load(target: str) -> Callable[[list[str]], int]:
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,36 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0 if args else 2
     command, rest = args[0], args[1:]
-    if command == "train":
-        from .train import main as train_main
-
-        return train_main(rest)
-    if command == "rendezvous":
-        from .elastic._store import main as store_main
-
-        return store_main(rest)
-    if command == "pipeline":
-        from .pipeline._cli import main as pipeline_main
-
-        return pipeline_main(rest)
-    if command == "gradcheck":
-        from .model._cli import main as gradcheck_main
-
-        return gradcheck_main(rest)
-    if command == "data":
-        from .data._prepare import main as data_main
-
-        return data_main(rest)
-    if command == "plan":
-        from .plan import main as plan_main
-
-        return plan_main(rest)
-    if command in ("export", "import"):
-        from .checkpoint._hf_cli import main as hf_main
-
-        return hf_main(command, rest)
-    print(f"functitan: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    if command not in COMMANDS:
+        print(f"functitan: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return _load(COMMANDS[command][1])(rest)
 
 
 if __name__ == "__main__":

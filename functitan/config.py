@@ -180,8 +180,8 @@ def _toml_overrides(path: Path) -> dict[str, Any]:
     return out
 
 
-def config_help(cls: type, prog: str = "functitan train") -> str:
-    """The ``--help`` text: every key with its type and default."""
+def config_help(cls: type, prog: str = "functitan train", epilog: str = "") -> str:
+    """The ``--help`` text: every key with its type and default, then ``epilog`` (e.g. examples)."""
     lines = [f"usage: {prog} [--config FILE.toml] [--section.key=value ...]", ""]
     current = None
     for key, (tp, default, text) in flat_keys(cls).items():
@@ -193,14 +193,17 @@ def config_help(cls: type, prog: str = "functitan train") -> str:
         lines.append(f"  --{key:<34} {_type_name(tp):<18} default: {shown!r}" + (f"  {text}" if text else ""))
         if key == "model.flavor":
             lines.append(f"  --{'model.<field>':<34} {'':<18} any field of the model's config (e.g. --model.n_layers=2)")
+    if epilog:
+        lines += ["", epilog.rstrip()]
     return "\n".join(lines)
 
 
-def parse_config(cls: type[T], argv: Sequence[str] | None = None, *, prog: str = "functitan train") -> T:
+def parse_config(cls: type[T], argv: Sequence[str] | None = None, *, prog: str = "functitan train",
+                 epilog: str = "") -> T:
     """Build ``cls()`` then apply ``--config FILE`` and ``--section.key=value`` / ``--section.key value``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(config_help(cls, prog))
+        print(config_help(cls, prog, epilog))
         raise SystemExit(0)
     keys, open_sections = flat_keys(cls), _open_sections(cls)
     overrides: dict[str, Any] = {}  # the files', then the command line's, applied at once: checked once, complete

@@ -326,6 +326,13 @@ def _run_dir(cfg: JobConfig, model_name: str) -> Path:
     return Path(cfg.metrics.run_dir) / name
 
 
+EXAMPLE = """examples:
+  functitan train --config configs/debug.toml --training.steps=500 --optimizer.lr=1e-3
+  functitan train --config configs/debug.toml --nproc 2 --parallelism.dp_shard=2      # FSDP on 2 processes
+  functitan report runs/<run-name>                                                   # then look at it
+"""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``functitan train``; a user error is one line and exit code 2 on each failing rank (functitan.errors);
     ``--nproc`` / ``--nnodes`` run it under torchrun (functitan.elastic)."""
@@ -334,10 +341,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> int:
         spec, rest = parse_launch_args(args)
         if spec is not None:
-            parse_config(JobConfig, rest)  # a bad value is reported once, before any process starts
+            parse_config(JobConfig, rest, epilog=EXAMPLE)  # a bad value is reported once, before any process starts
             return launch(spec, rest + (["--debug"] if debug else []))
         try:
-            summary = run(parse_config(JobConfig, args))
+            summary = run(parse_config(JobConfig, args, epilog=EXAMPLE))
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -75,9 +75,28 @@ def _writable_dir(path: str, *, must_be_new: bool = False) -> None:
         raise UserError(f"output {path}: cannot write in {parent} ({e.strerror}); pass a directory you can write to") from None
 
 
+EXAMPLES = {
+    "export": "example:\n  functitan export hf runs/llama-20260101-120000/checkpoints/200 hf_out/\n"
+              "  python -c \"import transformers as t; t.AutoModelForCausalLM.from_pretrained('hf_out')\"",
+    "import": "example:\n  functitan import hf ~/models/Llama-3.2-1B ckpt/llama-1b\n"
+              "  functitan train --checkpoint.load_path=ckpt/llama-1b --data.tokenizer=~/models/Llama-3.2-1B/tokenizer.json",
+}
+
+
+def export_main(argv: Sequence[str]) -> int:
+    """``functitan export hf ...``"""
+    return main("export", argv)
+
+
+def import_main(argv: Sequence[str]) -> int:
+    """``functitan import hf ...``"""
+    return main("import", argv)
+
+
 def main(command: str, argv: Sequence[str]) -> int:
     debug, args = pop_debug(argv)
-    parser = argparse.ArgumentParser(prog=f"functitan {command} hf")
+    parser = argparse.ArgumentParser(prog=f"functitan {command} hf", epilog=EXAMPLES[command],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     if command == "export":
         parser.add_argument("checkpoint", help="a functitan checkpoint (a step directory: runs/<name>/checkpoints/<step>)")
         parser.add_argument("out", help="the Hugging Face directory to write")
@@ -89,8 +108,10 @@ def main(command: str, argv: Sequence[str]) -> int:
                             help="the model as --model.name spells it (default: the installed model of config.json's architecture)")
         parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    if args and args[0] in ("-h", "--help"):
+        args = ["hf", *args]
     if not args or args[0] != "hf":
-        parser.error(f"usage: functitan {command} hf ...")
+        parser.error(f"the only format is hf: functitan {command} hf ...")
     ns = parser.parse_args(args[1:])
 
     def body() -> int:

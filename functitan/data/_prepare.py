@@ -323,6 +323,10 @@ USAGE = """usage: functitan data prepare SRC [SRC ...] --out DIR [--tokenizer FI
 
 Tokenize text / .jsonl / .parquet files and Hugging Face `datasets` directories into memory-mapped token
 shards, in parallel; run it again with the same arguments to resume. Train on them with --data.path=DIR.
+
+example:
+  functitan data prepare corpus/*.jsonl --out shards/ --tokenizer tokenizer.json
+  functitan train --config configs/debug.toml --data.path=shards/
 """
 
 

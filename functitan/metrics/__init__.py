@@ -9,12 +9,14 @@ Data flow in the trainer::
     ...each step: meter.update(wall_s=..., data_s=..., tokens=global_tokens)
     ...each log step: sinks.write(step, {"loss": ..., **meter.flush(), **peak_memory(device)});
                       reset_peak_memory(device)
+    ...afterwards: write_report([load_run("runs/a"), load_run("runs/b")], "runs/report")  # PNG + HTML
 """
 
 from ._flops import transformer_flops_per_token
 from ._memory import peak_memory, reset_peak_memory
 from ._meter import Meter, throughput
 from ._peak import PeakFlops, peak_flops
+from ._report import ReportError, Run, load_run, render_html, render_png, summarize, write_report
 from ._sinks import ConsoleSink, JsonlSink, MultiSink, Sink, TensorBoardSink, make_sinks
 
 __all__ = [
@@ -31,4 +33,11 @@ __all__ = [
     "TensorBoardSink",
     "MultiSink",
     "make_sinks",
+    "Run",
+    "ReportError",
+    "load_run",
+    "summarize",
+    "render_png",
+    "render_html",
+    "write_report",
 ]

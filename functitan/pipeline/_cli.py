@@ -15,6 +15,13 @@ from functitan.pipeline._render import render_png, render_text, summary
 from functitan.pipeline._schedule import Schedule
 from functitan.pipeline._simulate import Costs, simulate
 
+EXAMPLE = """example:
+  functitan pipeline show --schedule 1f1b --pp 4 --microbatches 8
+  functitan pipeline show --schedule zb_v --pp 4 --microbatches 8 --costs 1,1,1,0 --out timeline.png
+  functitan pipeline show --csv my_schedule.csv
+"""
+
+
 def _costs(text: str) -> Costs:
     parts = text.split(",")
     try:
@@ -27,9 +34,12 @@ def _costs(text: str) -> Costs:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="functitan pipeline", description="Pipeline schedules as data.")
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="functitan pipeline", description="Pipeline schedules as data.",
+                                     epilog=EXAMPLE, formatter_class=raw)
     sub = parser.add_subparsers(dest="command", required=True)
-    show = sub.add_parser("show", help="print a schedule's timeline and bubble fraction; --out draws a PNG")
+    show = sub.add_parser("show", help="print a schedule's timeline and bubble fraction; --out draws a PNG",
+                          epilog=EXAMPLE, formatter_class=raw)
     source = show.add_mutually_exclusive_group(required=True)
     source.add_argument("--schedule", choices=SCHEDULE_NAMES, help="a built-in schedule")
     source.add_argument("--csv", help="a custom schedule (torch's compute-only CSV format, one row per rank)")

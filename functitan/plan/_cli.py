@@ -21,7 +21,10 @@ layout, and recommend the fastest that fits. Model fields: --model.<field>=value
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="functitan plan", description=DESCRIPTION)
+    p = argparse.ArgumentParser(
+        prog="functitan plan", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  functitan plan --model.flavor llama3_8b --nodes 8 --device h100 --out plan.toml\n"
+               "  functitan train --config plan.toml")
     p.add_argument("--model.name", dest="model_name", default=None, help="a model plugin, module or file (default llama)")
     p.add_argument("--model.flavor", dest="flavor", default=None, help="a flavor of the model (default debug)")
     p.add_argument("--nodes", type=int, default=1)
