@@ -36,7 +36,8 @@ def render_text(schedule: Schedule, sim: Simulation, *, scale: float | None = No
     second stage (`''` its third). `scale` is characters per time unit; by default the shortest
     action is just wide enough for its label.
 
-    Example (1F1B, p=2, m=2, f=b=w=1, so 5 characters per time unit):
+    For 1F1B, p=2, m=2, f=b=w=1 (so 5 characters per time unit)::
+
         rank 0 |[F0 ][F1 ]..........[BW0     ].....[BW1     ]
         rank 1 |.....[F0 ][BW0     ][F1 ][BW1     ]..........
     """

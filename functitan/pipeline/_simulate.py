@@ -34,7 +34,7 @@ class Simulation(NamedTuple):
         busy: per-rank time spent computing.
         idle: per-rank makespan - busy (warm-up, bubbles and cool-down together).
         bubble_fraction: sum(idle) / (pp * makespan).
-        spans: spans[rank][i] = (start, end) of that rank's i-th action.
+        spans: ``spans[rank][i] = (start, end)`` of that rank's i-th action.
         peak_activations: per rank, the most (stage, microbatch) pairs whose F ran and whose B/BW has
             not, a proxy for activation memory (W keeps only what the weight gradient needs).
     """
