@@ -286,7 +286,8 @@ def test_render_text_timeline():
 
 def test_render_png_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     s = P.gpipe(2, 2)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    for name in [m for m in sys.modules if m.split(".")[0] == "matplotlib"] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # also the submodules an earlier test may have imported
     with pytest.raises(ImportError, match=r"pip install 'functitan\[plot\]'"):
         P.render_png(s, P.simulate(s), tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
