@@ -41,7 +41,7 @@ def _kinds(cell) -> list[str]:
 
 
 def test_there_are_notebooks():
-    assert {p.stem for p in NOTEBOOKS} >= {"01_quickstart", "03_pipeline_schedules"}
+    assert {p.stem for p in NOTEBOOKS} >= {"01_quickstart", "02_shard_your_model", "03_pipeline_schedules", "04_checkpoints"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
