@@ -102,9 +102,11 @@ def decay_mask_from_specs(specs: Any, *, no_decay_axes: frozenset[str] | set[str
     The mask is ``(name, param) -> bool`` over dotted names, so it also serves a sub-tree with the same names
     (a pipeline stage's params); a name the specs do not have falls back to ``default_decay_mask``.
 
-    >>> mask = decay_mask_from_specs({"embed": ("vocab", "embed"), "wq": ("heads", "embed"), "norm": ("embed",)})
-    >>> [mask(n, torch.zeros(2, 2) if n != "norm" else torch.zeros(2)) for n in ("embed", "wq", "norm")]
-    [False, True, False]
+    Example::
+
+        >>> mask = decay_mask_from_specs({"embed": ("vocab", "embed"), "wq": ("heads", "embed"), "norm": ("embed",)})
+        >>> [mask(n, torch.zeros(2, 2) if n != "norm" else torch.zeros(2)) for n in ("embed", "wq", "norm")]
+        [False, True, False]
     """
     from functitan._rules import is_spec
 
