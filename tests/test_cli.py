@@ -7,10 +7,17 @@ import pytest
 from functitan.cli import COMMANDS, main
 
 # how each command's help is reached as typed (export/import take the format word first)
-HELP = {"train": ["train", "--help"], "report": ["report", "--help"], "gradcheck": ["gradcheck", "--help"], "pipeline": ["pipeline", "show", "--help"],
-        "export": ["export", "hf", "--help"], "import": ["import", "hf", "--help"],
-        "rendezvous": ["rendezvous", "--help"], "data": ["data", "prepare", "--help"],
-        "plan": ["plan", "--help"]}
+HELP = {
+    "train": ["train", "--help"],
+    "report": ["report", "--help"],
+    "gradcheck": ["gradcheck", "--help"],
+    "pipeline": ["pipeline", "show", "--help"],
+    "export": ["export", "hf", "--help"],
+    "import": ["import", "hf", "--help"],
+    "rendezvous": ["rendezvous", "--help"],
+    "data": ["data", "prepare", "--help"],
+    "plan": ["plan", "--help"],
+}
 
 
 def test_top_level_help_lists_every_command_on_one_line(capsys):

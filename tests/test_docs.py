@@ -23,16 +23,35 @@ from generate import notebooks, public_modules  # noqa: E402  (the hook that gen
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "NO_MKDOCS_2_WARNING": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stderr[-4000:]}"
     return out
 
 
 def test_every_public_name_has_an_api_entry(site):
-    assert {"functitan", "functitan.optim", "functitan.pipeline", "functitan.checkpoint", "functitan.metrics",
-            "functitan.data", "functitan.sharding", "functitan.mesh", "functitan.transforms"} <= set(public_modules())
+    assert {
+        "functitan",
+        "functitan.optim",
+        "functitan.pipeline",
+        "functitan.checkpoint",
+        "functitan.metrics",
+        "functitan.data",
+        "functitan.sharding",
+        "functitan.mesh",
+        "functitan.transforms",
+    } <= set(public_modules())
     for module in public_modules():
         names = getattr(importlib.import_module(module), "__all__", [])
         page = (site / "api" / module / "index.html").read_text(encoding="utf-8")
@@ -42,8 +61,13 @@ def test_every_public_name_has_an_api_entry(site):
 
 
 def test_guides_and_notebooks_are_pages(site):
-    for page in ("index.html", "parallelism/index.html", "pipeline/index.html", "checkpoints/index.html",
-                 "reports/index.html"):
+    for page in (
+        "index.html",
+        "parallelism/index.html",
+        "pipeline/index.html",
+        "checkpoints/index.html",
+        "reports/index.html",
+    ):
         assert (site / page).is_file(), page
     for nb in notebooks():
         html = (site / "examples" / nb.stem / "index.html").read_text(encoding="utf-8")

@@ -41,7 +41,12 @@ def _kinds(cell) -> list[str]:
 
 
 def test_there_are_notebooks():
-    assert {p.stem for p in NOTEBOOKS} >= {"01_quickstart", "02_shard_your_model", "03_pipeline_schedules", "04_checkpoints"}
+    assert {p.stem for p in NOTEBOOKS} >= {
+        "01_quickstart",
+        "02_shard_your_model",
+        "03_pipeline_schedules",
+        "04_checkpoints",
+    }
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -54,8 +59,9 @@ def test_notebook_runs_from_a_fresh_kernel(path, monkeypatch):
     # the kernel inherits the environment: make the repository importable as it is for `make test`
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     fresh = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(fresh, timeout=3 * TIME_LIMIT_S, kernel_name="python3",
-                                     resources={"metadata": {"path": str(ROOT)}})
+    client = nbclient.NotebookClient(
+        fresh, timeout=3 * TIME_LIMIT_S, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    )
     t0 = time.perf_counter()
     client.execute()  # raises CellExecutionError on the first failing cell
     elapsed = time.perf_counter() - t0
@@ -64,6 +70,7 @@ def test_notebook_runs_from_a_fresh_kernel(path, monkeypatch):
     for i, (old, new) in enumerate(zip(code, [c for c in fresh.cells if c.cell_type == "code"])):
         assert _kinds(new) == _kinds(old), (
             f"{path.name}, code cell {i} (starts {old.source.splitlines()[0]!r}): outputs were {_kinds(old)}, "
-            f"now {_kinds(new)}; if the change is intended, re-run the notebook and commit its outputs")
+            f"now {_kinds(new)}; if the change is intended, re-run the notebook and commit its outputs"
+        )
     if os.environ.get("CI"):  # CI has its 2 cores to itself; a shared workstation's wall time says little
         assert elapsed < TIME_LIMIT_S, f"{path.name} took {elapsed:.0f} s; notebooks must run in under {TIME_LIMIT_S} s"

@@ -20,11 +20,21 @@ pytest.importorskip("matplotlib")
 def _write_run(run_dir, *, steps: int, lr: float, config: dict | None = None) -> None:
     sink = JsonlSink(run_dir / "metrics.jsonl")
     for step in range(2, steps + 1, 2):
-        sink.write(step, {
-            "loss": 5.5 * math.exp(-step * lr * 30) + 0.1 * (step % 3), "grad_norm": 1 + 1 / step, "lr": lr,
-            "tokens_per_s": 4000.0 + step, "tokens_per_s_per_device": 4000.0, "tflops": 0.1, "mfu": None if lr < 2e-3 else 40.0,
-            "step_time_s": 0.5, "data_time_s": 0.001, "mem_max_rss_gib": 0.5 + step / 100,
-        })
+        sink.write(
+            step,
+            {
+                "loss": 5.5 * math.exp(-step * lr * 30) + 0.1 * (step % 3),
+                "grad_norm": 1 + 1 / step,
+                "lr": lr,
+                "tokens_per_s": 4000.0 + step,
+                "tokens_per_s_per_device": 4000.0,
+                "tflops": 0.1,
+                "mfu": None if lr < 2e-3 else 40.0,
+                "step_time_s": 0.5,
+                "data_time_s": 0.001,
+                "mem_max_rss_gib": 0.5 + step / 100,
+            },
+        )
     sink.close()
     if config is not None:
         import json
@@ -80,12 +90,15 @@ def test_smooth_is_debiased_ema():
     assert smooth([3.0, 4.0], 0.0) == [3.0, 4.0]
 
 
-@pytest.mark.parametrize("setup, message", [
-    ("missing", "no such run directory"),
-    ("empty_dir", "metrics.jsonl: not found"),
-    ("empty_file", "no metrics yet"),
-    ("bad_line", "metrics.jsonl:2: not a metrics record"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        ("missing", "no such run directory"),
+        ("empty_dir", "metrics.jsonl: not found"),
+        ("empty_file", "no metrics yet"),
+        ("bad_line", "metrics.jsonl:2: not a metrics record"),
+    ],
+)
 def test_report_errors_are_one_named_line(tmp_path, capsys, setup, message):
     run = tmp_path / "run"
     if setup != "missing":
@@ -110,9 +123,18 @@ def test_html_report_renders_in_headless_chromium(tmp_path):
     _write_run(tmp_path, steps=30, lr=3e-3)
     assert cli_main(["report", str(tmp_path)]) == 0
     shot = tmp_path / "shot.png"
-    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
-           f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,1600",
-           (tmp_path / "report.html").as_uri()]
+    cmd = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--no-first-run",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        f"--screenshot={shot}",
+        "--window-size=1200,1600",
+        (tmp_path / "report.html").as_uri(),
+    ]
     subprocess.run(cmd, check=True, timeout=120, capture_output=True)
     with PIL.open(shot) as img:
         assert img.size == (1200, 1600)

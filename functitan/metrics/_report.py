@@ -20,8 +20,9 @@ import json
 import math
 import os
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["Run", "ReportError", "load_run", "summarize", "smooth", "render_png", "render_html", "write_report"]
 
@@ -84,7 +85,9 @@ def load_run(run_dir: str | os.PathLike) -> Run:
                 record = json.loads(line)
                 step = int(record["step"])
             except (ValueError, KeyError, TypeError) as e:
-                raise ReportError(f"{file}:{i}: not a metrics record ({e}); expected a JSON object with a 'step'") from None
+                raise ReportError(
+                    f"{file}:{i}: not a metrics record ({e}); expected a JSON object with a 'step'"
+                ) from None
             records[step] = record  # a resumed run appends: the last record of a step wins
     if not records:
         raise ReportError(f"{file}: no metrics yet; the first record is written at the first log step")
@@ -164,7 +167,7 @@ def _figure(runs: Sequence[Run], smoothing: float):
                 ax.plot(*run.series(key), color=color, linewidth=1.5, label=run.name)
     axes[0].set_title(f"loss (faint: raw; bold: smoothed, weight {smoothing})")
     axes[0].set_ylabel("cross-entropy")
-    for ax, (title, ylabel, key) in zip(axes[1:], PANELS):
+    for ax, (title, ylabel, _key) in zip(axes[1:], PANELS):
         ax.set_title(title)
         ax.set_ylabel(ylabel)
         if not ax.lines:
@@ -177,8 +180,9 @@ def _figure(runs: Sequence[Run], smoothing: float):
     table_ax.axis("off")
     rows = [summarize(r) for r in runs]
     cols = list(rows[0])
-    table = table_ax.table(cellText=[[_fmt(r[c]) for c in cols] for r in rows], colLabels=cols, loc="upper center",
-                           cellLoc="center")
+    table = table_ax.table(
+        cellText=[[_fmt(r[c]) for c in cols] for r in rows], colLabels=cols, loc="upper center", cellLoc="center"
+    )
     table.auto_set_font_size(False)
     table.set_fontsize(11)
     table.scale(1, 1.6)
@@ -230,16 +234,26 @@ th{background:#f3f3f3}td:first-child{text-align:left}img{max-width:100%;height:a
 def render_html(runs: Sequence[Run], png: bytes) -> str:
     """A self-contained page: the summary table, the config keys that differ, the image inline (base64)."""
     rows = [summarize(r) for r in runs]
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>functitan report</title><style>{_STYLE}</style>",
-             "</head><body><h1>functitan report</h1>",
-             "<ul>" + "".join(f"<li><b>{html.escape(r.name)}</b>: <code>{html.escape(r.path)}</code>, "
-                              f"{len(r.records)} log records</li>" for r in runs) + "</ul>",
-             "<h2>Summary</h2>", _table(list(rows[0]), [list(r.values()) for r in rows])]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>functitan report</title><style>{_STYLE}</style>",
+        "</head><body><h1>functitan report</h1>",
+        "<ul>"
+        + "".join(
+            f"<li><b>{html.escape(r.name)}</b>: <code>{html.escape(r.path)}</code>, {len(r.records)} log records</li>"
+            for r in runs
+        )
+        + "</ul>",
+        "<h2>Summary</h2>",
+        _table(list(rows[0]), [list(r.values()) for r in rows]),
+    ]
     diff = _config_diff(runs)
     if len(runs) > 1:
         parts.append("<h2>Config keys that differ</h2>")
-        parts.append(_table(["key", *(r.name for r in runs)], [[k, *v] for k, v in diff.items()]) if diff
-                     else "<p>none: the runs share every config key</p>")
+        parts.append(
+            _table(["key", *(r.name for r in runs)], [[k, *v] for k, v in diff.items()])
+            if diff
+            else "<p>none: the runs share every config key</p>"
+        )
     b64 = base64.b64encode(png).decode("ascii")
     parts.append(f"<h2>Curves</h2><img alt='training curves' src='data:image/png;base64,{b64}'></body></html>")
     return "\n".join(parts)

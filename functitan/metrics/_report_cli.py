@@ -18,12 +18,18 @@ EXAMPLE = """example:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="functitan report", epilog=EXAMPLE, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="functitan report",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Draw loss (raw and smoothed), lr, grad norm, tokens/s, TFLOP/s, MFU, memory and data time of "
-                    "one or more runs (overlaid) with a summary table, as a PNG and a self-contained HTML page.")
+        "one or more runs (overlaid) with a summary table, as a PNG and a self-contained HTML page.",
+    )
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run folder holding metrics.jsonl")
-    parser.add_argument("--out", help="output path without extension (default: RUN_DIR/report for one run, "
-                                      "report in the runs' common parent folder for several)")
+    parser.add_argument(
+        "--out",
+        help="output path without extension (default: RUN_DIR/report for one run, "
+        "report in the runs' common parent folder for several)",
+    )
     parser.add_argument("--smoothing", type=float, default=0.8, help="EMA weight of the smoothed loss, in [0, 1)")
     return parser
 
