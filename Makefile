@@ -33,8 +33,9 @@ install-test: $(VENV)/.installed-test
 train: $(VENV)/.installed-train
 	$(BIN)/python -m functitan.train --config configs/debug.toml $(ARGS)
 
-# the suite includes the notebooks (tests/test_notebooks.py) and the site built with --strict (tests/test_docs.py)
-test: $(VENV)/.installed-test
+# lint first (ruff, format check, mypy: seconds), then the suite, which includes the notebooks
+# (tests/test_notebooks.py) and the site built with --strict (tests/test_docs.py)
+test: $(VENV)/.installed-test lint
 	$(BIN)/python -m pytest $(ARGS)
 
 # ruff (lint + format check) and mypy; LINT_PATHS narrows them (e.g. LINT_PATHS=functitan/transforms.py)

@@ -138,7 +138,9 @@ def main() -> None:
     per_rank = run_distributed(_bench, 2, args.dir, n, args.reps, args.load_rounds, timeout=3600)
     shutil.rmtree(args.dir, ignore_errors=True)
     # slowest rank per repetition, then the median over repetitions
-    med = {k: statistics.median(max(r[k][i] for r in per_rank) for i in range(len(per_rank[0][k]))) for k in per_rank[0]}
+    med = {
+        k: statistics.median(max(r[k][i] for r in per_rank) for i in range(len(per_rank[0][k]))) for k in per_rank[0]
+    }
     gb = nbytes / 1e9
     res = {
         "state_MB": round(nbytes / 1e6, 1),
@@ -147,7 +149,16 @@ def main() -> None:
         "load_samples": args.reps * args.load_rounds,
         "torch": torch.__version__,
         "seconds_median": {k: round(v, 4) for k, v in med.items()},
-        "throughput_GBps": {k: round(gb / med[k], 3) for k in ("save_functitan_sync", "save_functitan_oneoff", "save_dcp", "save_torch", "commit_functitan_async")},
+        "throughput_GBps": {
+            k: round(gb / med[k], 3)
+            for k in (
+                "save_functitan_sync",
+                "save_functitan_oneoff",
+                "save_dcp",
+                "save_torch",
+                "commit_functitan_async",
+            )
+        },
         "ratios": {
             "blocked_functitan_over_dcp_async": round(med["blocked_functitan_async"] / med["blocked_dcp_async"], 3),
             "blocked_functitan_over_sync_save": round(med["blocked_functitan_async"] / med["save_functitan_sync"], 3),
@@ -156,7 +167,9 @@ def main() -> None:
             "load_functitan_over_dcp_same": round(med["load_functitan_same"] / med["load_dcp_same"], 3),
             "load_functitan_over_dcp_reshard": round(med["load_functitan_reshard"] / med["load_dcp_reshard"], 3),
             "load_functitan_new_over_dcp_same": round(med["load_functitan_same_new"] / med["load_dcp_same"], 3),
-            "load_functitan_new_over_dcp_reshard": round(med["load_functitan_reshard_new"] / med["load_dcp_reshard"], 3),
+            "load_functitan_new_over_dcp_reshard": round(
+                med["load_functitan_reshard_new"] / med["load_dcp_reshard"], 3
+            ),
         },
         "note": "2 shared CPU cores, local disk, page cache warm for loads; numbers vary with load from other jobs",
     }

@@ -73,9 +73,19 @@ def _step_rate_debug(shard_dir: str, run_dir: str) -> float:
     from functitan.job_config import JobConfig
     from functitan.train import run
 
-    cfg = apply_overrides(JobConfig(), {"training.steps": 6, "training.batch_size": 8, "training.seq_len": 256,
-                                        "data.path": shard_dir, "metrics.run_dir": run_dir, "metrics.run_name": "d",
-                                        "metrics.log_every": 1, "training.device": "cpu"})
+    cfg = apply_overrides(
+        JobConfig(),
+        {
+            "training.steps": 6,
+            "training.batch_size": 8,
+            "training.seq_len": 256,
+            "data.path": shard_dir,
+            "metrics.run_dir": run_dir,
+            "metrics.run_name": "d",
+            "metrics.log_every": 1,
+            "training.device": "cpu",
+        },
+    )
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
     try:
@@ -91,8 +101,13 @@ def _flops_rate(flavor: str, seq: int) -> float:
     from models import llama
 
     cfg = llama.config(flavor)
-    fpt = M.transformer_flops_per_token(n_params=llama.num_params(cfg, embedding=False), n_layers=cfg.n_layers,
-                                        n_heads=cfg.n_heads, head_dim=cfg.head_dim, seq_len=seq)
+    fpt = M.transformer_flops_per_token(
+        n_params=llama.num_params(cfg, embedding=False),
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        head_dim=cfg.head_dim,
+        seq_len=seq,
+    )
     return H100_BF16_DENSE * MFU / fpt
 
 
@@ -134,24 +149,35 @@ def main() -> None:
         prep_s = time.perf_counter() - t0
         shards = ShardSet(root / "prep")
         res: dict = {
-            "prepare": {"source_MB": round(sum(f.stat().st_size for f in files) / 1e6, 1), "tokens": index["tokens"],
-                        "workers": 2, "seconds": round(prep_s, 2), "tokens_per_s": round(index["tokens"] / prep_s)},
+            "prepare": {
+                "source_MB": round(sum(f.stat().st_size for f in files) / 1e6, 1),
+                "tokens": index["tokens"],
+                "workers": 2,
+                "seconds": round(prep_s, 2),
+                "tokens_per_s": round(index["tokens"] / prep_s),
+            },
             "models": {},
         }
         for name, flavor, batch, seq in (("debug", "debug", 8, 256), ("llama3_1b", "llama3_1b", 8, 2048)):
             rate = _loader_rate(shards, batch, seq)
             need = _flops_rate(flavor, seq)
             res["models"][name] = {
-                "batch_per_rank": batch, "seq_len": seq, "loader_tokens_per_s": round(rate),
+                "batch_per_rank": batch,
+                "seq_len": seq,
+                "loader_tokens_per_s": round(rate),
                 "step_tokens_per_s_flops_estimate_h100_mfu50": round(need),
                 "loader_over_step_flops_estimate": round(rate / need, 2),
             }
         measured = _step_rate_debug(str(root / "prep"), str(root / "runs"))
         res["models"]["debug"]["step_tokens_per_s_measured_cpu"] = round(measured)
-        res["models"]["debug"]["loader_over_step_measured_cpu"] = round(res["models"]["debug"]["loader_tokens_per_s"] / measured, 1)
+        res["models"]["debug"]["loader_over_step_measured_cpu"] = round(
+            res["models"]["debug"]["loader_tokens_per_s"] / measured, 1
+        )
         res["rss"] = _rss_growth(root)
-        res["note"] = ("2 shared, busy CPU cores: rates are noisy. 1B step consumption is a FLOPs estimate (989 TFLOP/s "
-                       "bf16 at 50% MFU on one GPU), not a measurement; the debug model's is measured on this CPU.")
+        res["note"] = (
+            "2 shared, busy CPU cores: rates are noisy. 1B step consumption is a FLOPs estimate (989 TFLOP/s "
+            "bf16 at 50% MFU on one GPU), not a measurement; the debug model's is measured on this CPU."
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     os.makedirs("benchmarks/results", exist_ok=True)

@@ -33,8 +33,9 @@ import dataclasses
 import functools
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import optree
 import torch
@@ -121,8 +122,12 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
     if not isinstance(q, DTensor):
         return _SDPA(q, k, v, *args, **kwargs)
     # no sharding strategy for SDPA on CPU: run it on the local shards (batch or heads sharded, both local-safe)
-    fn = local_map(functools.partial(_SDPA, **kwargs), out_placements=(q.placements,),
-                   in_placements=(q.placements, k.placements, v.placements), device_mesh=q.device_mesh)
+    fn = local_map(
+        functools.partial(_SDPA, **kwargs),
+        out_placements=(q.placements,),
+        in_placements=(q.placements, k.placements, v.placements),
+        device_mesh=q.device_mesh,
+    )
     return fn(q, k, v)
 
 
@@ -133,7 +138,7 @@ def dtensor_compute(vocab_parallel: bool) -> Iterator[None]:
     taken as replicated, and the vocab-parallel loss (forward and backward)."""
     F.scaled_dot_product_attention = _sdpa
     try:
-        with implicit_replication(), (loss_parallel() if vocab_parallel else contextlib.nullcontext()):
+        with implicit_replication(), loss_parallel() if vocab_parallel else contextlib.nullcontext():
             yield
     finally:
         F.scaled_dot_product_attention = _SDPA
@@ -159,13 +164,15 @@ def _worker(case: str, s: Setup) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (s.batch, s.seq + 1), generator=g)
     if case == "fsdp":
-        tokens = tokens[rank * s.batch // n:(rank + 1) * s.batch // n]
+        tokens = tokens[rank * s.batch // n : (rank + 1) * s.batch // n]
     batch = {"inputs": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}
     # the DTensor variant sees the global batch: sharded on dim 0 over the data-parallel axes
     act = [Shard(0) if name in DP_AXES and mesh[name].size() > 1 else Replicate() for name in mesh.mesh_dim_names]
     dbatch = {k: DTensor.from_local(v, mesh, act) for k, v in batch.items()}
 
-    local_grad = value_and_grad(functools.partial(llama.loss, cfg=cfg, layout=Layout(mesh, rules, reshard_after_forward=False)))
+    local_grad = value_and_grad(
+        functools.partial(llama.loss, cfg=cfg, layout=Layout(mesh, rules, reshard_after_forward=False))
+    )
     dt_grad = value_and_grad(functools.partial(llama.loss, cfg=cfg, layout=DTensorLayout(mesh, rules)))
 
     def run_dtensor() -> Any:
@@ -186,12 +193,21 @@ def _worker(case: str, s: Setup) -> dict[str, Any]:
         wall, cpu, outs = timed_rounds(fns, steps=s.steps, warmup=s.warmup)
         med = {k: statistics.median(v) for k, v in wall.items()}
         med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-        reps.append({"median_ms": {k: 1e3 * v for k, v in med.items()}, "median_cpu_ms": {k: 1e3 * v for k, v in med_cpu.items()},
-                     "ratio": med["dtensor"] / med["local"], "ratio_cpu": med_cpu["dtensor"] / med_cpu["local"],
-                     "step_ms": {k: [round(1e3 * x, 2) for x in v] for k, v in wall.items()}})
+        reps.append(
+            {
+                "median_ms": {k: 1e3 * v for k, v in med.items()},
+                "median_cpu_ms": {k: 1e3 * v for k, v in med_cpu.items()},
+                "ratio": med["dtensor"] / med["local"],
+                "ratio_cpu": med_cpu["dtensor"] / med_cpu["local"],
+                "step_ms": {k: [round(1e3 * x, 2) for x in v] for k, v in wall.items()},
+            }
+        )
     # same math: the gradients agree (the local loss is this rank's mean; the DTensor loss the global mean)
     (lo_loss, lo_g), (dt_loss, dt_g) = outs["local"][-1], outs["dtensor"][-1]
-    diffs = [float((a.full_tensor() - b.full_tensor()).abs().max()) for a, b in zip(optree.tree_leaves(lo_g), optree.tree_leaves(dt_g))]
+    diffs = [
+        float((a.full_tensor() - b.full_tensor()).abs().max())
+        for a, b in zip(optree.tree_leaves(lo_g), optree.tree_leaves(dt_g))
+    ]
     mean_local = lo_loss.clone()
     dist.all_reduce(mean_local)
     return {
@@ -200,8 +216,10 @@ def _worker(case: str, s: Setup) -> dict[str, Any]:
         "ratio_per_repeat": [r["ratio"] for r in reps],
         "ratio_cpu_per_repeat": [r["ratio_cpu"] for r in reps],
         "first_call_s": first_call_s,
-        "loss": {"local_mean_over_ranks": float(mean_local) / n,
-                 "dtensor": float(dt_loss.full_tensor() if isinstance(dt_loss, DTensor) else dt_loss)},
+        "loss": {
+            "local_mean_over_ranks": float(mean_local) / n,
+            "dtensor": float(dt_loss.full_tensor() if isinstance(dt_loss, DTensor) else dt_loss),
+        },
         "grad_max_abs_diff": max(diffs),
         "repeats": reps,
     }
@@ -226,19 +244,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise ValueError(f"--cases: unknown case {case!r}; choose among {CASES}")
         r = run_distributed(_worker, a.world, case, s, timeout=1800.0, threads=1)[0]
         if r["grad_max_abs_diff"] > 1e-5:
-            raise RuntimeError(f"{case}{a.world}: gradients differ by {r['grad_max_abs_diff']:.2e}: the variants disagree")
+            raise RuntimeError(
+                f"{case}{a.world}: gradients differ by {r['grad_max_abs_diff']:.2e}: the variants disagree"
+            )
         results[f"{case}{a.world}"] = r
         per = ", ".join(f"{x:.3f}" for x in r["ratio_per_repeat"])
-        print(f"{case}{a.world:<2} dtensor/local {r['ratio']:.3f} wall (repeats {per}), {r['ratio_cpu']:.3f} CPU; first step "
-              f"{r['first_call_s']['dtensor']:.1f} s dtensor, {r['first_call_s']['local']:.1f} s local; grads agree to "
-              f"{r['grad_max_abs_diff']:.1e}", flush=True)
+        print(
+            f"{case}{a.world:<2} dtensor/local {r['ratio']:.3f} wall (repeats {per}), {r['ratio_cpu']:.3f} CPU; first step "
+            f"{r['first_call_s']['dtensor']:.1f} s dtensor, {r['first_call_s']['local']:.1f} s local; grads agree to "
+            f"{r['grad_max_abs_diff']:.1e}",
+            flush=True,
+        )
     cfg = llama.config(a.config)
     out = {
         "ratios": {k: v["ratio"] for k, v in results.items()},
         "ratios_cpu": {k: v["ratio_cpu"] for k, v in results.items()},
         "results": results,
-        "config": {"model": a.config, **dataclasses.asdict(cfg), "batch": a.batch, "seq": a.seq, "steps": a.steps, "warmup": a.warmup,
-                   "repeats": a.repeats},
+        "config": {
+            "model": a.config,
+            **dataclasses.asdict(cfg),
+            "batch": a.batch,
+            "seq": a.seq,
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "repeats": a.repeats,
+        },
         "env": _common.environment(1, torch.device("cpu")),
     }
     print(f"wrote {_common.write_json(a.out, out)}")

@@ -26,10 +26,25 @@ import torch
 from benchmarks._common import environment, write_json
 from functitan.elastic.harness import live_scenario, plain_restart_scenario, restart_scenario
 
-ARGS = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=8", "--model.n_kv_heads=4", "--model.ffn_dim=128",
-        "--training.batch_size=12", "--training.seq_len=32", "--data.max_corpus_bytes=400000", "--metrics.log_every=1",
-        "--optimizer.eps=1e-6", "--optimizer.lr=1e-2", "--training.threads=1", "--elastic.microbatch_size=2",
-        "--training.steps=100000", "--checkpoint.enable=true", "--checkpoint.interval=1", "--checkpoint.keep_last=2"]
+ARGS = [
+    "--model.n_layers=2",
+    "--model.dim=64",
+    "--model.n_heads=8",
+    "--model.n_kv_heads=4",
+    "--model.ffn_dim=128",
+    "--training.batch_size=12",
+    "--training.seq_len=32",
+    "--data.max_corpus_bytes=400000",
+    "--metrics.log_every=1",
+    "--optimizer.eps=1e-6",
+    "--optimizer.lr=1e-2",
+    "--training.threads=1",
+    "--elastic.microbatch_size=2",
+    "--training.steps=100000",
+    "--checkpoint.enable=true",
+    "--checkpoint.interval=1",
+    "--checkpoint.keep_last=2",
+]
 
 
 LEVELS = ("torchrun", "restart", "live")
@@ -40,10 +55,14 @@ def _summary(out: dict, records: list[dict]) -> dict:
     kill_t, kill_step = events["kill"]
     final = {r["step"]: r for r in records}  # a step logged just before the kill may be redone: its last record counts
     after = sorted((r for r in final.values() if r["time"] > kill_t), key=lambda r: r["time"])
-    res = {"returncodes": out.get("returncodes"), "leftover_processes": len(out["leftovers"]),
-           "steps_before_kill": kill_step, "kill_to_next_step_s": round(after[0]["time"] - kill_t, 2) if after else None,
-           "steps_lost": len(records) - len({r["step"] for r in records}),
-           "step_time_s": round(_median_gap(records), 3)}
+    res = {
+        "returncodes": out.get("returncodes"),
+        "leftover_processes": len(out["leftovers"]),
+        "steps_before_kill": kill_step,
+        "kill_to_next_step_s": round(after[0]["time"] - kill_t, 2) if after else None,
+        "steps_lost": len(records) - len({r["step"] for r in records}),
+        "step_time_s": round(_median_gap(records), 3),
+    }
     if "join" in events:
         join_t, _ = events["join"]
         full = max(r.get("world_size", 0) for r in records)
@@ -93,13 +112,19 @@ def main() -> None:
     path = Path(__file__).parent / "results" / "elastic_recovery.json"
     if path.exists() and set(results) != set(LEVELS):  # a partial rerun updates its levels only
         results = {**json.loads(path.read_text())["results"], **results}
-    write_json(path, {
-        "what": "seconds from SIGKILL of one of 3 workers to the next completed step, and steps lost",
-        "levels": {"torchrun": "plain torchrun --nproc 3 --max-restarts 3: all workers restart from the last checkpoint",
-                   "restart": "--nnodes 2:3, c10d + standalone store: survivors restart at world size 2, then 3",
-                   "live": "torchft replica groups: survivors keep their processes and step on"},
-        "results": results, "environment": environment(1, torch.device("cpu")),
-    })
+    write_json(
+        path,
+        {
+            "what": "seconds from SIGKILL of one of 3 workers to the next completed step, and steps lost",
+            "levels": {
+                "torchrun": "plain torchrun --nproc 3 --max-restarts 3: all workers restart from the last checkpoint",
+                "restart": "--nnodes 2:3, c10d + standalone store: survivors restart at world size 2, then 3",
+                "live": "torchft replica groups: survivors keep their processes and step on",
+            },
+            "results": results,
+            "environment": environment(1, torch.device("cpu")),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,13 @@ LAYOUTS: dict[str, dict[str, Any]] = {  # tests/test_parallel.py's matrix, and a
     "tp4_sp": {"parallelism.dp_shard": 1, "parallelism.tp": 4, "parallelism.sequence_parallel": True},
     "pp2_fsdp2_zbh1": {"parallelism.pp": 2, "parallelism.dp_shard": 2, "parallelism.pipeline_schedule": "zb_h1"},
 }
-BASE = {"model.flavor": "debug", "training.batch_size": 8, "training.seq_len": 128, "training.compile": False,
-        "metrics.log_every": 1000}
+BASE = {
+    "model.flavor": "debug",
+    "training.batch_size": 8,
+    "training.seq_len": 128,
+    "training.compile": False,
+    "metrics.log_every": 1000,
+}
 
 
 def _timed_run(overrides: dict[str, Any]) -> list[float]:
@@ -60,6 +65,7 @@ def _timed_run(overrides: dict[str, Any]) -> list[float]:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             times.append(float(t))
             return out
+
         return run
 
     T.make_train_step = timed
@@ -86,20 +92,40 @@ def main(argv: list[str] | None = None) -> None:
         for name, mb in cases if r % 2 == 0 else list(reversed(cases)):
             # a pipeline needs at least as many microbatches as stages
             mbs = max(mb * 2, 2) if "parallelism.pp" in LAYOUTS[name] else mb
-            overrides = {**BASE, **LAYOUTS[name], "training.microbatches": mbs, "training.steps": args.steps,
-                         "metrics.run_dir": args.run_dir, "metrics.run_name": f"{name}_mb{mb}"}
+            overrides = {
+                **BASE,
+                **LAYOUTS[name],
+                "training.microbatches": mbs,
+                "training.steps": args.steps,
+                "metrics.run_dir": args.run_dir,
+                "metrics.run_name": f"{name}_mb{mb}",
+            }
             t0 = time.perf_counter()
             times = run_distributed(_timed_run, 4, overrides, timeout=900)[0]
             later = statistics.median(times[1:])
             key = f"{name}/mb{mb}"
-            per_run[key].append({"ratio": times[0] / later, "first_s": times[0], "median_later_s": later,
-                                 "steps_s": times, "wall_s": time.perf_counter() - t0, "microbatches": mbs})
-            print(f"run {r} {key}: step 1 {times[0]:.3f}s, later {later:.3f}s, ratio {times[0] / later:.2f}", flush=True)
+            per_run[key].append(
+                {
+                    "ratio": times[0] / later,
+                    "first_s": times[0],
+                    "median_later_s": later,
+                    "steps_s": times,
+                    "wall_s": time.perf_counter() - t0,
+                    "microbatches": mbs,
+                }
+            )
+            print(
+                f"run {r} {key}: step 1 {times[0]:.3f}s, later {later:.3f}s, ratio {times[0] / later:.2f}", flush=True
+            )
     ratios = {k: statistics.median(x["ratio"] for x in v) for k, v in per_run.items()}
-    out = {"target": "step 1 / median(steps 2..n) <= 3", "ratios": ratios,
-           "max_ratio": max(ratios.values()), "runs": per_run,
-           "config": {**BASE, "steps": args.steps, "runs": args.runs, "world": 4},
-           "environment": _common.environment(1, __import__("torch").device("cpu"))}
+    out = {
+        "target": "step 1 / median(steps 2..n) <= 3",
+        "ratios": ratios,
+        "max_ratio": max(ratios.values()),
+        "runs": per_run,
+        "config": {**BASE, "steps": args.steps, "runs": args.runs, "world": 4},
+        "environment": _common.environment(1, __import__("torch").device("cpu")),
+    }
     path = _common.write_json(args.out, out)
     print(f"max ratio {out['max_ratio']:.2f}; wrote {path}")
 

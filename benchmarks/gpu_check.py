@@ -29,8 +29,9 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,10 +73,13 @@ def _memory(device: torch.device) -> dict[str, Any]:
     if device.type != "cuda":
         return {"note": "CUDA memory metrics need a CUDA device"}
     s = torch.cuda.memory_stats(device)
-    return {"peak_allocated_gib": s.get("allocated_bytes.all.peak", 0) / 2**30,
-            "peak_reserved_gib": s.get("reserved_bytes.all.peak", 0) / 2**30,
-            "alloc_retries": s.get("num_alloc_retries", 0), "ooms": s.get("num_ooms", 0),
-            "device_total_gib": torch.cuda.get_device_properties(device).total_memory / 2**30}
+    return {
+        "peak_allocated_gib": s.get("allocated_bytes.all.peak", 0) / 2**30,
+        "peak_reserved_gib": s.get("reserved_bytes.all.peak", 0) / 2**30,
+        "alloc_retries": s.get("num_alloc_retries", 0),
+        "ooms": s.get("num_ooms", 0),
+        "device_total_gib": torch.cuda.get_device_properties(device).total_memory / 2**30,
+    }
 
 
 def _reset_memory(device: torch.device) -> None:
@@ -84,7 +88,9 @@ def _reset_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def functitan_side(cfg: llama.LlamaConfig, full: Any, batch: dict, device: torch.device) -> tuple[Callable[[], float], Callable[[], Any]]:
+def functitan_side(
+    cfg: llama.LlamaConfig, full: Any, batch: dict, device: torch.device
+) -> tuple[Callable[[], float], Callable[[], Any]]:
     mesh = make_mesh(dp_shard=1, device=device.type)
     layout = Layout(mesh, default_rules(), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     params = place(full, llama.specs(cfg), layout.rules, mesh)
@@ -112,8 +118,13 @@ def torch_side(cfg: llama.LlamaConfig, full: Any, batch: dict, device: torch.dev
     groups: dict[bool, list] = {}
     for name, p in model.named_parameters():
         groups.setdefault(optim.default_decay_mask(name, p), []).append(p)
-    opt = torch.optim.AdamW([{"params": ps, "weight_decay": WD if d else 0.0} for d, ps in groups.items()],
-                            lr=LR, betas=(B1, B2), eps=EPS, foreach=True)
+    opt = torch.optim.AdamW(
+        [{"params": ps, "weight_decay": WD if d else 0.0} for d, ps in groups.items()],
+        lr=LR,
+        betas=(B1, B2),
+        eps=EPS,
+        foreach=True,
+    )
     params = [p for ps in groups.values() for p in ps]
 
     def run() -> float:
@@ -129,7 +140,9 @@ def torch_side(cfg: llama.LlamaConfig, full: Any, batch: dict, device: torch.dev
     return run
 
 
-def _alternate(fns: dict[str, Callable[[], Any]], steps: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
+def _alternate(
+    fns: dict[str, Callable[[], Any]], steps: int, warmup: int, device: torch.device
+) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(warmup + steps):
         for k in fns if r % 2 == 0 else reversed(list(fns)):
@@ -142,19 +155,36 @@ def _alternate(fns: dict[str, Callable[[], Any]], steps: int, warmup: int, devic
     return times
 
 
-def check_shape(name: str, device: torch.device, *, steps: int, warmup: int, dry: bool, ckpt_dir: str) -> dict[str, Any]:
+def check_shape(
+    name: str, device: torch.device, *, steps: int, warmup: int, dry: bool, ckpt_dir: str
+) -> dict[str, Any]:
     cfg, batch_size, seq = _config(name, dry)
     full = llama.init(cfg, fold_in(key(0), "params"), device=device)
     g = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (batch_size, seq + 1), generator=g).to(device)
     batch = {"inputs": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}
-    fpt = M.transformer_flops_per_token(n_params=llama.num_params(cfg, embedding=False), n_layers=cfg.n_layers,
-                                        n_heads=cfg.n_heads, head_dim=cfg.head_dim, seq_len=seq)
+    fpt = M.transformer_flops_per_token(
+        n_params=llama.num_params(cfg, embedding=False),
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        head_dim=cfg.head_dim,
+        seq_len=seq,
+    )
     peak = M.peak_flops(device, torch.bfloat16)
-    out: dict[str, Any] = {"config": {"flavor": (DRY if dry else SHAPES)[name][0], "n_layers": cfg.n_layers,
-                                      "dim": cfg.dim, "ffn_dim": cfg.ffn_dim, "vocab": cfg.vocab_size, "batch": batch_size,
-                                      "seq": seq, "params": llama.num_params(cfg)},
-                           "peak": {"value": peak.value, "source": peak.source}, "flops_per_token": fpt}
+    out: dict[str, Any] = {
+        "config": {
+            "flavor": (DRY if dry else SHAPES)[name][0],
+            "n_layers": cfg.n_layers,
+            "dim": cfg.dim,
+            "ffn_dim": cfg.ffn_dim,
+            "vocab": cfg.vocab_size,
+            "batch": batch_size,
+            "seq": seq,
+            "params": llama.num_params(cfg),
+        },
+        "peak": {"value": peak.value, "source": peak.source},
+        "flops_per_token": fpt,
+    }
     _reset_memory(device)
     fn_f, state_of = functitan_side(cfg, full, batch, device)
     fn_f()
@@ -183,7 +213,9 @@ def check_shape(name: str, device: torch.device, *, steps: int, warmup: int, dry
 def _checkpoint_staging(tree: Any, device: torch.device, ckpt_dir: str, *, repeats: int) -> dict[str, Any]:
     """Seconds ``Checkpointer.save`` blocks (device -> pinned host staging) and the whole save takes."""
     blocked, total = [], []
-    nbytes = sum(x.numel() * x.element_size() for x in torch.utils._pytree.tree_leaves(tree) if isinstance(x, torch.Tensor))
+    nbytes = sum(
+        x.numel() * x.element_size() for x in torch.utils._pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)
+    )
     with Checkpointer() as ck:
         for i in range(repeats):
             _sync(device)
@@ -192,9 +224,16 @@ def _checkpoint_staging(tree: Any, device: torch.device, ckpt_dir: str, *, repea
             blocked.append(time.perf_counter() - t0)
             handle.wait()
             total.append(time.perf_counter() - t0)
-    return {"bytes": nbytes, "blocked_s": blocked, "total_s": total, "median_blocked_s": statistics.median(blocked),
-            "median_total_s": statistics.median(total), "staging_gb_per_s": nbytes / statistics.median(blocked) / 1e9,
-            "pinned": device.type == "cuda", "note": "the first save allocates the pinned buffers; later saves reuse them"}
+    return {
+        "bytes": nbytes,
+        "blocked_s": blocked,
+        "total_s": total,
+        "median_blocked_s": statistics.median(blocked),
+        "median_total_s": statistics.median(total),
+        "staging_gb_per_s": nbytes / statistics.median(blocked) / 1e9,
+        "pinned": device.type == "cuda",
+        "note": "the first save allocates the pinned buffers; later saves reuse them",
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -214,20 +253,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     steps, warmup = a.steps or (3 if dry else 10), a.warmup or (1 if dry else 3)
-    out: dict[str, Any] = {"dry_run": dry, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                           "shapes": {}, "skipped": []}
+    out: dict[str, Any] = {
+        "dry_run": dry,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "shapes": {},
+        "skipped": [],
+    }
     with tempfile.TemporaryDirectory(prefix="functitan_gpu_check_") as tmp:
         for name in a.shapes.split(","):
             if time.perf_counter() - t_start > a.budget_s:
                 out["skipped"].append(name)
                 continue
             t0 = time.perf_counter()
-            out["shapes"][name] = r = check_shape(name, device, steps=steps, warmup=warmup, dry=dry, ckpt_dir=os.path.join(tmp, name))
+            out["shapes"][name] = r = check_shape(
+                name, device, steps=steps, warmup=warmup, dry=dry, ckpt_dir=os.path.join(tmp, name)
+            )
             r["wall_s"] = time.perf_counter() - t0
             mfu = r["mfu"]["functitan"]
-            print(f"{name}: functitan {r['median_step_s']['functitan'] * 1e3:.1f} ms, torch {r['median_step_s']['torch'] * 1e3:.1f} ms, "
-                  f"ratio {r['ratio']:.3f}, MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'}; checkpoint blocks "
-                  f"{r['checkpoint']['median_blocked_s'] * 1e3:.1f} ms of {r['checkpoint']['median_total_s'] * 1e3:.1f} ms", flush=True)
+            print(
+                f"{name}: functitan {r['median_step_s']['functitan'] * 1e3:.1f} ms, torch {r['median_step_s']['torch'] * 1e3:.1f} ms, "
+                f"ratio {r['ratio']:.3f}, MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'}; checkpoint blocks "
+                f"{r['checkpoint']['median_blocked_s'] * 1e3:.1f} ms of {r['checkpoint']['median_total_s'] * 1e3:.1f} ms",
+                flush=True,
+            )
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     out["wall_s"] = time.perf_counter() - t_start

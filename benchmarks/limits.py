@@ -65,7 +65,9 @@ def _layout_worker(case: str, compute_only: bool, steps: int, warmup: int) -> fl
         params = {k: v for k, v in full.items()}
         grad_fn = value_and_grad(loss)
         # the optimizer touches what this rank stores: 1 / n of each leaf under FSDP, everything under DDP
-        shard = (lambda t: t.detach().flatten().chunk(n)[0].clone()) if case == "fsdp" else (lambda t: t.detach().clone())
+        shard = (
+            (lambda t: t.detach().flatten().chunk(n)[0].clone()) if case == "fsdp" else (lambda t: t.detach().clone())
+        )
         opt_params = torch.utils._pytree.tree_map(shard, full)
         opt_state = opt.init(opt_params)
 
@@ -86,6 +88,7 @@ def _layout_worker(case: str, compute_only: bool, steps: int, warmup: int) -> fl
 
         def step() -> None:
             box[0], _ = train_step(box[0], batch)
+
     times = []
     for i in range(warmup + steps):
         dist.barrier()
@@ -103,17 +106,24 @@ def layouts(names: list[str], runs: int, steps: int, warmup: int) -> dict[str, A
     out: dict[str, Any] = {}
     for name in names:
         case = name.rstrip("0123456789")  # "fsdp2" -> ("fsdp", 2)
-        n = int(name[len(case):] or 0)
+        n = int(name[len(case) :] or 0)
         if case not in ("fsdp", "ddp") or n < 2:
             raise ValueError(f"--layouts: {name!r} is not fsdpN or ddpN with N >= 2")
         per_run = []
         for r in range(runs):
             order = (False, True) if r % 2 == 0 else (True, False)
-            t = {co: statistics.median(run_distributed(_layout_worker, n, case, co, steps, warmup, timeout=900))
-                 if co else run_distributed(_layout_worker, n, case, co, steps, warmup, timeout=900)[0] for co in order}
+            t = {
+                co: statistics.median(run_distributed(_layout_worker, n, case, co, steps, warmup, timeout=900))
+                if co
+                else run_distributed(_layout_worker, n, case, co, steps, warmup, timeout=900)[0]
+                for co in order
+            }
             per_run.append({"step_s": t[False], "compute_only_s": t[True], "ratio": t[False] / t[True]})
-            print(f"{case}{n} run {r}: step {t[False] * 1e3:.1f} ms, compute-only {t[True] * 1e3:.1f} ms, "
-                  f"ratio {t[False] / t[True]:.3f}", flush=True)
+            print(
+                f"{case}{n} run {r}: step {t[False] * 1e3:.1f} ms, compute-only {t[True] * 1e3:.1f} ms, "
+                f"ratio {t[False] / t[True]:.3f}",
+                flush=True,
+            )
         out[f"{case}{n}"] = {"ratio": statistics.median(x["ratio"] for x in per_run), "runs": per_run}
     return out
 
@@ -152,8 +162,19 @@ def block_mfu(repeats: int, peak: float, seq: int = 256) -> dict[str, Any]:
         run()
         times.append(time.perf_counter() - t0)
     mfus = [flops / t / peak for t in times]
-    return {"shape": {"dim": cfg.dim, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "ffn_dim": cfg.ffn_dim,
-                      "seq": seq, "batch": 1}, "flops": flops, "time_s": _spread(times), "mfu_vs_measured_peak": _spread(mfus)}
+    return {
+        "shape": {
+            "dim": cfg.dim,
+            "n_heads": cfg.n_heads,
+            "n_kv_heads": cfg.n_kv_heads,
+            "ffn_dim": cfg.ffn_dim,
+            "seq": seq,
+            "batch": 1,
+        },
+        "flops": flops,
+        "time_s": _spread(times),
+        "mfu_vs_measured_peak": _spread(mfus),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

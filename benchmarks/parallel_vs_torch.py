@@ -38,8 +38,9 @@ import dataclasses
 import functools
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -116,8 +117,13 @@ def functitan_side(case: str, s: Setup, cfg: llama.LlamaConfig, full: Any, batch
 
 def _torch_tp(model: Llama, tp_mesh: Any, sp: bool) -> None:
     """torchtitan's Llama TP plan (``parallelize_llama.apply_tp``), with the residual in Shard(1) only when SP."""
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     resid = Shard(1) if sp else Replicate()
     top: dict[str, Any] = {
@@ -129,7 +135,9 @@ def _torch_tp(model: Llama, tp_mesh: Any, sp: bool) -> None:
     parallelize_module(model, tp_mesh, top)
     for block in model.layers:
         plan: dict[str, Any] = {
-            "attention": PrepareModuleInput(input_layouts=(resid, None, None), desired_input_layouts=(Replicate(), None, None)),
+            "attention": PrepareModuleInput(
+                input_layouts=(resid, None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
@@ -168,8 +176,13 @@ def torch_side(case: str, s: Setup, cfg: llama.LlamaConfig, full: Any, batches: 
     groups: dict[tuple[bool, bool], list[Tensor]] = {}
     for name, p in model.named_parameters():
         groups.setdefault((optim.default_decay_mask(name, p), isinstance(p, DTensor)), []).append(p)
-    opt = torch.optim.AdamW([{"params": ps, "weight_decay": WD if decay else 0.0} for (decay, _), ps in groups.items()],
-                            lr=LR, betas=(B1, B2), eps=EPS, foreach=True)
+    opt = torch.optim.AdamW(
+        [{"params": ps, "weight_decay": WD if decay else 0.0} for (decay, _), ps in groups.items()],
+        lr=LR,
+        betas=(B1, B2),
+        eps=EPS,
+        foreach=True,
+    )
     params = [p for ps in groups.values() for p in ps]
     i = [0]
 
@@ -277,14 +290,18 @@ def _profile(fns: dict[str, Callable[[], Any]], case: str, s: Setup) -> dict[str
         if dist.get_rank() == 0:
             path = Path(s.profile_dir) / f"parallel_vs_torch_profile_{case}{dist.get_world_size()}_{name}.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(f"# {case} world {dist.get_world_size()} {name}: {s.profile} steps, rank 0\n\n"
-                            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+            path.write_text(
+                f"# {case} world {dist.get_world_size()} {name}: {s.profile} steps, rank 0\n\n"
+                + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+            )
             paths[name] = str(path)
     return paths
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", default="debug")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
@@ -293,8 +310,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--world", default="2,4", help="comma-separated world sizes")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {CASES}")
     ap.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False on both sides (FSDP)")
-    ap.add_argument("--runs", type=int, default=3, help="repeat everything this many times (fresh processes); "
-                    "the JSON holds every run's ratio and their median")
+    ap.add_argument(
+        "--runs",
+        type=int,
+        default=3,
+        help="repeat everything this many times (fresh processes); the JSON holds every run's ratio and their median",
+    )
     ap.add_argument("--profile", type=int, default=0, help="also profile this many steps per side (rank 0)")
     ap.add_argument("--out", default=str(RESULTS / "parallel_vs_torch.json"))
     return ap.parse_args(argv)
@@ -302,9 +323,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
-    s = Setup(config=a.config, batch=a.batch, seq=a.seq, steps=a.steps, warmup=a.warmup,
-              reshard_after_forward=not a.no_reshard, profile=a.profile,
-              profile_dir=str(Path(a.out).parent))
+    s = Setup(
+        config=a.config,
+        batch=a.batch,
+        seq=a.seq,
+        steps=a.steps,
+        warmup=a.warmup,
+        reshard_after_forward=not a.no_reshard,
+        profile=a.profile,
+        profile_dir=str(Path(a.out).parent),
+    )
     runs: list[dict[str, Any]] = []
     for run in range(a.runs):  # each run starts fresh process trees
         results: dict[str, Any] = {}
@@ -314,12 +342,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     raise ValueError(f"--cases: unknown case {case!r}; choose among {CASES}")
                 r = run_distributed(_worker, world, case, s, timeout=1800.0, threads=s.threads)[0]
                 if r["first_loss_abs_diff"] > 1e-4:
-                    raise RuntimeError(f"{case}{world}: first-step losses differ by {r['first_loss_abs_diff']:.2e} "
-                                       f"({r['first_loss']}): the two sides do not compute the same model")
+                    raise RuntimeError(
+                        f"{case}{world}: first-step losses differ by {r['first_loss_abs_diff']:.2e} "
+                        f"({r['first_loss']}): the two sides do not compute the same model"
+                    )
                 results[f"{case}{world}"] = r
-                print(f"run {run + 1} {case}{world:<2} functitan {r['median_step_ms']['functitan']:7.1f} ms, torch "
-                      f"{r['median_step_ms']['torch']:7.1f} ms: functitan/torch {r['ratio']:.3f} wall, {r['ratio_cpu']:.3f} CPU; "
-                      f"first loss diff {r['first_loss_abs_diff']:.1e}", flush=True)
+                print(
+                    f"run {run + 1} {case}{world:<2} functitan {r['median_step_ms']['functitan']:7.1f} ms, torch "
+                    f"{r['median_step_ms']['torch']:7.1f} ms: functitan/torch {r['ratio']:.3f} wall, {r['ratio_cpu']:.3f} CPU; "
+                    f"first loss diff {r['first_loss_abs_diff']:.1e}",
+                    flush=True,
+                )
         runs.append(results)
     keys = list(runs[0])
     summary = {}
@@ -333,9 +366,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "summary": summary,
         "first_loss": {k: runs[0][k]["first_loss"] for k in keys},
         "runs": runs,
-        "config": {"model": a.config, **dataclasses.asdict(cfg), "batch": a.batch, "seq": a.seq, "steps": a.steps,
-                   "warmup": a.warmup, "runs": a.runs, "reshard_after_forward": s.reshard_after_forward,
-                   "optimizer": {"lr": LR, "b1": B1, "b2": B2, "eps": EPS, "weight_decay": WD}},
+        "config": {
+            "model": a.config,
+            **dataclasses.asdict(cfg),
+            "batch": a.batch,
+            "seq": a.seq,
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "runs": a.runs,
+            "reshard_after_forward": s.reshard_after_forward,
+            "optimizer": {"lr": LR, "b1": B1, "b2": B2, "eps": EPS, "weight_decay": WD},
+        },
         "env": _common.environment(s.threads, torch.device("cpu")),
     }
     path = _common.write_json(a.out, out)

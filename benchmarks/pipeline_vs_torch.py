@@ -62,7 +62,9 @@ class Setup:
 def _schedule(name: str, pp: int, m: int) -> pipeline.Schedule:
     if name == "interleaved":
         return pipeline.interleaved_1f1b(pp=pp, v=2, m=m)
-    return {"gpipe": pipeline.gpipe, "1f1b": pipeline.one_f_one_b, "zb_h1": pipeline.zb_h1, "zb_v": pipeline.zb_v}[name](pp=pp, m=m)
+    return {"gpipe": pipeline.gpipe, "1f1b": pipeline.one_f_one_b, "zb_h1": pipeline.zb_h1, "zb_v": pipeline.zb_v}[
+        name
+    ](pp=pp, m=m)
 
 
 class _TorchStage(nn.Module):
@@ -99,11 +101,15 @@ def _torch_runner(cfg: llama.LlamaConfig, params: dict, stages: pipeline.Stages,
     full = from_functional(params, cfg, device=device)
     n = stages.num_stages
     pstages = [
-        PipelineStage(_TorchStage(full, stages.layers[s], first=s == 0, last=s == n - 1), s, n, device, group=stages.pp_group)
+        PipelineStage(
+            _TorchStage(full, stages.layers[s], first=s == 0, last=s == n - 1), s, n, device, group=stages.pp_group
+        )
         for s in stages.local
     ]
     m = stages.schedule.microbatches
-    sched = Schedule1F1B(pstages[0], m, loss_fn=_ce) if name == "1f1b" else ScheduleInterleaved1F1B(pstages, m, loss_fn=_ce)
+    sched = (
+        Schedule1F1B(pstages[0], m, loss_fn=_ce) if name == "1f1b" else ScheduleInterleaved1F1B(pstages, m, loss_fn=_ce)
+    )
     has_first, has_last = 0 in stages.local, n - 1 in stages.local
     modules = [p.submod for p in pstages]
 
@@ -152,7 +158,9 @@ def _worker(pp: int, setup: Setup) -> dict:
         grad_fn = pipeline.pipeline_grad_fn(stages, timeline=timelines[name])
         fns[f"functitan_{name}"] = lambda grad_fn=grad_fn, params=params: float(grad_fn(params, batch)[0])
         if name in VERSUS_TORCH:
-            fns[f"torch_{name}"] = (lambda step: lambda: step(batch))(_torch_runner(cfg, full_params, stages, name, device))
+            fns[f"torch_{name}"] = (lambda step: lambda: step(batch))(
+                _torch_runner(cfg, full_params, stages, name, device)
+            )
 
     group = mesh["pp"].get_group()
     wall: dict[str, list[float]] = {k: [] for k in fns}
@@ -195,7 +203,9 @@ def _worker(pp: int, setup: Setup) -> dict:
             "measured_mean": round(sum(gathered) / pp, 4),
             "simulated": round(float(sim.bubble_fraction), 4),
             "simulated_per_rank": [round(float(i / sim.makespan), 4) for i in sim.idle],
-            "median_action_s_rank0": {k: round(statistics.median(sp.end - sp.start for sp in spans if sp.action.kind == k), 5) for k in kinds},
+            "median_action_s_rank0": {
+                k: round(statistics.median(sp.end - sp.start for sp in spans if sp.action.kind == k), 5) for k in kinds
+            },
         }
     return out
 
@@ -212,28 +222,44 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, default=Setup.steps)
     ap.add_argument("--microbatches", type=int, default=Setup.microbatches)
-    ap.add_argument("--runs", type=int, default=3, help="fresh process groups per pp; the JSON holds every run and the medians")
+    ap.add_argument(
+        "--runs", type=int, default=3, help="fresh process groups per pp; the JSON holds every run and the medians"
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline_vs_torch.json"))
     args = ap.parse_args(argv)
     setup = Setup(steps=args.steps, microbatches=args.microbatches)
-    result: dict[str, Any] = {"setup": dataclasses.asdict(setup), "model": "llama debug (dim 256, 8 heads, 4 kv heads, ffn 768)",
-                              "environment": _common.environment(1, torch.device("cpu")), "pp": {}}
+    result: dict[str, Any] = {
+        "setup": dataclasses.asdict(setup),
+        "model": "llama debug (dim 256, 8 heads, 4 kv heads, ffn 768)",
+        "environment": _common.environment(1, torch.device("cpu")),
+        "pp": {},
+    }
     for pp in args.pp:
         runs = []
         for run in range(args.runs):
             r = run_distributed(_worker, pp, pp, setup, timeout=1800)[0]
             r["ratios"] = _ratios(r)
-            r["cpu_ratios"] = {f"{n}/torch_{n}": r["cpu_s"][f"functitan_{n}"] / r["cpu_s"][f"torch_{n}"] for n in VERSUS_TORCH}
+            r["cpu_ratios"] = {
+                f"{n}/torch_{n}": r["cpu_s"][f"functitan_{n}"] / r["cpu_s"][f"torch_{n}"] for n in VERSUS_TORCH
+            }
             runs.append(r)
             print(f"pp={pp} run {run + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()), flush=True)
             for name, idle in r["idle"].items():
-                print(f"  {name:12s} idle measured {idle['measured_mean']:.3f}  simulated {idle['simulated']:.3f}", flush=True)
+                print(
+                    f"  {name:12s} idle measured {idle['measured_mean']:.3f}  simulated {idle['simulated']:.3f}",
+                    flush=True,
+                )
         keys = runs[0]["ratios"]
         result["pp"][str(pp)] = {
             "ratios": {k: statistics.median(x["ratios"][k] for x in runs) for k in keys},  # median over runs
             "per_run_ratios": {k: [round(x["ratios"][k], 4) for x in runs] for k in keys},
-            "idle": {n: {"measured": statistics.median(x["idle"][n]["measured_mean"] for x in runs),
-                         "simulated": statistics.median(x["idle"][n]["simulated"] for x in runs)} for n in runs[0]["idle"]},
+            "idle": {
+                n: {
+                    "measured": statistics.median(x["idle"][n]["measured_mean"] for x in runs),
+                    "simulated": statistics.median(x["idle"][n]["simulated"] for x in runs),
+                }
+                for n in runs[0]["idle"]
+            },
             "runs": runs,
         }
         print(f"pp={pp} medians: {result['pp'][str(pp)]['ratios']}", flush=True)

@@ -103,14 +103,23 @@ def main() -> None:
     predicted = []
     for c in LAYOUTS:
         p = predict(_base(dims), model, mcfg, shape, c, batch_size=BATCH, seq_len=SEQ)
-        predicted.append(step_time(c, cluster, p.comm, flops_per_token=fpt, tokens=BATCH * SEQ, n_blocks=p.blocks).total)
+        predicted.append(
+            step_time(c, cluster, p.comm, flops_per_token=fpt, tokens=BATCH * SEQ, n_blocks=p.blocks).total
+        )
     t_plan = time.perf_counter() - t0
     measured = run_distributed(_measure, WORLD, LAYOUTS, dims, args.steps, timeout=3000)[0]
     rec = min(range(len(LAYOUTS)), key=lambda i: predicted[i])
     result = {
-        "world": WORLD, "model": dims, "seq_len": SEQ, "batch_size": BATCH, "steps": args.steps,
-        "device": dev.source, "plan_seconds": t_plan,
-        "layouts": [{"layout": c.label(), "predicted_s": p, "measured_s": m} for c, p, m in zip(LAYOUTS, predicted, measured)],
+        "world": WORLD,
+        "model": dims,
+        "seq_len": SEQ,
+        "batch_size": BATCH,
+        "steps": args.steps,
+        "device": dev.source,
+        "plan_seconds": t_plan,
+        "layouts": [
+            {"layout": c.label(), "predicted_s": p, "measured_s": m} for c, p, m in zip(LAYOUTS, predicted, measured)
+        ],
         "spearman": spearman(predicted, measured),
         "recommended": LAYOUTS[rec].label(),
         "recommended_over_best_measured": measured[rec] / min(measured),
@@ -120,8 +129,10 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2))
     for row in result["layouts"]:
         print(f"{row['layout']:<44} predicted {row['predicted_s']:.4f} s  measured {row['measured_s']:.4f} s")
-    print(f"spearman {result['spearman']:.3f}; recommended {result['recommended']}: "
-          f"{result['recommended_over_best_measured']:.3f} x the best measured; wrote {out}")
+    print(
+        f"spearman {result['spearman']:.3f}; recommended {result['recommended']}: "
+        f"{result['recommended_over_best_measured']:.3f} x the best measured; wrote {out}"
+    )
 
 
 if __name__ == "__main__":

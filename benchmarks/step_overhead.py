@@ -25,8 +25,9 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -34,11 +35,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from benchmarks import _common
 from benchmarks.torch_llama import from_functional
 from functitan import optim
+from functitan.hostmem import keep_freed_memory
 from functitan.job_config import OptimizerConfig, build_optimizer, learning_rate_schedule
 from functitan.mesh import make_mesh
 from functitan.random import fold_in, key
 from functitan.sharding import Layout, default_rules, place
-from functitan.hostmem import keep_freed_memory
 from functitan.step import make_train_step
 from functitan.train_state import TrainState
 from functitan.transforms import accumulate, value_and_grad
@@ -126,8 +127,14 @@ def torch_variant(s: Setup) -> Variant:
     for name, p in model.named_parameters():
         (decay if optim.default_decay_mask(name, p) else no_decay).append(p)
     o = s.opt_cfg
-    opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=o.lr, betas=(o.b1, o.b2),
-                            eps=o.eps, weight_decay=o.weight_decay, foreach=s.torch_foreach)
+    opt = torch.optim.AdamW(
+        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr,
+        betas=(o.b1, o.b2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        foreach=s.torch_foreach,
+    )
     lr_at = learning_rate_schedule(o, s.total_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step) / o.lr)
     n = [0]
@@ -195,7 +202,9 @@ def run_profile(s: Setup, variants: tuple[str, ...], steps: int, rows: int, out_
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", default="debug", help=f"a models.llama config: {sorted(llama.CONFIGS)}")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
@@ -205,22 +214,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
-    ap.add_argument("--torch-foreach", default="default", choices=["on", "off", "default"],
-                    help="torch.optim.AdamW / clip_grad_norm_ foreach (default: torch's choice: per-tensor loops on CPU, foreach on CUDA)")
-    ap.add_argument("--breakdown", type=int, default=0, help="also time the grad and update phases separately, this many rounds each")
+    ap.add_argument(
+        "--torch-foreach",
+        default="default",
+        choices=["on", "off", "default"],
+        help="torch.optim.AdamW / clip_grad_norm_ foreach (default: torch's choice: per-tensor loops on CPU, foreach on CUDA)",
+    )
+    ap.add_argument(
+        "--breakdown",
+        type=int,
+        default=0,
+        help="also time the grad and update phases separately, this many rounds each",
+    )
     ap.add_argument("--profile", type=int, default=0, help="also profile this many steps of each variant")
     ap.add_argument("--profile-rows", type=int, default=30)
-    ap.add_argument("--default-malloc", action="store_true",
-                    help="keep glibc's default thresholds (the trainer applies functitan.hostmem.keep_freed_memory; "
-                         "it speeds both sides, functional updates more)")
-    ap.add_argument("--runs", type=int, default=3, help="fresh runs of the alternating rounds; the JSON holds each run's ratios and their median")
-    ap.add_argument("--no-tiny", dest="tiny", action="store_false",
-                    help="skip the second measurement at batch 1, seq 32 (>= 60 steps), where fixed per-step cost dominates")
+    ap.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="keep glibc's default thresholds (the trainer applies functitan.hostmem.keep_freed_memory; "
+        "it speeds both sides, functional updates more)",
+    )
+    ap.add_argument(
+        "--runs",
+        type=int,
+        default=3,
+        help="fresh runs of the alternating rounds; the JSON holds each run's ratios and their median",
+    )
+    ap.add_argument(
+        "--no-tiny",
+        dest="tiny",
+        action="store_false",
+        help="skip the second measurement at batch 1, seq 32 (>= 60 steps), where fixed per-step cost dominates",
+    )
     ap.add_argument("--out", default=str(RESULTS / "step_overhead.json"))
     return ap.parse_args(argv)
 
 
-def breakdown(fns: dict[str, Variant], *, steps: int, warmup: int, device: torch.device) -> dict[str, dict[str, dict[str, float]]]:
+def breakdown(
+    fns: dict[str, Variant], *, steps: int, warmup: int, device: torch.device
+) -> dict[str, dict[str, dict[str, float]]]:
     """Median milliseconds of each variant's two phases, each phase timed in its own alternating rounds.
 
     ``grad``: forward and backward. ``update``: norm, host sync, optimizer, new params (the same gradients
@@ -230,8 +262,12 @@ def breakdown(fns: dict[str, Variant], *, steps: int, warmup: int, device: torch
         v.grad()
     out: dict[str, dict[str, dict[str, float]]] = {}
     for phase in ("grad", "update"):
-        wall, cpu = _common.interleaved({n: getattr(v, phase) for n, v in fns.items()}, steps=steps, warmup=warmup, device=device)
-        out[phase] = {n: {"wall_ms": 1e3 * _common.median(wall[n]), "cpu_ms": 1e3 * _common.median(cpu[n])} for n in fns}
+        wall, cpu = _common.interleaved(
+            {n: getattr(v, phase) for n, v in fns.items()}, steps=steps, warmup=warmup, device=device
+        )
+        out[phase] = {
+            n: {"wall_ms": 1e3 * _common.median(wall[n]), "cpu_ms": 1e3 * _common.median(cpu[n])} for n in fns
+        }
     return out
 
 
@@ -249,11 +285,24 @@ def measure(a: argparse.Namespace, batch: int, seq: int, steps: int) -> dict[str
     variants = tuple(v for v in a.variants.split(",") if v)
     cfg = llama.config(a.config)
     g = torch.Generator().manual_seed(0)
-    batches = [{"inputs": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device),
-                "targets": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device)} for _ in range(4)]
+    batches = [
+        {
+            "inputs": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device),
+            "targets": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device),
+        }
+        for _ in range(4)
+    ]
     foreach = {"on": True, "off": False, "default": None}[a.torch_foreach]
     total = a.warmup + steps + 2 * (a.profile + 2) + a.breakdown + a.warmup  # every update advances the schedule
-    s = Setup(cfg=cfg, opt_cfg=OptimizerConfig(), total_steps=total, batches=batches, device=device, dtype=dtype, torch_foreach=foreach)
+    s = Setup(
+        cfg=cfg,
+        opt_cfg=OptimizerConfig(),
+        total_steps=total,
+        batches=batches,
+        device=device,
+        dtype=dtype,
+        torch_foreach=foreach,
+    )
     runs = []
     for r in range(a.runs):
         fns = build(s, variants if r % 2 == 0 else tuple(reversed(variants)))
@@ -262,9 +311,22 @@ def measure(a: argparse.Namespace, batch: int, seq: int, steps: int) -> dict[str
         times, cpu = _common.interleaved(wrapped, steps=steps, warmup=a.warmup, device=device)
         med = {n: _common.median(t) for n, t in times.items()}
         med_cpu = {n: _common.median(t) for n, t in cpu.items()}
-        runs.append({"median_s": med, "ratios": _ratios(med), "median_cpu_s": med_cpu, "ratios_cpu": _ratios(med_cpu),
-                     "times_s": times, "cpu_times_s": cpu, "last_loss_and_grad_norm": last})
-        print(f"  batch {batch} seq {seq} run {r + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1]["ratios"].items()), flush=True)
+        runs.append(
+            {
+                "median_s": med,
+                "ratios": _ratios(med),
+                "median_cpu_s": med_cpu,
+                "ratios_cpu": _ratios(med_cpu),
+                "times_s": times,
+                "cpu_times_s": cpu,
+                "last_loss_and_grad_norm": last,
+            }
+        )
+        print(
+            f"  batch {batch} seq {seq} run {r + 1}: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in runs[-1]["ratios"].items()),
+            flush=True,
+        )
     keys = runs[0]["ratios"].keys()
     result: dict[str, Any] = {
         "ratios": {k: _common.median([x["ratios"][k] for x in runs]) for k in keys},  # median over runs
@@ -273,14 +335,26 @@ def measure(a: argparse.Namespace, batch: int, seq: int, steps: int) -> dict[str
         "per_run_ratios_cpu": {k: [x["ratios_cpu"][k] for x in runs] for k in keys},
         "median_s": {n: _common.median([x["median_s"][n] for x in runs]) for n in runs[0]["median_s"]},
         "runs": runs,
-        "config": {"model": a.config, **dataclasses.asdict(cfg), "batch": batch, "seq": seq, "steps": steps,
-                   "warmup": a.warmup, "runs": a.runs, "dtype": a.dtype, "torch_foreach": a.torch_foreach,
-                   "default_malloc": a.default_malloc, "optimizer": dataclasses.asdict(s.opt_cfg)},
+        "config": {
+            "model": a.config,
+            **dataclasses.asdict(cfg),
+            "batch": batch,
+            "seq": seq,
+            "steps": steps,
+            "warmup": a.warmup,
+            "runs": a.runs,
+            "dtype": a.dtype,
+            "torch_foreach": a.torch_foreach,
+            "default_malloc": a.default_malloc,
+            "optimizer": dataclasses.asdict(s.opt_cfg),
+        },
     }
     if a.breakdown:
         result["breakdown"] = breakdown(build(s, variants), steps=a.breakdown, warmup=a.warmup, device=device)
     if a.profile:
-        result["profiles"] = run_profile(s, variants, a.profile, a.profile_rows, Path(a.out).parent / f"b{batch}_s{seq}")
+        result["profiles"] = run_profile(
+            s, variants, a.profile, a.profile_rows, Path(a.out).parent / f"b{batch}_s{seq}"
+        )
     return result
 
 

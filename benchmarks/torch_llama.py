@@ -35,7 +35,16 @@ from functitan.tree import map_with_names
 from models import llama
 from models.llama import LlamaConfig
 
-__all__ = ["Llama", "TransformerBlock", "Attention", "FeedForward", "RMSNorm", "module_name", "from_functional", "to_functional"]
+__all__ = [
+    "Llama",
+    "TransformerBlock",
+    "Attention",
+    "FeedForward",
+    "RMSNorm",
+    "module_name",
+    "from_functional",
+    "to_functional",
+]
 
 
 class RMSNorm(nn.Module):
@@ -125,7 +134,9 @@ class Llama(nn.Module):
         """(Re)compute the RoPE buffers, e.g. after ``to_empty`` from the meta device."""
         if self.rope_cos.is_meta:
             return
-        cos, sin = llama.rope_tables(self.cfg, self.cfg.max_seq_len, device=self.rope_cos.device, dtype=self.rope_cos.dtype)
+        cos, sin = llama.rope_tables(
+            self.cfg, self.cfg.max_seq_len, device=self.rope_cos.device, dtype=self.rope_cos.dtype
+        )
         with torch.no_grad():
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
@@ -172,7 +183,9 @@ def module_name(name: str) -> str:
             return f"layers.{i}.{_RENAMES[rest]}"
     elif name in _RENAMES:
         return _RENAMES[name]
-    raise ValueError(f"{name!r} is not a Llama parameter name; expected one of the names in models/llama.py's docstring")
+    raise ValueError(
+        f"{name!r} is not a Llama parameter name; expected one of the names in models/llama.py's docstring"
+    )
 
 
 def from_functional(params: Any, cfg: LlamaConfig, *, device: torch.device | str | None = None) -> Llama:
@@ -194,8 +207,7 @@ def from_functional(params: Any, cfg: LlamaConfig, *, device: torch.device | str
             )
         full[module_name(name)] = t.detach()
 
-    map_with_names(one, llama.params(cfg), params, is_leaf=is_param,
-                   what=("the config's params", "params"))
+    map_with_names(one, llama.params(cfg), params, is_leaf=is_param, what=("the config's params", "params"))
     first = next(iter(full.values()))
     device = torch.device(device) if device is not None else first.device
     with torch.device("meta"):

@@ -23,15 +23,32 @@ MODEL = {"dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 38
 
 def main() -> None:
     cluster = Cluster(device=device("cpu"), nodes=1, per_node=WORLD)
-    result = plan(model_name="llama", flavor="debug", overrides=MODEL, cluster=cluster,
-                  global_batch_tokens=8 * 128, seq_len=128, top=3)
+    result = plan(
+        model_name="llama",
+        flavor="debug",
+        overrides=MODEL,
+        cluster=cluster,
+        global_batch_tokens=8 * 128,
+        seq_len=128,
+        top=3,
+    )
     print(table(result, cluster.device.usable))
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "plan.toml"
         write_toml(result.cfg, path)
         print(path.read_text())
-        cmd = [sys.executable, "-m", "functitan.train", "--config", str(path), "--training.steps=20",
-               "--metrics.log_every=10", f"--metrics.run_dir={d}", "--nproc", str(WORLD)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "functitan.train",
+            "--config",
+            str(path),
+            "--training.steps=20",
+            "--metrics.log_every=10",
+            f"--metrics.run_dir={d}",
+            "--nproc",
+            str(WORLD),
+        ]
         print("$", " ".join(cmd[1:]))
         subprocess.run(cmd, check=True)
 

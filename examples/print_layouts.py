@@ -1,6 +1,6 @@
 """Print the storage placements that each parallel layout gives a few Llama params (used in docs/parallelism.md).
 
-    python examples/print_layouts.py
+python examples/print_layouts.py
 """
 
 from __future__ import annotations
@@ -24,9 +24,13 @@ def _placements(degrees: dict) -> dict[str, str]:
     mesh = make_mesh(**degrees)
     specs = llama.specs(llama.CONFIGS["debug"])
     layer = specs["layers"][0]
-    spec_of = {"embed.weight": specs["embed"]["weight"], "layers.0.attn.wq": layer["attn"]["wq"],
-               "layers.0.attn.wo": layer["attn"]["wo"], "layers.0.mlp.w_gate": layer["mlp"]["w_gate"],
-               "layers.0.attn_norm.weight": layer["attn_norm"]["weight"]}
+    spec_of = {
+        "embed.weight": specs["embed"]["weight"],
+        "layers.0.attn.wq": layer["attn"]["wq"],
+        "layers.0.attn.wo": layer["attn"]["wo"],
+        "layers.0.mlp.w_gate": layer["mlp"]["w_gate"],
+        "layers.0.attn_norm.weight": layer["attn_norm"]["weight"],
+    }
     rules = default_rules(sequence_parallel=degrees.get("tp", 1) > 1)
     return {n: str(spec_placements(spec_of[n], rules, mesh)) for n in PARAMS}
 

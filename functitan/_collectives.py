@@ -32,7 +32,16 @@ from torch import Tensor
 # forward. (Without remat, reshard-after-forward uses saved-tensor hooks instead: sharding._Regather.)
 GATHERING: contextvars.ContextVar[bool] = contextvars.ContextVar("functitan_gathering", default=False)
 
-__all__ = ["all_gather", "bucket_all_gather", "start_bucket_gather", "PendingGather", "reduce_scatter", "all_reduce", "grad_all_reduce", "chunk_sizes"]
+__all__ = [
+    "all_gather",
+    "bucket_all_gather",
+    "start_bucket_gather",
+    "PendingGather",
+    "reduce_scatter",
+    "all_reduce",
+    "grad_all_reduce",
+    "chunk_sizes",
+]
 
 
 def chunk_sizes(full: int, n: int) -> list[int]:
@@ -130,8 +139,16 @@ class _GradAllReduce(torch.autograd.Function):
         return g, None, None, None
 
 
-def all_gather(x: Tensor, dim: int, full: int, group: dist.ProcessGroup, *, reduce: str = "mean",
-               compute_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> Tensor:
+def all_gather(
+    x: Tensor,
+    dim: int,
+    full: int,
+    group: dist.ProcessGroup,
+    *,
+    reduce: str = "mean",
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> Tensor:
     """Gather shards along ``dim`` into size ``full``; backward reduce-scatters (``reduce``: mean or sum).
 
     With ``compute_dtype`` the shard is cast before the gather; with ``reduce_dtype`` the gradient is
@@ -150,7 +167,9 @@ def all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return _AllReduce.apply(x, group)
 
 
-def grad_all_reduce(x: Tensor, group: dist.ProcessGroup, *, reduce: str = "mean", reduce_dtype: torch.dtype | None = None) -> Tensor:
+def grad_all_reduce(
+    x: Tensor, group: dist.ProcessGroup, *, reduce: str = "mean", reduce_dtype: torch.dtype | None = None
+) -> Tensor:
     """Identity forward; backward all-reduces the gradient (DDP for ``mean``, Megatron's f for ``sum``)."""
     return _GradAllReduce.apply(x, group, reduce, reduce_dtype)
 
@@ -206,7 +225,7 @@ class _BucketGather(torch.autograd.Function):
             results, off = [], 0
             for (c, rest), dim, full in zip(ctx.layout, dims, fulls):
                 size = c * math.prod(rest)
-                results.append(out[:, off:off + size].reshape(n * c, *rest)[:full].movedim(0, dim))
+                results.append(out[:, off : off + size].reshape(n * c, *rest)[:full].movedim(0, dim))
                 off += size
             return tuple(results)
         finally:
@@ -217,7 +236,7 @@ class _BucketGather(torch.autograd.Function):
         n = dist.get_world_size(ctx.group)
         rank = dist.get_rank(ctx.group)
         pieces = []
-        for g, (c, rest), dim in zip(grads, ctx.layout, ctx.dims):
+        for g, (c, _rest), dim in zip(grads, ctx.layout, ctx.dims):
             if ctx.reduce_dtype is not None:
                 g = g.to(ctx.reduce_dtype)
             moved = _pad_to(g.movedim(dim, 0), n * c)
@@ -232,18 +251,27 @@ class _BucketGather(torch.autograd.Function):
         for (c, rest), dim, full, dtype in zip(ctx.layout, ctx.dims, ctx.fulls, ctx.in_dtypes):
             size = c * math.prod(rest)
             mine = chunk_sizes(full, n)[rank]
-            t = out[off:off + size].reshape(c, *rest)[:mine].movedim(0, dim)
+            t = out[off : off + size].reshape(c, *rest)[:mine].movedim(0, dim)
             results.append(t if ctx.reduce_dtype is not None else t.to(dtype))
             off += size
         return (None, None, None, None, None, None, None, *results)
 
 
-def bucket_all_gather(shards: list[Tensor], dims: list[int], fulls: list[int], group: dist.ProcessGroup, *,
-                      reduce: str = "mean", compute_dtype: torch.dtype | None = None,
-                      reduce_dtype: torch.dtype | None = None, pending: PendingGather | None = None) -> tuple[Tensor, ...]:
+def bucket_all_gather(
+    shards: list[Tensor],
+    dims: list[int],
+    fulls: list[int],
+    group: dist.ProcessGroup,
+    *,
+    reduce: str = "mean",
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    pending: PendingGather | None = None,
+) -> tuple[Tensor, ...]:
     """``all_gather`` for a list of shards in one collective (and one reduce-scatter in backward).
 
     ``pending`` is the same gather started earlier by ``start_bucket_gather`` (prefetch): only waited on here.
     """
-    return _BucketGather.apply(group, tuple(dims), tuple(fulls), compute_dtype, reduce_dtype, _scale(reduce, group),
-                               pending, *shards)
+    return _BucketGather.apply(
+        group, tuple(dims), tuple(fulls), compute_dtype, reduce_dtype, _scale(reduce, group), pending, *shards
+    )

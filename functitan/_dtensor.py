@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -44,7 +43,9 @@ def wrap(t: Tensor, s: DTensorSpec | None, requires_grad: bool = False) -> Tenso
     if s is None:
         return t.requires_grad_(requires_grad) if requires_grad else t
     if s.tensor_meta is not None and s.tensor_meta.dtype != t.dtype:
-        s = DTensorSpec(s.mesh, s.placements, tensor_meta=TensorMeta(s.tensor_meta.shape, s.tensor_meta.stride, t.dtype))
+        s = DTensorSpec(
+            s.mesh, s.placements, tensor_meta=TensorMeta(s.tensor_meta.shape, s.tensor_meta.stride, t.dtype)
+        )
     # DTensor.__new__ alone: DTensor.__init__ does nothing but costs ~2 us under its dynamo-disable wrapper.
     return DTensor.__new__(DTensor, t, s, requires_grad=requires_grad)
 

@@ -24,7 +24,7 @@ rules shard nothing, and FSDP, HSDP, TP and their products are chosen by the mes
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -90,7 +90,9 @@ def _check_rules(rules: Rules, mesh_axes: Iterable[str] | None) -> None:
                 )
 
 
-def logical_to_mesh_axes(spec: Spec, rules: Rules, *, mesh_axes: Iterable[str] | None = None) -> tuple[tuple[str, ...], ...]:
+def logical_to_mesh_axes(
+    spec: Spec, rules: Rules, *, mesh_axes: Iterable[str] | None = None
+) -> tuple[tuple[str, ...], ...]:
     """Resolve a spec to the mesh axes of each dim with flax precedence (see the module docstring).
 
     >>> logical_to_mesh_axes(("embed", "mlp"), (("mlp", "tp"), ("embed", "tp"), ("embed", "dp_shard")))
@@ -110,7 +112,9 @@ def logical_to_mesh_axes(spec: Spec, rules: Rules, *, mesh_axes: Iterable[str] |
     return tuple(a if a is not None else () for a in out)
 
 
-def spec_placements(spec: Spec, rules: Rules, mesh: DeviceMesh, *, name: str = "tensor", ndim: int | None = None) -> tuple[Placement, ...]:
+def spec_placements(
+    spec: Spec, rules: Rules, mesh: DeviceMesh, *, name: str = "tensor", ndim: int | None = None
+) -> tuple[Placement, ...]:
     """The storage placements (one per mesh dim) of a tensor with logical ``spec`` on ``mesh``.
 
     Args:

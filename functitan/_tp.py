@@ -21,7 +21,8 @@ Convention for models: activations between contractions are either the residual 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,9 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _PARSED: dict[tuple[str, int], tuple] = {}  # a plain dict, not lru_cache: torch.compile traces dict lookups
 
 
-def parse_einsum(pattern: str, n_operands: int) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...], Callable[..., Tensor]]:
+def parse_einsum(
+    pattern: str, n_operands: int
+) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...], Callable[..., Tensor]]:
     """``(input names, output names, local op)`` of a named einsum; the op is F.linear, a multiply, or torch.einsum."""
     hit = _PARSED.get((pattern, n_operands))
     if hit is None:
@@ -52,7 +55,9 @@ def parse_einsum(pattern: str, n_operands: int) -> tuple[tuple[tuple[str, ...], 
 
 def _parse(pattern: str, n_operands: int) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...], Callable[..., Tensor]]:
     if "->" not in pattern:
-        raise ValueError(f"einsum pattern {pattern!r} needs '->' (e.g. 'batch seq embed, heads embed -> batch seq heads')")
+        raise ValueError(
+            f"einsum pattern {pattern!r} needs '->' (e.g. 'batch seq embed, heads embed -> batch seq heads')"
+        )
     lhs, out = pattern.split("->")
     inputs = tuple(tuple(s.split()) for s in lhs.split(","))
     output = tuple(out.split())
@@ -62,7 +67,7 @@ def _parse(pattern: str, n_operands: int) -> tuple[tuple[tuple[str, ...], ...], 
         x, w = inputs
         if len(w) == 2 and x and x[-1] == w[1] and output == (*x[:-1], w[0]) and w[0] not in x:
             return inputs, output, F.linear  # a projection: x (..., in) with w (out, in)
-        if output == x and len(w) <= len(x) and x[len(x) - len(w):] == w:
+        if output == x and len(w) <= len(x) and x[len(x) - len(w) :] == w:
             return inputs, output, torch.mul  # a scale along x's trailing dims
     letters: dict[str, str] = {}
     for name in (n for names in (*inputs, output) for n in names):
@@ -86,7 +91,7 @@ def _axis_of(names: tuple[str, ...], rules: Rules, axis: str) -> str | None:
 class TPContext:
     """The tensor-parallel axis of a mesh and the rules: plans and runs the collectives of each op."""
 
-    def __init__(self, mesh: "DeviceMesh", rules: Rules, axis: str = "tp"):
+    def __init__(self, mesh: DeviceMesh, rules: Rules, axis: str = "tp"):
         self.rules = rules
         self.axis = axis
         self.group = mesh.get_group(axis)
@@ -122,7 +127,10 @@ class TPContext:
         plans = [(parse_einsum(pattern, 2), w) for pattern, w in pairs]
         xn = plans[0][0][0][0]
         shared = all(
-            names[0] == xn and (sh := _axis_of(names[1], self.rules, self.axis)) is not None and sh in out and sh not in xn
+            names[0] == xn
+            and (sh := _axis_of(names[1], self.rules, self.axis)) is not None
+            and sh in out
+            and sh not in xn
             for (names, out, _), _ in plans
         )
         if not shared:
@@ -163,7 +171,7 @@ class TPContext:
             return self.reduce(local, ("batch", "seq", "embed"))
         if self.sequence_parallel:  # a replicated table: look up this rank's sequence piece only
             seq = tokens.shape[1] // self.size
-            tokens = tokens[:, self.rank * seq:(self.rank + 1) * seq]
+            tokens = tokens[:, self.rank * seq : (self.rank + 1) * seq]
         return F.embedding(tokens, table)
 
     def cross_entropy(self, logits: Tensor, targets: Tensor, vocab: int) -> Tensor:
@@ -173,7 +181,7 @@ class TPContext:
                 return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
             # logits of this rank's sequence piece (a replicated head under sequence parallelism)
             lo = self.rank * logits.shape[1]
-            local = targets[:, lo:lo + logits.shape[1]]
+            local = targets[:, lo : lo + logits.shape[1]]
             total = F.cross_entropy(logits.flatten(0, 1).float(), local.flatten(), reduction="sum")
             return C.all_reduce(total, self.group) / targets.numel()
         z = logits.flatten(0, 1).float()  # (tokens, local_vocab)

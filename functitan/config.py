@@ -17,8 +17,9 @@ import sys
 import tomllib
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from .errors import UserError
 
@@ -64,8 +65,11 @@ def flat_keys(cls: type) -> dict[str, tuple[type, Any, str]]:
         for f in dataclasses.fields(sec_cls):
             if f.name == OPEN_FIELD and _is_open(hints[f.name]):
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
+            default = (
+                f.default
+                if f.default is not dataclasses.MISSING
+                else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            )  # type: ignore[misc]
             out[f"{sec_name}.{f.name}"] = (hints[f.name], default, f.metadata.get("help", ""))
     return out
 
@@ -123,9 +127,14 @@ def _suggest(key: str, known: Sequence[str]) -> str:
 
 
 def _open_sections(cls: type) -> set[str]:
-    return {sec for sec, tp in _sections(cls).items()
-            if any(f.name == OPEN_FIELD and _is_open(h) for f, h in
-                   ((f, typing.get_type_hints(tp)[f.name]) for f in dataclasses.fields(tp)))}
+    return {
+        sec
+        for sec, tp in _sections(cls).items()
+        if any(
+            f.name == OPEN_FIELD and _is_open(h)
+            for f, h in ((f, typing.get_type_hints(tp)[f.name]) for f in dataclasses.fields(tp))
+        )
+    }
 
 
 def _is_open_key(key: str, keys: dict, open_sections: set[str]) -> bool:
@@ -192,14 +201,17 @@ def config_help(cls: type, prog: str = "functitan train", epilog: str = "") -> s
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
         lines.append(f"  --{key:<34} {_type_name(tp):<18} default: {shown!r}" + (f"  {text}" if text else ""))
         if key == "model.flavor":
-            lines.append(f"  --{'model.<field>':<34} {'':<18} any field of the model's config (e.g. --model.n_layers=2)")
+            lines.append(
+                f"  --{'model.<field>':<34} {'':<18} any field of the model's config (e.g. --model.n_layers=2)"
+            )
     if epilog:
         lines += ["", epilog.rstrip()]
     return "\n".join(lines)
 
 
-def parse_config(cls: type[T], argv: Sequence[str] | None = None, *, prog: str = "functitan train",
-                 epilog: str = "") -> T:
+def parse_config(
+    cls: type[T], argv: Sequence[str] | None = None, *, prog: str = "functitan train", epilog: str = ""
+) -> T:
     """Build ``cls()`` then apply ``--config FILE`` and ``--section.key=value`` / ``--section.key value``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 __all__ = ["UserError", "USER_ERRORS", "EXIT_USER_ERROR", "report_error", "user_errors_exit", "pop_debug"]
 

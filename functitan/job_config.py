@@ -9,20 +9,30 @@ checked at parse time, before a process starts or a step is computed.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, get_args
+from typing import Any, Literal, get_args
 
 from . import optim
-from .config import ConfigError, check
 from ._remat import RematName
+from .config import ConfigError, check
 from .data import DataConfig
 from .elastic import ElasticConfig
 from .pipeline._generators import ScheduleName
 from .step import NonFinitePolicy
 
 __all__ = [
-    "ModelConfig", "TrainingConfig", "OptimizerConfig", "ParallelismConfig", "MetricsConfig",
-    "CheckpointConfig", "JobConfig", "build_optimizer", "build_schedule", "learning_rate_schedule", "Device",
+    "ModelConfig",
+    "TrainingConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "MetricsConfig",
+    "CheckpointConfig",
+    "JobConfig",
+    "build_optimizer",
+    "build_schedule",
+    "learning_rate_schedule",
+    "Device",
 ]
 
 Device = Literal["auto", "cpu", "cuda"]  # auto: cuda when available, else cpu
@@ -84,9 +94,16 @@ class OptimizerConfig:
     max_norm: float = 1.0  # global gradient-norm clip; 0 disables
 
     def __post_init__(self) -> None:
-        check(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "a learning rate is a finite number > 0, e.g. 3e-4")
+        check(
+            math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "a learning rate is a finite number > 0, e.g. 3e-4"
+        )
         _at_least(self, ("warmup_steps",), 0)
-        check(0 <= self.final_lr_ratio <= 1, "final_lr_ratio", self.final_lr_ratio, "the final lr is lr times a ratio in [0, 1]")
+        check(
+            0 <= self.final_lr_ratio <= 1,
+            "final_lr_ratio",
+            self.final_lr_ratio,
+            "the final lr is lr times a ratio in [0, 1]",
+        )
         for name in ("b1", "b2", "momentum"):
             value = getattr(self, name)
             check(0 <= value < 1, name, value, "a decay rate in [0, 1), e.g. 0.9")
@@ -108,7 +125,12 @@ class ParallelismConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, ("dp_replicate", "tp", "pp", "stages_per_rank"), 1)
-        check(self.dp_shard == -1 or self.dp_shard >= 1, "dp_shard", self.dp_shard, "must be >= 1, or -1 for the remaining ranks")
+        check(
+            self.dp_shard == -1 or self.dp_shard >= 1,
+            "dp_shard",
+            self.dp_shard,
+            "must be >= 1, or -1 for the remaining ranks",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,8 +142,12 @@ class MetricsConfig:
     def __post_init__(self) -> None:
         _at_least(self, ("log_every",), 1)
         check(bool(self.run_dir), "run_dir", self.run_dir, "a directory for the runs, e.g. runs")
-        check(self.run_name is None or (self.run_name not in (".", "..") and "/" not in self.run_name), "run_name",
-              self.run_name, "a directory name under run_dir (no '/'), or none for a timestamp")
+        check(
+            self.run_name is None or (self.run_name not in (".", "..") and "/" not in self.run_name),
+            "run_name",
+            self.run_name,
+            "a directory name under run_dir (no '/'), or none for a timestamp",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,13 +199,21 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optim.Sche
     return optim.wsd(cfg.lr, warmup, total_steps, final=final)
 
 
-def build_optimizer(cfg: OptimizerConfig, total_steps: int, *, decay_mask: optim.Mask | None = None) -> optim.GradientTransformation:
+def build_optimizer(
+    cfg: OptimizerConfig, total_steps: int, *, decay_mask: optim.Mask | None = None
+) -> optim.GradientTransformation:
     """The optimizer the config names (clipping by ``max_norm`` happens in the train step, which has the norm).
     ``decay_mask``: which params adamw decays (``optim.decay_mask_from_specs(specs)``; default: matrices)."""
     lr = learning_rate_schedule(cfg, total_steps)
     if cfg.name == "adamw":
-        return optim.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                           mask=decay_mask or optim.default_decay_mask)
+        return optim.adamw(
+            lr,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask or optim.default_decay_mask,
+        )
     return optim.sgd(lr, momentum=cfg.momentum)
 
 

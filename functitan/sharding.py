@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import optree
 import torch
@@ -30,8 +31,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from . import _collectives, _remat
 from . import _dtensor as _dt
 from ._names import NameTable
-from ._tp import TPContext, parse_einsum
 from ._rules import Rules, Spec, default_rules, is_spec, logical_to_mesh_axes, spec_placements
+from ._tp import TPContext, parse_einsum
 from .mesh import DP_AXES
 from .tree import map_with_names, tree_map
 
@@ -92,6 +93,7 @@ def constrain(x: Tensor, spec: Spec, rules: Rules, mesh: DeviceMesh) -> DTensor:
 
 
 # ----------------------------------------------------------------------------------------------- Layout
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -157,8 +159,10 @@ class Layout:
         if not self.sequence_parallel:
             return 0, seq_len
         if seq_len % self._tp.size:
-            raise ValueError(f"sequence parallelism over tp={self._tp.size} needs the sequence length divisible by "
-                             f"{self._tp.size}, got {seq_len}; change training.seq_len or set parallelism.sequence_parallel=false")
+            raise ValueError(
+                f"sequence parallelism over tp={self._tp.size} needs the sequence length divisible by "
+                f"{self._tp.size}, got {seq_len}; change training.seq_len or set parallelism.sequence_parallel=false"
+            )
         n = seq_len // self._tp.size
         return self._tp.rank * n, (self._tp.rank + 1) * n
 
@@ -184,8 +188,14 @@ class Layout:
         """
         local, shards, cast = self._prepare(p)
         for group, dim, full in shards:
-            local = _collectives.all_gather(local, dim, full, group, compute_dtype=self.param_dtype if cast else None,
-                                            reduce_dtype=self.reduce_dtype if cast else None)
+            local = _collectives.all_gather(
+                local,
+                dim,
+                full,
+                group,
+                compute_dtype=self.param_dtype if cast else None,
+                reduce_dtype=self.reduce_dtype if cast else None,
+            )
             cast = False
         return local.to(self.param_dtype) if cast else local
 
@@ -202,9 +212,14 @@ class Layout:
         for (group, cast), items in buckets.items():
             started = pending.get((id(group), cast)) if pending and torch.is_grad_enabled() else None
             gathered = _collectives.bucket_all_gather(
-                [x for _, x, _, _ in items], [d for _, _, d, _ in items], [f for _, _, _, f in items], group,
-                compute_dtype=self.param_dtype if cast else None, reduce_dtype=self.reduce_dtype if cast else None,
-                pending=started)
+                [x for _, x, _, _ in items],
+                [d for _, _, d, _ in items],
+                [f for _, _, _, f in items],
+                group,
+                compute_dtype=self.param_dtype if cast else None,
+                reduce_dtype=self.reduce_dtype if cast else None,
+                pending=started,
+            )
             for (i, *_), g in zip(items, gathered):
                 out[i] = g
         return optree.tree_unflatten(treedef, out)
@@ -219,8 +234,12 @@ class Layout:
             _, _, buckets = self._buckets(tree)
             for (group, cast), items in buckets.items():
                 started[(id(group), cast)] = _collectives.start_bucket_gather(
-                    [x for _, x, _, _ in items], [d for _, _, d, _ in items], [f for _, _, _, f in items], group,
-                    compute_dtype=self.param_dtype if cast else None)
+                    [x for _, x, _, _ in items],
+                    [d for _, _, d, _ in items],
+                    [f for _, _, _, f in items],
+                    group,
+                    compute_dtype=self.param_dtype if cast else None,
+                )
         return started
 
     def _buckets(self, tree: Any) -> tuple[list, Any, dict]:
@@ -258,12 +277,20 @@ class Layout:
                 _check_only_dp_on_dim(p, pl.dim)
                 shards.append((mesh.get_group(mi), pl.dim, p.shape[pl.dim]))
             else:
-                raise ValueError(f"parameter placement {pl} on mesh axis {names[mi]!r} is not supported; use Shard or Replicate")
+                raise ValueError(
+                    f"parameter placement {pl} on mesh axis {names[mi]!r} is not supported; use Shard or Replicate"
+                )
         return local, shards, cast
 
     # -- blocks
-    def blocks(self, fn: Callable[..., Tensor], layers: Sequence[Any], x: Tensor, *args: Any,
-               remat: Sequence[str | _remat.Policy | None] | None = None) -> Tensor:
+    def blocks(
+        self,
+        fn: Callable[..., Tensor],
+        layers: Sequence[Any],
+        x: Tensor,
+        *args: Any,
+        remat: Sequence[str | _remat.Policy | None] | None = None,
+    ) -> Tensor:
         """``x = fn(compute_params, x, *args)`` for each block's params in ``layers``, in order.
 
         Each block's params are gathered inside its remat region (``block``); under FSDP without activation
@@ -276,14 +303,22 @@ class Layout:
             x, pending = self._block(fn, p, (x, *args), pending, nxt, remat[i] if remat is not None else None)
         return x
 
-    def block(self, fn: Callable[..., Tensor], params: Any, *args: Any,
-              remat: str | _remat.Policy | None = None) -> Tensor:
+    def block(
+        self, fn: Callable[..., Tensor], params: Any, *args: Any, remat: str | _remat.Policy | None = None
+    ) -> Tensor:
         """``fn(compute_params, *args)`` with the params gathered inside the block's remat region; ``remat``:
         this block's policy instead of the layout's."""
         return self._block(fn, params, args, None, None, remat)[0]
 
-    def _block(self, fn: Callable[..., Tensor], params: Any, args: tuple, pending: Any, nxt: Any,
-               remat: str | _remat.Policy | None = None) -> tuple[Tensor, Any]:
+    def _block(
+        self,
+        fn: Callable[..., Tensor],
+        params: Any,
+        args: tuple,
+        pending: Any,
+        nxt: Any,
+        remat: str | _remat.Policy | None = None,
+    ) -> tuple[Tensor, Any]:
         policy = _remat.as_policy(self.remat if remat is None else remat)
         if self.compile:
             fn = torch.compile(fn)  # dynamo's cache lives with fn's code: compiled once, whatever the wrapper
@@ -295,7 +330,11 @@ class Layout:
             return run(params, *args), None
         if not policy.checkpoints:
             regather = _Regather(self, params) if self.reshard_after_forward and self._fsdp else None
-            hooks = torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack) if regather else contextlib.nullcontext()
+            hooks = (
+                torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack)
+                if regather
+                else contextlib.nullcontext()
+            )
             if policy.offload:
                 hooks = _remat.offload_hooks(regather.pack if regather else None, regather.unpack if regather else None)
             with hooks:
@@ -389,7 +428,7 @@ class _Regather:
     (benchmarks/parallel_vs_torch.py measured FSDP 2 at 1.35x torch's FSDP2 with that, 1.12x with this).
     """
 
-    def __init__(self, layout: "Layout", params: Any) -> None:
+    def __init__(self, layout: Layout, params: Any) -> None:
         self.layout, self.params = layout, params
         self.where: dict[int, int] = {}  # storage address of a gathered leaf -> its index
         self.cache: list[Tensor] | None = None
@@ -437,8 +476,11 @@ class _ToLocal(torch.autograd.Function):
 
 def _check_only_dp_on_dim(p: DTensor, dim: int) -> None:
     names = p.device_mesh.mesh_dim_names or ()
-    other = [names[i] for i, pl in enumerate(p.placements)
-             if isinstance(pl, Shard) and pl.dim == dim and names[i] not in DP_AXES and p.device_mesh.size(i) > 1]
+    other = [
+        names[i]
+        for i, pl in enumerate(p.placements)
+        if isinstance(pl, Shard) and pl.dim == dim and names[i] not in DP_AXES and p.device_mesh.size(i) > 1
+    ]
     if other:
         raise ValueError(
             f"a parameter of shape {tuple(p.shape)} is sharded on dim {dim} by both a data-parallel axis and {other}; "

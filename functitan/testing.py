@@ -11,7 +11,8 @@ import os
 import pickle
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -30,8 +31,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
     import torch.distributed as dist
 
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(threads)
     try:
@@ -71,15 +76,18 @@ def run_distributed(
     try:
         return _run_once(fn, world_size, args, kwargs, timeout, threads)
     except _InitFailed as e:
-        raise RuntimeError(f"distributed run of {fn.__name__}: the gloo process group did not form in "
-                           f"{INIT_ATTEMPTS} attempts:\n{e}") from None
+        raise RuntimeError(
+            f"distributed run of {fn.__name__}: the gloo process group did not form in {INIT_ATTEMPTS} attempts:\n{e}"
+        ) from None
 
 
 class _InitFailed(Exception):
     pass
 
 
-def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout: float, threads: int) -> list[Any]:
+def _run_once(
+    fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout: float, threads: int
+) -> list[Any]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
     queue = ctx.Queue()

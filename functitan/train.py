@@ -12,15 +12,15 @@ import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import metrics as M
-from . import optim
-from . import pipeline
+from . import optim, pipeline
 from .checkpoint import CheckpointManager, is_hf_dir, load_hf, recorded_model_config, restore_params, write_model_config
 from .config import ConfigError, parse_config, to_dict
 from .data import build_loader
@@ -28,10 +28,10 @@ from .elastic import Preemption, launch, parse_launch_args, report_stopped, spli
 from .errors import pop_debug, user_errors_exit
 from .hostmem import keep_freed_memory
 from .job_config import JobConfig, build_optimizer, build_schedule, learning_rate_schedule
+from .mesh import make_mesh
 from .model import Model, check_names, config_from_dict, config_to_dict, load_model
 from .model import init as init_params
 from .model import specs as model_specs
-from .mesh import make_mesh
 from .random import fold_in, key
 from .sharding import Layout, default_rules, place
 from .step import make_train_step
@@ -57,17 +57,26 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     mesh = make_mesh(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, device=device.type)
     layout, rules = make_layout(cfg, mesh)
     per_rank, microbatches = local_batch(cfg, layout.dp_size)
-    loader = build_loader(cfg.data, batch_size=per_rank, seq_len=tcfg.seq_len,
-                          dp_rank=layout.dp_rank, dp_size=layout.dp_size, device=device)
+    loader = build_loader(
+        cfg.data,
+        batch_size=per_rank,
+        seq_len=tcfg.seq_len,
+        dp_rank=layout.dp_rank,
+        dp_size=layout.dp_size,
+        device=device,
+    )
 
     # 2. model and init: identical on every rank and mesh (or weights from load_path)
     rng = key(tcfg.seed)
     name, model, model_cfg, full_params = _init_model(cfg, model, rng, vocab=loader.tokenizer.vocab_size, device=device)
-    _check_model(model, model_cfg, tp=par.tp, pp=par.pp, seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel)
+    _check_model(
+        model, model_cfg, tp=par.tp, pp=par.pp, seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel
+    )
 
     # 3. place: each rank keeps its shards (and only its pipeline stages); the grad_fn follows the layout
-    params, grad_fn, norm_across, loss_grad = place_model(cfg, model, model_cfg, full_params, mesh, layout, rules,
-                                                          microbatches=microbatches)
+    params, grad_fn, norm_across, loss_grad = place_model(
+        cfg, model, model_cfg, full_params, mesh, layout, rules, microbatches=microbatches
+    )
     del full_params
 
     # 4. optimizer and step
@@ -83,17 +92,26 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     write_model_config(name, model_cfg, run_dir)  # lets `functitan export hf` rebuild the model
     ckpt = None
     if cfg.checkpoint.enable:
-        ckpt = CheckpointManager(run_dir / cfg.checkpoint.folder, interval=cfg.checkpoint.interval,
-                                 keep_last=cfg.checkpoint.keep_last, mesh=mesh)
-    restored = ckpt.restore_latest(state, in_place=True) if ckpt is not None else None  # reuses the fresh state's memory
+        ckpt = CheckpointManager(
+            run_dir / cfg.checkpoint.folder,
+            interval=cfg.checkpoint.interval,
+            keep_last=cfg.checkpoint.keep_last,
+            mesh=mesh,
+        )
+    restored = (
+        ckpt.restore_latest(state, in_place=True) if ckpt is not None else None
+    )  # reuses the fresh state's memory
     if restored is not None:
         state = restored
     elif cfg.checkpoint.load_path and not is_hf_dir(cfg.checkpoint.load_path):
         state = state._replace(params=restore_params(cfg.checkpoint.load_path, state.params, partial=par.pp > 1))
 
     # 6. metrics, and the loop
-    meter = M.Meter(world_size=dist.get_world_size(), flops_per_token=model.flops_per_token(model_cfg, tcfg.seq_len),
-                    peak=M.peak_flops(device, layout.param_dtype or torch.float32))
+    meter = M.Meter(
+        world_size=dist.get_world_size(),
+        flops_per_token=model.flops_per_token(model_cfg, tcfg.seq_len),
+        peak=M.peak_flops(device, layout.param_dtype or torch.float32),
+    )
     with _stepper(cfg, train_step, loader, device, loss_grad=loss_grad, optimizer=optimizer) as advance:
         return _loop(cfg, state, advance, loader, meter, ckpt, run_dir, device)
 
@@ -102,15 +120,33 @@ def make_layout(cfg: JobConfig, mesh: Any) -> tuple[Layout, Any]:
     """``(Layout, rules)`` the step computes with on ``mesh`` (pipeline stages: the mesh without ``pp``)."""
     par, tcfg = cfg.parallelism, cfg.training
     rules = default_rules(sequence_parallel=par.sequence_parallel and par.tp > 1)
-    compute_mesh, compute_rules = (pipeline.stage_mesh(mesh), pipeline.stage_rules(rules)) if par.pp > 1 else (mesh, rules)
-    layout = Layout(compute_mesh, compute_rules, remat=tcfg.remat, compile=tcfg.compile,
-                    reshard_after_forward=par.reshard_after_forward,
-                    param_dtype=getattr(torch, tcfg.param_dtype), reduce_dtype=getattr(torch, tcfg.reduce_dtype))
+    compute_mesh, compute_rules = (
+        (pipeline.stage_mesh(mesh), pipeline.stage_rules(rules)) if par.pp > 1 else (mesh, rules)
+    )
+    layout = Layout(
+        compute_mesh,
+        compute_rules,
+        remat=tcfg.remat,
+        compile=tcfg.compile,
+        reshard_after_forward=par.reshard_after_forward,
+        param_dtype=getattr(torch, tcfg.param_dtype),
+        reduce_dtype=getattr(torch, tcfg.reduce_dtype),
+    )
     return layout, rules
 
 
-def place_model(cfg: JobConfig, model: Model, model_cfg: Any, full_params: Any, mesh: Any, layout: Layout,
-                rules: Any, *, microbatches: int, stage_layers: Any = None) -> tuple[Any, Any, Any, Any]:
+def place_model(
+    cfg: JobConfig,
+    model: Model,
+    model_cfg: Any,
+    full_params: Any,
+    mesh: Any,
+    layout: Layout,
+    rules: Any,
+    *,
+    microbatches: int,
+    stage_layers: Any = None,
+) -> tuple[Any, Any, Any, Any]:
     """``(this rank's params, grad_fn, norm_across, loss_grad)``: shards (and only this rank's pipeline stages)
     placed, and the grad_fn that follows the layout (accumulated microbatches, or the pipeline schedule's
     executor; ``loss_grad`` is the per-microbatch one, None with pipelining).
@@ -121,8 +157,12 @@ def place_model(cfg: JobConfig, model: Model, model_cfg: Any, full_params: Any, 
     if par.pp > 1:
         stage_model = model.stages(model_cfg, layout, seq_len=tcfg.seq_len, dtype=layout.param_dtype or torch.float32)
         stages = pipeline.make_stages(stage_model, build_schedule(par, tcfg.microbatches), mesh, layers=stage_layers)
-        return (pipeline.place_stages(full_params, specs, rules, stages), pipeline.pipeline_grad_fn(stages),
-                stages.pp_group, None)
+        return (
+            pipeline.place_stages(full_params, specs, rules, stages),
+            pipeline.pipeline_grad_fn(stages),
+            stages.pp_group,
+            None,
+        )
     params = place(full_params, specs, rules, mesh)
     loss_grad = value_and_grad(lambda p, b: model.loss(p, b, model_cfg, layout))
     return params, accumulate(loss_grad, microbatches), None, loss_grad
@@ -132,12 +172,18 @@ def make_step(cfg: JobConfig, model: Model, model_cfg: Any, grad_fn: Any, norm_a
     """``(optimizer, train_step)`` as the config says (weight decay masked by the params' specs)."""
     specs = model_specs(model.params(model_cfg))
     optimizer = build_optimizer(cfg.optimizer, cfg.training.steps, decay_mask=optim.decay_mask_from_specs(specs))
-    return optimizer, make_train_step(grad_fn, optimizer, max_norm=cfg.optimizer.max_norm, norm_across=norm_across,
-                                      on_nonfinite=cfg.training.on_nonfinite)
+    return optimizer, make_train_step(
+        grad_fn,
+        optimizer,
+        max_norm=cfg.optimizer.max_norm,
+        norm_across=norm_across,
+        on_nonfinite=cfg.training.on_nonfinite,
+    )
 
 
-def _init_model(cfg: JobConfig, model: Model | None, rng: int, *, vocab: int,
-                device: torch.device) -> tuple[str, Model, Any, Any]:
+def _init_model(
+    cfg: JobConfig, model: Model | None, rng: int, *, vocab: int, device: torch.device
+) -> tuple[str, Model, Any, Any]:
     """``(model name, Model, model config, full params)``.
 
     The config comes from an HF directory at ``checkpoint.load_path``, else from the model recorded beside a
@@ -152,8 +198,10 @@ def _init_model(cfg: JobConfig, model: Model | None, rng: int, *, vocab: int,
         return name, model, _with_overrides(model, model_cfg, mcfg, f"the Hugging Face model in {load_path}"), params
     if recorded is not None:
         if mcfg.name is not None and mcfg.name != recorded[0]:
-            raise ConfigError(f"model.name={mcfg.name!r} conflicts with the checkpoint's model {recorded[0]!r} "
-                              f"(recorded beside {load_path}); drop --model.name or choose another checkpoint.load_path")
+            raise ConfigError(
+                f"model.name={mcfg.name!r} conflicts with the checkpoint's model {recorded[0]!r} "
+                f"(recorded beside {load_path}); drop --model.name or choose another checkpoint.load_path"
+            )
         model_cfg = config_from_dict(model.config_type, recorded[1])
         if mcfg.flavor is not None:
             flagged = model.config(mcfg.flavor, **{**dict(mcfg.overrides), "vocab_size": model_cfg.vocab_size})
@@ -162,8 +210,10 @@ def _init_model(cfg: JobConfig, model: Model | None, rng: int, *, vocab: int,
     else:
         model_cfg = model.config(mcfg.flavor or "debug", **{"vocab_size": vocab, **dict(mcfg.overrides)})
     if model_cfg.vocab_size < vocab:
-        raise ValueError(f"the model's vocab_size {model_cfg.vocab_size} is smaller than the tokenizer's {vocab}; "
-                         f"set data.tokenizer to the model's tokenizer")
+        raise ValueError(
+            f"the model's vocab_size {model_cfg.vocab_size} is smaller than the tokenizer's {vocab}; "
+            f"set data.tokenizer to the model's tokenizer"
+        )
     return name, model, model_cfg, init_params(model.params(model_cfg), fold_in(rng, "params"), device=device)
 
 
@@ -174,18 +224,24 @@ def _with_overrides(model: Model, base: Any, mcfg: Any, what: str) -> Any:
 
 
 def _no_conflict(flagged: Any, recorded: Any, what: str) -> None:
-    diff = [f"{f.name}={getattr(flagged, f.name)!r} vs {getattr(recorded, f.name)!r}"
-            for f in dataclasses.fields(recorded) if getattr(flagged, f.name) != getattr(recorded, f.name)]
+    diff = [
+        f"{f.name}={getattr(flagged, f.name)!r} vs {getattr(recorded, f.name)!r}"
+        for f in dataclasses.fields(recorded)
+        if getattr(flagged, f.name) != getattr(recorded, f.name)
+    ]
     if diff:
-        raise ConfigError(f"[model] flags conflict with {what}: {'; '.join(diff)} (flag vs checkpoint); drop the "
-                          f"[model] flags to train the checkpoint's model, or drop checkpoint.load_path")
+        raise ConfigError(
+            f"[model] flags conflict with {what}: {'; '.join(diff)} (flag vs checkpoint); drop the "
+            f"[model] flags to train the checkpoint's model, or drop checkpoint.load_path"
+        )
 
 
 def _check_model(model: Model, model_cfg: Any, *, tp: int, pp: int, seq_len: int, sequence_parallel: bool) -> None:
     """Before any collective: the model can take this layout, and its contractions name params as declared."""
     if pp > 1 and model.stages is None:
-        raise ValueError(f"parallelism.pp={pp}: model {model.name!r} declares no pipeline stages (Model.stages); "
-                         f"use pp=1")
+        raise ValueError(
+            f"parallelism.pp={pp}: model {model.name!r} declares no pipeline stages (Model.stages); use pp=1"
+        )
     if model.check_layout is not None:
         model.check_layout(model_cfg, tp=tp, seq_len=seq_len, sequence_parallel=sequence_parallel)
     check_names(model, model_cfg)
@@ -201,9 +257,18 @@ def _stepper(cfg: JobConfig, train_step: Any, loader: Any, device: torch.device,
     from .elastic.live import LiveStepper  # the elastic extra
 
     if loss_grad is None:
-        raise ValueError("elastic.live=true with parallelism.pp > 1 is not supported; use pp=1 inside each replica group")
-    live = LiveStepper(cfg, loss_grad, optimizer, max_norm=cfg.optimizer.max_norm,
-                       on_nonfinite=cfg.training.on_nonfinite, loader=loader, device=device)
+        raise ValueError(
+            "elastic.live=true with parallelism.pp > 1 is not supported; use pp=1 inside each replica group"
+        )
+    live = LiveStepper(
+        cfg,
+        loss_grad,
+        optimizer,
+        max_norm=cfg.optimizer.max_norm,
+        on_nonfinite=cfg.training.on_nonfinite,
+        loader=loader,
+        device=device,
+    )
     try:
         yield live.advance
     finally:
@@ -223,8 +288,16 @@ def _advance(loader: Any, train_step: Any) -> Any:
     return advance
 
 
-def _loop(cfg: JobConfig, state: TrainState, advance: Any, loader: Any, meter: Any, ckpt: Any,
-          run_dir: Path, device: torch.device) -> dict[str, Any]:
+def _loop(
+    cfg: JobConfig,
+    state: TrainState,
+    advance: Any,
+    loader: Any,
+    meter: Any,
+    ckpt: Any,
+    run_dir: Path,
+    device: torch.device,
+) -> dict[str, Any]:
     """Step until ``training.steps``, or until SIGTERM/SIGINT: then checkpoint at this step boundary and stop."""
     steps = cfg.training.steps
     lr_at = learning_rate_schedule(cfg.optimizer, steps)
@@ -245,14 +318,25 @@ def _loop(cfg: JobConfig, state: TrainState, advance: Any, loader: Any, meter: A
                         ckpt.maybe_save(state, force=True)
                     break
                 state, out, position = stepped  # position: where this step read the data stream
-                meter.update(wall_s=time.perf_counter() - t0, data_s=out.pop("data_s", 0.0),
-                             tokens=batch_seqs * cfg.training.seq_len)
+                meter.update(
+                    wall_s=time.perf_counter() - t0,
+                    data_s=out.pop("data_s", 0.0),
+                    tokens=batch_seqs * cfg.training.seq_len,
+                )
                 first_loss = out["loss"] if state.step == start + 1 else first_loss
                 last_loss = out["loss"]
                 stop = preemption.agreed(device)  # every rank stops at the same boundary
                 if state.step % cfg.metrics.log_every == 0 or state.step in (1, steps) or stop:
-                    sinks.write(state.step, {**out, "lr": lr_at(state.step - 1), **meter.flush(), **M.peak_memory(device),
-                                             **_position(position, batch_seqs, cfg, out.get("replicas", 1) * dist.get_world_size())})
+                    sinks.write(
+                        state.step,
+                        {
+                            **out,
+                            "lr": lr_at(state.step - 1),
+                            **meter.flush(),
+                            **M.peak_memory(device),
+                            **_position(position, batch_seqs, cfg, out.get("replicas", 1) * dist.get_world_size()),
+                        },
+                    )
                     M.reset_peak_memory(device)
                 if ckpt is not None:
                     ckpt.maybe_save(state, force=state.step == steps or bool(stop))
@@ -265,18 +349,31 @@ def _loop(cfg: JobConfig, state: TrainState, advance: Any, loader: Any, meter: A
         _report_stop(stop, state.step, ckpt, rejoin=rejoin)
     elif dist.get_rank() == 0:
         print(_summary_line(start, state.step, steps, first_loss, last_loss, run_dir), flush=True)
-    return {"steps": state.step, "first_loss": first_loss, "last_loss": last_loss, "run_dir": str(run_dir), "state": state,
-            "stopped_by": Preemption.name(stop) if stop else None, "rejoin": rejoin}
+    return {
+        "steps": state.step,
+        "first_loss": first_loss,
+        "last_loss": last_loss,
+        "run_dir": str(run_dir),
+        "state": state,
+        "stopped_by": Preemption.name(stop) if stop else None,
+        "rejoin": rejoin,
+    }
 
 
 def _position(data_state: Any, batch_seqs: int, cfg: JobConfig, world: int) -> dict[str, int]:
     """Where a step read the data stream and how much: the record that shows every step ran once, at its place."""
-    return {"data_epoch": data_state["epoch"], "data_seq": data_state["seq"],
-            "batch_tokens": batch_seqs * cfg.training.seq_len, "world_size": world}
+    return {
+        "data_epoch": data_state["epoch"],
+        "data_seq": data_state["seq"],
+        "batch_tokens": batch_seqs * cfg.training.seq_len,
+        "world_size": world,
+    }
 
 
 def _report_stop(signum: int, step: int, ckpt: Any, *, rejoin: bool) -> None:
-    saved = f"checkpoint saved in {ckpt.step_dir(step)}" if ckpt is not None else "no checkpoint (checkpoint.enable=false)"
+    saved = (
+        f"checkpoint saved in {ckpt.step_dir(step)}" if ckpt is not None else "no checkpoint (checkpoint.enable=false)"
+    )
     if rejoin:  # a peer was signalled, not us: exit non-zero so that our torchrun agent restarts us (elastic)
         print(f"functitan: a peer stopped after step {step}; {saved}; restarting to re-form the group", flush=True)
     elif dist.get_rank() == 0:
@@ -295,8 +392,10 @@ def _summary_line(start: int, end: int, steps: int, first_loss: float, last_loss
 
 def _init_process(tcfg: Any) -> torch.device:
     if tcfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("training.device='cuda' but torch sees no CUDA device here; use training.device=cpu "
-                         "(or auto, which picks cuda when there is one)")
+        raise ValueError(
+            "training.device='cuda' but torch sees no CUDA device here; use training.device=cpu "
+            "(or auto, which picks cuda when there is one)"
+        )
     use_cuda = tcfg.device == "cuda" or (tcfg.device == "auto" and torch.cuda.is_available())
     if tcfg.threads > 0:
         torch.set_num_threads(tcfg.threads)
@@ -312,8 +411,13 @@ def _init_process(tcfg: Any) -> torch.device:
 def local_batch(cfg: JobConfig, dp_size: int) -> tuple[int, int]:
     """``(per-rank batch, microbatches)``: the global batch is constant, whatever the world size (elastic)."""
     par = cfg.parallelism
-    return split_batch(cfg.training.batch_size, dp_size, microbatches=cfg.training.microbatches,
-                       microbatch_size=cfg.elastic.microbatch_size if par.pp == 1 else 0, fixed=par.tp * par.pp)
+    return split_batch(
+        cfg.training.batch_size,
+        dp_size,
+        microbatches=cfg.training.microbatches,
+        microbatch_size=cfg.elastic.microbatch_size if par.pp == 1 else 0,
+        fixed=par.tp * par.pp,
+    )
 
 
 def _run_dir(cfg: JobConfig, model_name: str) -> Path:
@@ -322,7 +426,9 @@ def _run_dir(cfg: JobConfig, model_name: str) -> Path:
         stamp = torch.tensor([int(time.time())], dtype=torch.int64)
         if dist.get_world_size() > 1:
             dist.broadcast(stamp, src=0)
-        name = f"{Path(model_name.split(':')[0]).stem}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(int(stamp.item())))}"
+        name = (
+            f"{Path(model_name.split(':')[0]).stem}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(int(stamp.item())))}"
+        )
     return Path(cfg.metrics.run_dir) / name
 
 

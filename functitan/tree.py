@@ -8,7 +8,8 @@ concerns a leaf names that path.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import optree
 

@@ -32,8 +32,9 @@ References: GPT-2 (Radford et al. 2019, "Language Models are Unsupervised Multit
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,17 @@ from functitan.metrics import transformer_flops_per_token
 from functitan.model import HFMap, HFTensor, Param, normal, ones, zeros
 from functitan.sharding import Layout
 
-__all__ = ["GPT2Config", "CONFIGS", "params", "apply", "loss", "flops_per_token", "check_layout", "stage_model", "MODEL"]
+__all__ = [
+    "GPT2Config",
+    "CONFIGS",
+    "params",
+    "apply",
+    "loss",
+    "flops_per_token",
+    "check_layout",
+    "stage_model",
+    "MODEL",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +76,9 @@ class GPT2Config:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be positive")
         if self.dim % self.n_heads:
             ok = [d for d in range(1, self.dim + 1) if self.dim % d == 0]
-            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; choose n_heads among {ok[:12]}")
+            raise ValueError(
+                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; choose n_heads among {ok[:12]}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -101,9 +114,14 @@ def params(cfg: GPT2Config) -> dict[str, Any]:
             "attn": {
                 # q, k and v in one weight; "qkv" has no rule (never sharded), "heads" is split over tp, so a
                 # tensor-parallel rank holds q, k and v of its own heads
-                "c_attn": {"weight": Param((3, d, d), ("qkv", "heads", "embed"), w),
-                           "bias": Param((3, d), ("qkv", "heads"), zeros())},
-                "c_proj": {"weight": Param((d, d), ("embed", "heads"), w_out), "bias": Param((d,), ("embed",), zeros())},
+                "c_attn": {
+                    "weight": Param((3, d, d), ("qkv", "heads", "embed"), w),
+                    "bias": Param((3, d), ("qkv", "heads"), zeros()),
+                },
+                "c_proj": {
+                    "weight": Param((d, d), ("embed", "heads"), w_out),
+                    "bias": Param((d,), ("embed",), zeros()),
+                },
             },
             "ln_2": norm(),
             "mlp": {
@@ -127,8 +145,9 @@ def flops_per_token(cfg: GPT2Config, seq_len: int) -> float:
     """Training FLOPs per token (PaLM's formula); the position table is a lookup, and so is wte when untied."""
     lookups = {"wpe.weight"} | (set() if cfg.tie_embeddings else {"wte.weight"})
     n = M.count(params(cfg), exclude=lambda name, _: name in lookups)
-    return transformer_flops_per_token(n_params=n, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                                       head_dim=cfg.head_dim, seq_len=seq_len)
+    return transformer_flops_per_token(
+        n_params=n, n_layers=cfg.n_layers, n_heads=cfg.n_heads, head_dim=cfg.head_dim, seq_len=seq_len
+    )
 
 
 def check_layout(cfg: GPT2Config, *, tp: int = 1, seq_len: int | None = None, sequence_parallel: bool = False) -> None:
@@ -137,14 +156,20 @@ def check_layout(cfg: GPT2Config, *, tp: int = 1, seq_len: int | None = None, se
     if bad:
         g = math.gcd(cfg.n_heads, cfg.ffn_dim)
         ok = [t for t in range(1, g + 1) if g % t == 0]
-        raise ValueError(f"parallelism.tp={tp} does not divide {', '.join(bad)}; tensor parallelism splits heads and "
-                         f"the MLP width evenly. A tp that works for this model: {max(t for t in ok if t <= tp)} (any of {ok})")
+        raise ValueError(
+            f"parallelism.tp={tp} does not divide {', '.join(bad)}; tensor parallelism splits heads and "
+            f"the MLP width evenly. A tp that works for this model: {max(t for t in ok if t <= tp)} (any of {ok})"
+        )
     if seq_len is not None and seq_len > cfg.max_seq_len:
-        raise ValueError(f"training.seq_len={seq_len} exceeds model.max_seq_len={cfg.max_seq_len} (the rows of the "
-                         f"position table); shorten training.seq_len")
+        raise ValueError(
+            f"training.seq_len={seq_len} exceeds model.max_seq_len={cfg.max_seq_len} (the rows of the "
+            f"position table); shorten training.seq_len"
+        )
     if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise ValueError(f"sequence parallelism with parallelism.tp={tp} needs training.seq_len divisible by {tp}, got "
-                         f"{seq_len}; use seq_len={seq_len - seq_len % tp or tp} or set parallelism.sequence_parallel=false")
+        raise ValueError(
+            f"sequence parallelism with parallelism.tp={tp} needs training.seq_len divisible by {tp}, got "
+            f"{seq_len}; use seq_len={seq_len - seq_len % tp or tp} or set parallelism.sequence_parallel=false"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- compute
@@ -166,7 +191,9 @@ def attention(p: dict[str, Any], x: Tensor, cfg: GPT2Config, layout: Layout) -> 
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     o = o.transpose(1, 2).reshape(b, s, -1)  # (batch, seq, local heads * head_dim)
     # row parallel: the einsum sums the partial products over tp first, then the bias is added once
-    return layout.einsum("batch seq heads, embed heads -> batch seq embed", o, p["c_proj"]["weight"]) + p["c_proj"]["bias"]
+    return (
+        layout.einsum("batch seq heads, embed heads -> batch seq embed", o, p["c_proj"]["weight"]) + p["c_proj"]["bias"]
+    )
 
 
 def mlp(p: dict[str, Any], x: Tensor, layout: Layout) -> Tensor:
@@ -219,7 +246,9 @@ def stage_model(cfg: GPT2Config, layout: Layout, *, seq_len: int, dtype: torch.d
     return StageModel(
         first=lambda p, mb: embed(layout.params(p), mb["inputs"], cfg, layout),
         blocks=lambda layers, x: layout.blocks(block, layers, x, cfg, layout),
-        last=lambda p, x, mb: layout.cross_entropy(head(layout.params(p), x, cfg, layout), mb["targets"], cfg.vocab_size),
+        last=lambda p, x, mb: layout.cross_entropy(
+            head(layout.params(p), x, cfg, layout), mb["targets"], cfg.vocab_size
+        ),
         activation=lambda mb: ((mb["inputs"].shape[0], mb["inputs"].shape[1] // layout.seq_shards, d), dtype),
         n_blocks=cfg.n_layers,
         block_cost=float(2 * (4 * d * d + 2 * d * cfg.ffn_dim) + 2 * seq_len * d),
@@ -248,52 +277,85 @@ def hf_tensors(cfg: GPT2Config) -> dict[str, HFTensor]:
         out["lm_head.weight"] = HFTensor(key="lm_head.weight")
     for i in range(cfg.n_layers):
         ours, hf = f"layers.{i}", f"transformer.h.{i}"
-        for n in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias", "mlp.c_fc.bias", "mlp.c_proj.bias"):
+        for n in (
+            "ln_1.weight",
+            "ln_1.bias",
+            "ln_2.weight",
+            "ln_2.bias",
+            "attn.c_proj.bias",
+            "mlp.c_fc.bias",
+            "mlp.c_proj.bias",
+        ):
             out[f"{ours}.{n}"] = HFTensor(key=f"{hf}.{n}")
         for n in ("attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"):
             out[f"{ours}.{n}"] = HFTensor(key=f"{hf}.{n}", **_conv1d())
         # c_attn: HF (embed, 3 * embed) with q, k, v side by side <-> ours (3, heads, embed)
-        out[f"{ours}.attn.c_attn.weight"] = HFTensor(key=f"{hf}.attn.c_attn.weight",
-                                                     to_hf=lambda t: t.reshape(3 * d, d).t().contiguous(),
-                                                     from_hf=lambda t: t.t().reshape(3, d, d).contiguous())
-        out[f"{ours}.attn.c_attn.bias"] = HFTensor(key=f"{hf}.attn.c_attn.bias", to_hf=lambda t: t.reshape(3 * d),
-                                                   from_hf=lambda t: t.reshape(3, d))
+        out[f"{ours}.attn.c_attn.weight"] = HFTensor(
+            key=f"{hf}.attn.c_attn.weight",
+            to_hf=lambda t: t.reshape(3 * d, d).t().contiguous(),
+            from_hf=lambda t: t.t().reshape(3, d, d).contiguous(),
+        )
+        out[f"{ours}.attn.c_attn.bias"] = HFTensor(
+            key=f"{hf}.attn.c_attn.bias", to_hf=lambda t: t.reshape(3 * d), from_hf=lambda t: t.reshape(3, d)
+        )
     return out
 
 
 def config_to_hf(cfg: GPT2Config) -> dict[str, Any]:
     """The ``config.json`` of ``GPT2LMHeadModel`` for ``cfg`` (the exporter adds the dtype)."""
     return {
-        "model_type": "gpt2", "vocab_size": cfg.vocab_size, "n_positions": cfg.max_seq_len, "n_embd": cfg.dim,
-        "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": cfg.ffn_dim, "activation_function": "gelu_new",
-        "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.init_std, "tie_word_embeddings": cfg.tie_embeddings,
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.max_seq_len,
+        "n_embd": cfg.dim,
+        "n_layer": cfg.n_layers,
+        "n_head": cfg.n_heads,
+        "n_inner": cfg.ffn_dim,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": cfg.norm_eps,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
     }
 
 
 _REQUIRED = ("vocab_size", "n_embd", "n_layer", "n_head")
 # key -> the values functitan's GPT-2 implements (gelu_pytorch_tanh is the same function as gelu_new)
-_FIXED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
-          "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,)}
+_FIXED = {
+    "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+    "scale_attn_weights": (True,),
+    "scale_attn_by_inverse_layer_idx": (False,),
+    "add_cross_attention": (False,),
+}
 
 
 def config_from_hf(d: Mapping[str, Any]) -> GPT2Config:
     """The GPT2Config of a ``GPT2LMHeadModel`` ``config.json`` (dropouts, token ids and task heads are ignored;
     a setting the model does not implement raises ValueError naming the key)."""
     if d.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"config.json model_type={d['model_type']!r} is not supported; only 'gpt2' (GPT2LMHeadModel) is")
+        raise ValueError(
+            f"config.json model_type={d['model_type']!r} is not supported; only 'gpt2' (GPT2LMHeadModel) is"
+        )
     missing = [k for k in _REQUIRED if d.get(k) is None]
     if missing:
         raise ValueError(f"config.json lacks {missing}; a GPT2LMHeadModel config needs all of {list(_REQUIRED)}")
     for key, allowed in _FIXED.items():
         if key in d and d[key] not in allowed:
-            raise ValueError(f"config.json {key}={d[key]!r} is not supported; functitan's GPT-2 implements "
-                             f"{key} in {list(allowed)}")
+            raise ValueError(
+                f"config.json {key}={d[key]!r} is not supported; functitan's GPT-2 implements {key} in {list(allowed)}"
+            )
     dim = int(d["n_embd"])
     return GPT2Config(
-        vocab_size=int(d["vocab_size"]), dim=dim, n_layers=int(d["n_layer"]), n_heads=int(d["n_head"]),
-        ffn_dim=int(d.get("n_inner") or 4 * dim), max_seq_len=int(d.get("n_positions") or 1024),
-        norm_eps=float(d.get("layer_norm_epsilon", 1e-5)), tie_embeddings=bool(d.get("tie_word_embeddings", True)),
+        vocab_size=int(d["vocab_size"]),
+        dim=dim,
+        n_layers=int(d["n_layer"]),
+        n_heads=int(d["n_head"]),
+        ffn_dim=int(d.get("n_inner") or 4 * dim),
+        max_seq_len=int(d.get("n_positions") or 1024),
+        norm_eps=float(d.get("layer_norm_epsilon", 1e-5)),
+        tie_embeddings=bool(d.get("tie_word_embeddings", True)),
         init_std=float(d.get("initializer_range", 0.02)),
     )
 

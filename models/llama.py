@@ -20,8 +20,9 @@ References: Llama 3 (arXiv 2407.21783); RoPE (arXiv 2104.09864); GQA (arXiv 2305
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -96,7 +97,9 @@ class LlamaConfig:
                 f"n_kv_heads among {_divisors(self.n_heads)}"
             )
         if self.head_dim % 2:
-            raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE; change model.dim or model.n_heads")
+            raise ValueError(
+                f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE; change model.dim or model.n_heads"
+            )
 
     @property
     def kv_heads(self) -> int:
@@ -111,21 +114,58 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-_LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-_LLAMA32_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+_LLAMA31_ROPE = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+_LLAMA32_ROPE = RopeScaling(
+    factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 
 CONFIGS: dict[str, LlamaConfig] = {
     # Trains in seconds on a CPU with the byte tokenizer.
     "debug": LlamaConfig(vocab_size=258, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, max_seq_len=1024),
     # Published shapes (Llama 3.2 1B; Llama 3.1 8B, 70B, 405B).
-    "llama3_1b": LlamaConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-                             rope_scaling=_LLAMA32_ROPE, max_seq_len=131072, tie_embeddings=True),
-    "llama3_8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                             rope_scaling=_LLAMA31_ROPE, max_seq_len=131072),
-    "llama3_70b": LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-                              rope_scaling=_LLAMA31_ROPE, max_seq_len=131072),
-    "llama3_405b": LlamaConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
-                               rope_scaling=_LLAMA31_ROPE, max_seq_len=131072),
+    "llama3_1b": LlamaConfig(
+        vocab_size=128256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        rope_scaling=_LLAMA32_ROPE,
+        max_seq_len=131072,
+        tie_embeddings=True,
+    ),
+    "llama3_8b": LlamaConfig(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=14336,
+        rope_scaling=_LLAMA31_ROPE,
+        max_seq_len=131072,
+    ),
+    "llama3_70b": LlamaConfig(
+        vocab_size=128256,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim=28672,
+        rope_scaling=_LLAMA31_ROPE,
+        max_seq_len=131072,
+    ),
+    "llama3_405b": LlamaConfig(
+        vocab_size=128256,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim=53248,
+        rope_scaling=_LLAMA31_ROPE,
+        max_seq_len=131072,
+    ),
 }
 
 
@@ -140,7 +180,11 @@ def config(name: str, **overrides: Any) -> LlamaConfig:
 
 def check_layout(cfg: LlamaConfig, *, tp: int = 1, seq_len: int | None = None, sequence_parallel: bool = False) -> None:
     """Fail before launch when a tensor-parallel layout cannot split this model; name a layout that can."""
-    problems = [f"model.{k}={v}" for k, v in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn_dim", cfg.ffn_dim)) if v % tp]
+    problems = [
+        f"model.{k}={v}"
+        for k, v in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.kv_heads), ("ffn_dim", cfg.ffn_dim))
+        if v % tp
+    ]
     if problems:
         ok = [d for d in _divisors(math.gcd(cfg.n_heads, cfg.kv_heads, cfg.ffn_dim)) if d <= max(tp, 1)]
         raise ValueError(
@@ -194,7 +238,9 @@ def specs(cfg: LlamaConfig) -> dict[str, Any]:
     return M.specs(params(cfg))
 
 
-def init(cfg: LlamaConfig, key: PRNGKey, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def init(
+    cfg: LlamaConfig, key: PRNGKey, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
     """Fresh parameters (``functitan.model.init`` of ``params(cfg)``): bit-identical on every device and mesh."""
     return M.init(params(cfg), key, device=device, dtype=dtype)
 
@@ -207,14 +253,21 @@ def num_params(cfg: LlamaConfig, *, embedding: bool = True) -> int:
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 per matmul parameter plus causal attention (PaLM's formula)."""
-    return transformer_flops_per_token(n_params=num_params(cfg, embedding=False), n_layers=cfg.n_layers,
-                                       n_heads=cfg.n_heads, head_dim=cfg.head_dim, seq_len=seq_len)
+    return transformer_flops_per_token(
+        n_params=num_params(cfg, embedding=False),
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        head_dim=cfg.head_dim,
+        seq_len=seq_len,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- compute
 
 
-def rope_tables(cfg: LlamaConfig, seq_len: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+def rope_tables(
+    cfg: LlamaConfig, seq_len: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
     """``cos, sin`` of shape (seq, head_dim), HF layout (frequencies repeated over the two halves)."""
     hd = cfg.head_dim
     # computed in fp64 on the target device (no host round trip per block), then cast
@@ -232,7 +285,9 @@ def _llama3_scale(inv_freq: Tensor, s: RopeScaling) -> Tensor:
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
@@ -258,11 +313,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, layout: Layout) -> Tensor:
 def attention(p: dict[str, Tensor], x: Tensor, cfg: LlamaConfig, layout: Layout) -> Tensor:
     # x: (batch, seq, embed), the residual layout (sequence shards under sequence parallelism)
     hd = cfg.head_dim
-    q, k, v = layout.einsums(x, [  # one input gather (sequence parallel) for the three
-        ("batch seq embed, heads embed -> batch seq heads", p["wq"]),
-        ("batch seq embed, kv_heads embed -> batch seq kv_heads", p["wk"]),
-        ("batch seq embed, kv_heads embed -> batch seq kv_heads", p["wv"]),
-    ])
+    q, k, v = layout.einsums(
+        x,
+        [  # one input gather (sequence parallel) for the three
+            ("batch seq embed, heads embed -> batch seq heads", p["wq"]),
+            ("batch seq embed, kv_heads embed -> batch seq kv_heads", p["wk"]),
+            ("batch seq embed, kv_heads embed -> batch seq kv_heads", p["wv"]),
+        ],
+    )
     # q, k, v hold the whole sequence; head counts come from the (possibly tensor-parallel) local shapes
     b, s = q.shape[:2]
     cos, sin = rope_tables(cfg, s, device=q.device, dtype=q.dtype)  # cheap next to the matmuls; fused when compiled
@@ -276,8 +334,13 @@ def attention(p: dict[str, Tensor], x: Tensor, cfg: LlamaConfig, layout: Layout)
 
 
 def mlp(p: dict[str, Tensor], x: Tensor, layout: Layout) -> Tensor:
-    gate, up = layout.einsums(x, [("batch seq embed, mlp embed -> batch seq mlp", p["w_gate"]),
-                                  ("batch seq embed, mlp embed -> batch seq mlp", p["w_up"])])
+    gate, up = layout.einsums(
+        x,
+        [
+            ("batch seq embed, mlp embed -> batch seq mlp", p["w_gate"]),
+            ("batch seq embed, mlp embed -> batch seq mlp", p["w_up"]),
+        ],
+    )
     return layout.einsum("batch seq mlp, embed mlp -> batch seq embed", F.silu(gate) * up, p["w_down"])
 
 
@@ -290,7 +353,9 @@ def block(p: dict[str, Any], x: Tensor, cfg: LlamaConfig, layout: Layout) -> Ten
 def embed(params: dict[str, Any], tokens: Tensor, cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
     """The first pipeline piece: token embeddings ``(batch, seq, embed)``."""
     if tokens.shape[1] > cfg.max_seq_len:
-        raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len}; raise max_seq_len or shorten training.seq_len")
+        raise ValueError(
+            f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len}; raise max_seq_len or shorten training.seq_len"
+        )
     return layout.embed(tokens, layout.param(params["embed"]["weight"]), cfg.vocab_size)
 
 
@@ -347,11 +412,14 @@ def stage_model(cfg: LlamaConfig, layout: Layout, *, seq_len: int, dtype: torch.
     )
 
 
-
 # ----------------------------------------------------------------------------------------------- Hugging Face
 # The parameter tree follows LlamaForCausalLM one to one (the table in the module docstring): a renaming.
 
-_HF_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_HF_TOP = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _HF_LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn.wq": "self_attn.q_proj.weight",
@@ -367,7 +435,9 @@ _HF_LAYER = {
 
 def hf_tensors(cfg: LlamaConfig) -> dict[str, HFTensor]:
     """``{our dotted name: HFTensor}`` for every parameter of ``cfg``."""
-    out = {name: HFTensor(key=key) for name, key in _HF_TOP.items() if name != "output.weight" or not cfg.tie_embeddings}
+    out = {
+        name: HFTensor(key=key) for name, key in _HF_TOP.items() if name != "output.weight" or not cfg.tie_embeddings
+    }
     for i in range(cfg.n_layers):
         out.update({f"layers.{i}.{name}": HFTensor(key=f"model.layers.{i}.{key}") for name, key in _HF_LAYER.items()})
     return out
@@ -416,8 +486,13 @@ def config_to_hf(cfg: LlamaConfig, *, transformers_version: str | None = None) -
 
 
 # HF LlamaConfig's defaults for keys a config.json may leave out
-_HF_DEFAULTS = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "tie_word_embeddings": False,
-                "initializer_range": 0.02, "rope_theta": 10000.0}
+_HF_DEFAULTS = {
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "rope_theta": 10000.0,
+}
 _REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # key -> the only value functitan's Llama implements
 _FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "partial_rotary_factor": 1.0}
@@ -442,9 +517,12 @@ def _rope_from_hf(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     missing = [k for k in keys if k not in rope]
     if missing:
         raise ValueError(f"config.json {where} with rope_type='llama3' lacks {missing}; it needs all of {list(keys)}")
-    return theta, RopeScaling(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-                              high_freq_factor=float(rope["high_freq_factor"]),
-                              original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    return theta, RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+    )
 
 
 def config_from_hf(d: Mapping[str, Any]) -> LlamaConfig:
@@ -463,7 +541,9 @@ def config_from_hf(d: Mapping[str, Any]) -> LlamaConfig:
         raise ValueError(f"config.json lacks {missing}; a LlamaForCausalLM config needs all of {list(_REQUIRED)}")
     for key, value in _FIXED.items():
         if d.get(key, value) != value:
-            raise ValueError(f"config.json {key}={d[key]!r} is not supported; functitan's Llama implements {key}={value!r}")
+            raise ValueError(
+                f"config.json {key}={d[key]!r} is not supported; functitan's Llama implements {key}={value!r}"
+            )
     dim, n_heads = int(d["hidden_size"]), int(d["num_attention_heads"])
     head_dim = d.get("head_dim")
     if head_dim is not None and dim % n_heads == 0 and int(head_dim) != dim // n_heads:
@@ -474,10 +554,17 @@ def config_from_hf(d: Mapping[str, Any]) -> LlamaConfig:
     theta, scaling = _rope_from_hf(d)
     opt = {k: default if d.get(k) is None else d[k] for k, default in _HF_DEFAULTS.items()}
     return LlamaConfig(
-        vocab_size=int(d["vocab_size"]), dim=dim, n_layers=int(d["num_hidden_layers"]), n_heads=n_heads,
-        n_kv_heads=int(d.get("num_key_value_heads") or n_heads), ffn_dim=int(d["intermediate_size"]),
-        norm_eps=float(opt["rms_norm_eps"]), rope_theta=theta, rope_scaling=scaling,
-        max_seq_len=int(opt["max_position_embeddings"]), tie_embeddings=bool(opt["tie_word_embeddings"]),
+        vocab_size=int(d["vocab_size"]),
+        dim=dim,
+        n_layers=int(d["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+        ffn_dim=int(d["intermediate_size"]),
+        norm_eps=float(opt["rms_norm_eps"]),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=int(opt["max_position_embeddings"]),
+        tie_embeddings=bool(opt["tie_word_embeddings"]),
         init_std=float(opt["initializer_range"]),
     )
 

@@ -27,8 +27,9 @@ References: Qwen3 technical report (arXiv 2505.09388); QK-norm (arXiv 2302.05442
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,17 @@ from functitan.model import HFMap, HFTensor, Param, normal, ones, transformers_m
 from functitan.sharding import Layout
 from models.llama import mlp, rms_norm
 
-__all__ = ["Qwen3Config", "CONFIGS", "params", "apply", "loss", "flops_per_token", "check_layout", "stage_model", "MODEL"]
+__all__ = [
+    "Qwen3Config",
+    "CONFIGS",
+    "params",
+    "apply",
+    "loss",
+    "flops_per_token",
+    "check_layout",
+    "stage_model",
+    "MODEL",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,8 +75,10 @@ class Qwen3Config:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be positive")
         if self.n_heads % self.n_kv_heads:
             ok = [d for d in range(1, self.n_heads + 1) if self.n_heads % d == 0]
-            raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
-                             f"choose n_kv_heads among {ok}")
+            raise ValueError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}; "
+                f"choose n_kv_heads among {ok}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim={self.head_dim} must be even for RoPE")
 
@@ -74,8 +87,17 @@ _PUBLISHED = dict(vocab_size=151936, head_dim=128, n_kv_heads=8, rope_theta=1_00
 
 CONFIGS: dict[str, Qwen3Config] = {
     # tiny: trains in seconds on a CPU (the trainer sets vocab_size from the tokenizer); head_dim != dim / n_heads
-    "debug": Qwen3Config(vocab_size=258, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=128,
-                         max_seq_len=1024, tie_embeddings=False),
+    "debug": Qwen3Config(
+        vocab_size=258,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        ffn_dim=128,
+        max_seq_len=1024,
+        tie_embeddings=False,
+    ),
     # the published dense checkpoints (Qwen/Qwen3-0.6B ... Qwen/Qwen3-32B)
     "0.6b": Qwen3Config(**_PUBLISHED, dim=1024, n_layers=28, n_heads=16, ffn_dim=3072, tie_embeddings=True),
     "1.7b": Qwen3Config(**_PUBLISHED, dim=2048, n_layers=28, n_heads=16, ffn_dim=6144, tie_embeddings=True),
@@ -127,8 +149,9 @@ def flops_per_token(cfg: Qwen3Config, seq_len: int) -> float:
     """Training FLOPs per token (PaLM's formula); an untied token table is a lookup, not a matmul."""
     skip = "" if cfg.tie_embeddings else "embed.weight"
     n = M.count(params(cfg), exclude=lambda name, _: name == skip)
-    return transformer_flops_per_token(n_params=n, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                                       head_dim=cfg.head_dim, seq_len=seq_len)
+    return transformer_flops_per_token(
+        n_params=n, n_layers=cfg.n_layers, n_heads=cfg.n_heads, head_dim=cfg.head_dim, seq_len=seq_len
+    )
 
 
 def check_layout(cfg: Qwen3Config, *, tp: int = 1, seq_len: int | None = None, sequence_parallel: bool = False) -> None:
@@ -138,12 +161,16 @@ def check_layout(cfg: Qwen3Config, *, tp: int = 1, seq_len: int | None = None, s
     if bad:
         g = math.gcd(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim)
         ok = [t for t in range(1, g + 1) if g % t == 0]
-        raise ValueError(f"parallelism.tp={tp} does not divide {', '.join(bad)}; tensor parallelism splits heads, kv "
-                         f"heads and the MLP width evenly. A tp that works for this model: {max(t for t in ok if t <= tp)} "
-                         f"(any of {ok})")
+        raise ValueError(
+            f"parallelism.tp={tp} does not divide {', '.join(bad)}; tensor parallelism splits heads, kv "
+            f"heads and the MLP width evenly. A tp that works for this model: {max(t for t in ok if t <= tp)} "
+            f"(any of {ok})"
+        )
     if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise ValueError(f"sequence parallelism with parallelism.tp={tp} needs training.seq_len divisible by {tp}, got "
-                         f"{seq_len}; use seq_len={seq_len - seq_len % tp or tp} or set parallelism.sequence_parallel=false")
+        raise ValueError(
+            f"sequence parallelism with parallelism.tp={tp} needs training.seq_len divisible by {tp}, got "
+            f"{seq_len}; use seq_len={seq_len - seq_len % tp or tp} or set parallelism.sequence_parallel=false"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- compute
@@ -151,7 +178,9 @@ def check_layout(cfg: Qwen3Config, *, tp: int = 1, seq_len: int | None = None, s
 
 def rope_tables(cfg: Qwen3Config, seq_len: int, *, device: Any, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``cos, sin (seq, head_dim)`` in HF's layout (frequencies repeated over the two halves)."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=device) / cfg.head_dim))
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=device) / cfg.head_dim)
+    )
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -173,18 +202,22 @@ def head_norm(x: Tensor, weight: Tensor, eps: float, heads: str, layout: Layout)
 def attention(p: dict[str, Any], x: Tensor, cfg: Qwen3Config, layout: Layout) -> Tensor:
     # x: (batch, seq, embed), the residual layout (sequence shards under sequence parallelism)
     hd, eps = cfg.head_dim, cfg.norm_eps
-    q, k, v = layout.einsums(x, [  # one input gather (sequence parallel) for the three
-        ("batch seq embed, heads embed -> batch seq heads", p["wq"]),
-        ("batch seq embed, kv_heads embed -> batch seq kv_heads", p["wk"]),
-        ("batch seq embed, kv_heads embed -> batch seq kv_heads", p["wv"]),
-    ])
+    q, k, v = layout.einsums(
+        x,
+        [  # one input gather (sequence parallel) for the three
+            ("batch seq embed, heads embed -> batch seq heads", p["wq"]),
+            ("batch seq embed, kv_heads embed -> batch seq kv_heads", p["wk"]),
+            ("batch seq embed, kv_heads embed -> batch seq kv_heads", p["wv"]),
+        ],
+    )
     b, s = q.shape[:2]  # the whole sequence; head counts from the (tensor-parallel) local shapes
     q = head_norm(q.view(b, s, -1, hd), p["q_norm"]["weight"], eps, "heads", layout).transpose(1, 2)
     k = head_norm(k.view(b, s, -1, hd), p["k_norm"]["weight"], eps, "kv_heads", layout).transpose(1, 2)
     v = v.view(b, s, -1, hd).transpose(1, 2)  # (batch, local kv heads, seq, head_dim)
     cos, sin = rope_tables(cfg, s, device=q.device, dtype=q.dtype)
-    o = F.scaled_dot_product_attention(rope(q, cos, sin), rope(k, cos, sin), v, is_causal=True,
-                                       enable_gqa=q.shape[1] != k.shape[1])
+    o = F.scaled_dot_product_attention(
+        rope(q, cos, sin), rope(k, cos, sin), v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+    )
     o = o.transpose(1, 2).reshape(b, s, -1)  # (batch, seq, local heads * head_dim)
     return layout.einsum("batch seq heads, embed heads -> batch seq embed", o, p["wo"])
 
@@ -197,7 +230,9 @@ def block(p: dict[str, Any], x: Tensor, cfg: Qwen3Config, layout: Layout) -> Ten
 
 def embed(p: dict[str, Any], tokens: Tensor, cfg: Qwen3Config, layout: Layout) -> Tensor:
     if tokens.shape[1] > cfg.max_seq_len:
-        raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len}; shorten training.seq_len")
+        raise ValueError(
+            f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len}; shorten training.seq_len"
+        )
     return layout.embed(tokens, p["embed"]["weight"], cfg.vocab_size)
 
 
@@ -228,7 +263,9 @@ def stage_model(cfg: Qwen3Config, layout: Layout, *, seq_len: int, dtype: torch.
     return StageModel(
         first=lambda p, mb: embed(layout.params(p), mb["inputs"], cfg, layout),
         blocks=lambda layers, x: layout.blocks(block, layers, x, cfg, layout),
-        last=lambda p, x, mb: layout.cross_entropy(head(layout.params(p), x, cfg, layout), mb["targets"], cfg.vocab_size),
+        last=lambda p, x, mb: layout.cross_entropy(
+            head(layout.params(p), x, cfg, layout), mb["targets"], cfg.vocab_size
+        ),
         activation=lambda mb: ((mb["inputs"].shape[0], mb["inputs"].shape[1] // layout.seq_shards, d), dtype),
         n_blocks=cfg.n_layers,
         block_cost=float(2 * block_params + 2 * seq_len * cfg.n_heads * hd),
@@ -271,11 +308,22 @@ def hf_tensors(cfg: Qwen3Config) -> dict[str, HFTensor]:
 def config_to_hf(cfg: Qwen3Config, *, transformers_version: str | None = None) -> dict[str, Any]:
     """The ``config.json`` of ``Qwen3ForCausalLM`` (5.x: ``rope_parameters``; 4.x: top-level ``rope_theta``)."""
     d: dict[str, Any] = {
-        "model_type": "qwen3", "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim, "hidden_act": "silu", "attention_bias": False, "rms_norm_eps": cfg.norm_eps,
-        "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std, "use_sliding_window": False, "sliding_window": None,
+        "model_type": "qwen3",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "use_sliding_window": False,
+        "sliding_window": None,
     }
     if transformers_major(transformers_version) >= 5:
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
@@ -293,29 +341,43 @@ def config_from_hf(d: Mapping[str, Any]) -> Qwen3Config:
     """The Qwen3Config of a ``Qwen3ForCausalLM`` ``config.json``; settings the model does not implement (sliding
     windows, attention biases, RoPE scaling) raise ValueError naming the key. Missing keys take HF's defaults."""
     if d.get("model_type", "qwen3") != "qwen3":
-        raise ValueError(f"config.json model_type={d['model_type']!r} is not supported; only 'qwen3' (Qwen3ForCausalLM) is")
+        raise ValueError(
+            f"config.json model_type={d['model_type']!r} is not supported; only 'qwen3' (Qwen3ForCausalLM) is"
+        )
     missing = [k for k in _REQUIRED if d.get(k) is None]
     if missing:
         raise ValueError(f"config.json lacks {missing}; a Qwen3ForCausalLM config needs all of {list(_REQUIRED)}")
     for key, value in _FIXED.items():
         if d.get(key, value) != value:
-            raise ValueError(f"config.json {key}={d[key]!r} is not supported; functitan's Qwen3 implements {key}={value!r}")
+            raise ValueError(
+                f"config.json {key}={d[key]!r} is not supported; functitan's Qwen3 implements {key}={value!r}"
+            )
     kinds = set(d.get("layer_types") or ["full_attention"])
     if kinds != {"full_attention"}:
-        raise ValueError(f"config.json layer_types holds {sorted(kinds)}; functitan's Qwen3 implements only 'full_attention'")
+        raise ValueError(
+            f"config.json layer_types holds {sorted(kinds)}; functitan's Qwen3 implements only 'full_attention'"
+        )
     where = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
     rope = d.get(where) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise ValueError(f"config.json {where}.rope_type={rope_type!r} is not supported; functitan's Qwen3 implements 'default' RoPE")
+        raise ValueError(
+            f"config.json {where}.rope_type={rope_type!r} is not supported; functitan's Qwen3 implements 'default' RoPE"
+        )
     dim, n_heads = int(d["hidden_size"]), int(d["num_attention_heads"])
     return Qwen3Config(
-        vocab_size=int(d["vocab_size"]), dim=dim, n_layers=int(d["num_hidden_layers"]), n_heads=n_heads,
-        n_kv_heads=int(d.get("num_key_value_heads") or n_heads), head_dim=int(d.get("head_dim") or dim // n_heads),
-        ffn_dim=int(d["intermediate_size"]), norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        vocab_size=int(d["vocab_size"]),
+        dim=dim,
+        n_layers=int(d["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+        head_dim=int(d.get("head_dim") or dim // n_heads),
+        ffn_dim=int(d["intermediate_size"]),
+        norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
         max_seq_len=int(d.get("max_position_embeddings") or 32768),
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)), init_std=float(d.get("initializer_range", 0.02)),
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        init_std=float(d.get("initializer_range", 0.02)),
     )
 
 

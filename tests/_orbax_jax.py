@@ -30,8 +30,10 @@ def flat(tree: Any) -> dict[str, Any]:
 
 def load_expected(d: str) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
     index = json.load(open(os.path.join(d, "index.json")))
-    arrays = {k: np.frombuffer(open(os.path.join(d, k), "rb").read(), dtype=v["dtype"]).reshape(v["shape"])
-              for k, v in index.items()}
+    arrays = {
+        k: np.frombuffer(open(os.path.join(d, k), "rb").read(), dtype=v["dtype"]).reshape(v["shape"])
+        for k, v in index.items()
+    }
     return arrays, index
 
 
@@ -126,15 +128,17 @@ def mode_trainer(root: str, step: str, exp: str) -> dict:
     item = os.path.join(root, step, "default")
     value = {k: (int(a) if index[k]["scalar"] else a) for k, a in want.items()}
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # with a sharding: restored as jax arrays
-    abstract = user_state({k: v if isinstance(v, int) else jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=one)
-                           for k, v in value.items()})
+    abstract = user_state(
+        {k: v if isinstance(v, int) else jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=one) for k, v in value.items()}
+    )
     numpy_target = user_state({k: v if isinstance(v, int) else np.zeros_like(v) for k, v in value.items()})
     results = {
         "pytree": ocp.PyTreeCheckpointer().restore(item),
         "standard": ocp.StandardCheckpointer().restore(item),
         "standard_abstract": ocp.StandardCheckpointer().restore(item, abstract),
         "pytree_numpy_target": ocp.PyTreeCheckpointer().restore(
-            item, item=numpy_target, restore_args=ocp.checkpoint_utils.construct_restore_args(numpy_target)),
+            item, item=numpy_target, restore_args=ocp.checkpoint_utils.construct_restore_args(numpy_target)
+        ),
     }
     manager = ocp.CheckpointManager(root)
     steps = manager.all_steps()
@@ -142,9 +146,13 @@ def mode_trainer(root: str, step: str, exp: str) -> dict:
     results["manager_pytree"] = ocp.CheckpointManager(root).restore(int(step), args=ocp.args.PyTreeRestore())
     report = {name: compare(got, want) for name, got in results.items()}
     report["steps"] = steps
-    report["empty_node"] = {name: type(got[2][1] if isinstance(got, TrainState) else got["opt_state"][1]).__name__
-                            for name, got in results.items()}
-    report["leaf_types"] = {name: sorted({type(v).__name__ for v in flat(got).values()}) for name, got in results.items()}
+    report["empty_node"] = {
+        name: type(got[2][1] if isinstance(got, TrainState) else got["opt_state"][1]).__name__
+        for name, got in results.items()
+    }
+    report["leaf_types"] = {
+        name: sorted({type(v).__name__ for v in flat(got).values()}) for name, got in results.items()
+    }
     return report
 
 
@@ -154,8 +162,10 @@ def mode_trainer(root: str, step: str, exp: str) -> dict:
 def mode_write(ck: str, exp: str) -> dict:
     """A small tree (bf16, int64, a jax array, scalars) by PyTreeCheckpointer and StandardCheckpointer."""
     tree = {
-        "params": {"w": (np.arange(30, dtype=np.float32).reshape(6, 5) - 7.5) / 3,
-                   "emb": (np.arange(12).reshape(4, 3) / 7 - 0.6).astype(ml_dtypes.bfloat16)},
+        "params": {
+            "w": (np.arange(30, dtype=np.float32).reshape(6, 5) - 7.5) / 3,
+            "emb": (np.arange(12).reshape(4, 3) / 7 - 0.6).astype(ml_dtypes.bfloat16),
+        },
         "count": np.array(2**40 + 3, dtype=np.int64),
         "layers": [np.linspace(-1, 1, 5, dtype=np.float32)],
         "j": jnp.arange(8, dtype=jnp.float32) * 0.1,
@@ -176,16 +186,22 @@ def optax_tree(dtype: str) -> dict:
 
     dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
     key = jax.random.PRNGKey(0)
-    params = {"embed": jax.random.normal(key, (16, 8), dt),
-              "layers": [{"w": jax.random.normal(jax.random.fold_in(key, i), (8, 8), dt)} for i in range(2)]}
+    params = {
+        "embed": jax.random.normal(key, (16, 8), dt),
+        "layers": [{"w": jax.random.normal(jax.random.fold_in(key, i), (8, 8), dt)} for i in range(2)],
+    }
     opt = optax.adamw(optax.linear_schedule(1e-2, 1e-3, 10), weight_decay=0.1)
     state = opt.init(params)
     for i in range(2):
         grads = jax.tree.map(lambda p: jnp.cos(p * (i + 1)).astype(p.dtype), params)
         updates, state = opt.update(grads, state, params)
         params = optax.apply_updates(params, updates)
-    return {"step": 2, "params": params, "opt_state": state,
-            "extras": {"no_dict": {}, "no_list": [], "no_tuple": (), "none": None}}
+    return {
+        "step": 2,
+        "params": params,
+        "opt_state": state,
+        "extras": {"no_dict": {}, "no_list": [], "no_tuple": (), "none": None},
+    }
 
 
 def mode_optax(out: str, exp: str, dtype: str) -> dict:
@@ -211,15 +227,27 @@ def mode_empties(ours: str, theirs: str) -> dict:
     class Empty(NamedTuple):
         pass
 
-    tree = {"a": np.arange(3, dtype=np.float32), "opt": (np.zeros(2, np.int64), Empty(), ()),
-            "seq": [np.ones(1, np.float32), [], {}, None, np.zeros(1, np.float32)], "d": {}, "n": None}
+    tree = {
+        "a": np.arange(3, dtype=np.float32),
+        "opt": (np.zeros(2, np.int64), Empty(), ()),
+        "seq": [np.ones(1, np.float32), [], {}, None, np.zeros(1, np.float32)],
+        "d": {},
+        "n": None,
+    }
     ocp.PyTreeCheckpointer().save(theirs, tree)
     got = ocp.PyTreeCheckpointer().restore(ours)
     return {
         "metadata": json.load(open(os.path.join(theirs, "_METADATA")))["tree_metadata"],
-        "restored": {"opt.1": repr(got["opt"][1]), "opt.2": repr(got["opt"][2]), "seq.1": repr(got["seq"][1]),
-                     "seq.2": repr(got["seq"][2]), "seq.3": repr(got["seq"][3]), "d": repr(got["d"]),
-                     "n": repr(got["n"]), "seq.4": np.asarray(got["seq"][4]).tolist()},
+        "restored": {
+            "opt.1": repr(got["opt"][1]),
+            "opt.2": repr(got["opt"][2]),
+            "seq.1": repr(got["seq"][1]),
+            "seq.2": repr(got["seq"][2]),
+            "seq.3": repr(got["seq"][3]),
+            "d": repr(got["d"]),
+            "n": repr(got["n"]),
+            "seq.4": np.asarray(got["seq"][4]).tolist(),
+        },
     }
 
 

@@ -41,14 +41,26 @@ def _full(shape, seed, dtype=torch.float32):
 
 
 def _state(step: int) -> TrainState:
-    params = {"w": _full((6, 5), step), "emb": _full((4, 3), step + 1, torch.bfloat16), "layers": [{"g": _full((5,), step + 2)}]}
+    params = {
+        "w": _full((6, 5), step),
+        "emb": _full((4, 3), step + 1, torch.bfloat16),
+        "layers": [{"g": _full((5,), step + 2)}],
+    }
     mu = {k: v for k, v in params.items()}
-    opt = Adam(count=torch.tensor(step, dtype=torch.int64), mu=mu, nu={"w": _full((6, 5), step + 3), "emb": _full((4, 3), 9, torch.bfloat16), "layers": [{"g": torch.zeros(5)}]})
-    return TrainState(step=step, params=params, opt_state=opt, data_state={"epoch": 1, "offset": 1000 * step}, rng=2**62 + step)
+    opt = Adam(
+        count=torch.tensor(step, dtype=torch.int64),
+        mu=mu,
+        nu={"w": _full((6, 5), step + 3), "emb": _full((4, 3), 9, torch.bfloat16), "layers": [{"g": torch.zeros(5)}]},
+    )
+    return TrainState(
+        step=step, params=params, opt_state=opt, data_state={"epoch": 1, "offset": 1000 * step}, rng=2**62 + step
+    )
 
 
 def _zeros_like(tree):
-    return torch.utils._pytree.tree_map(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else type(x)(0), tree)
+    return torch.utils._pytree.tree_map(
+        lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else type(x)(0), tree
+    )
 
 
 def _assert_tree_equal(a, b):
@@ -69,7 +81,9 @@ def _assert_tree_equal(a, b):
 def test_round_trip_bit_exact_and_live_mutation_does_not_reach_the_file(tmp_path):
     state = _state(3)
     state.params["w"].requires_grad_(True)  # a live parameter
-    state = state._replace(params={**state.params, "misc": [1, 2.5, True, np.float32(0.25), torch.tensor(-7, dtype=torch.int64)]})
+    state = state._replace(
+        params={**state.params, "misc": [1, 2.5, True, np.float32(0.25), torch.tensor(-7, dtype=torch.int64)]}
+    )
     expected = torch.utils._pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, state)
     handle = save(tmp_path / "ck", state)
     # the lazy-read trap: tensorstore must not be reading the live tensors
@@ -87,7 +101,10 @@ def test_round_trip_bit_exact_and_live_mutation_does_not_reach_the_file(tmp_path
     assert got.params["misc"][3] == np.float32(0.25) and isinstance(got.params["misc"][3], np.float32)
     _assert_tree_equal(got, expected)
     meta = json.loads((tmp_path / "ck" / "_METADATA").read_text())
-    assert meta["tree_metadata"]["('opt_state', 'mu', 'layers', '0', 'g')"]["key_metadata"][3] == {"key": "0", "key_type": 1}
+    assert meta["tree_metadata"]["('opt_state', 'mu', 'layers', '0', 'g')"]["key_metadata"][3] == {
+        "key": "0",
+        "key_type": 1,
+    }
     assert (tmp_path / "ck" / "opt_state.count" / "zarr.json").exists()
 
 
@@ -119,7 +136,10 @@ def _reshard_worker(root: str, single_written: str):
     mgr.close()
     # read back as TP: a 1-D mesh sharding dim 1 ("rep" replicated)
     tp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    tp_ex = {k: distribute_tensor(torch.zeros(s), tp_mesh, [Replicate() if k == "rep" else Shard(1)]) for k, s in SHAPES.items()}
+    tp_ex = {
+        k: distribute_tensor(torch.zeros(s), tp_mesh, [Replicate() if k == "rep" else Shard(1)])
+        for k, s in SHAPES.items()
+    }
     ex = TrainState(step=0, params=tp_ex, opt_state=(), data_state={"i": 0}, rng=0)
     got = CheckpointManager(root, interval=1, keep_last=2).restore_latest(ex)
     tp = {k: (tuple(v.placements), v.to_local().clone()) for k, v in got.params.items()}
@@ -142,19 +162,38 @@ def test_reshard_matrix_2_to_1_1_to_2_fsdp_to_tp_uneven(tmp_path):
             placements, local = res["tp"][k]
             want = ref if k == "rep" else torch.tensor_split(ref, [-(-ref.shape[1] // 2)], dim=1)[r]
             assert torch.equal(local, want), (k, r)
-            want_fs = ref if k == "rep" else torch.chunk(ref, 2, dim=0)[r] if r < len(torch.chunk(ref, 2, dim=0)) else ref[:0]
+            want_fs = (
+                ref if k == "rep" else torch.chunk(ref, 2, dim=0)[r] if r < len(torch.chunk(ref, 2, dim=0)) else ref[:0]
+            )
             assert torch.equal(res["fsdp"][k], want_fs), (k, r)
     # uneven 9 rows over 2 writers: two files (rows 0-4 and 5-8), each written once
-    assert results[0]["files"] == ["0"] and sorted(os.listdir(tmp_path / "run" / "1" / "default" / "params.uneven" / "c")) == ["0", "1"]
+    assert results[0]["files"] == ["0"] and sorted(
+        os.listdir(tmp_path / "run" / "1" / "default" / "params.uneven" / "c")
+    ) == ["0", "1"]
     # the replicated leaf was written once (by rank 0): one chunk file
     assert os.listdir(tmp_path / "run" / "1" / "default" / "params.rep" / "c") == ["0"]
     # 2 writers -> 1 reader, as plain tensors (full values)
-    got = restore(tmp_path / "run" / "1" / "default", {"step": 0, "params": {k: torch.zeros(s) for k, s in SHAPES.items()}, "opt_state": (), "data_state": {"i": 0}, "rng": 0})
+    got = restore(
+        tmp_path / "run" / "1" / "default",
+        {
+            "step": 0,
+            "params": {k: torch.zeros(s) for k, s in SHAPES.items()},
+            "opt_state": (),
+            "data_state": {"i": 0},
+            "rng": 0,
+        },
+    )
     for k, ref in refs.items():
         assert torch.equal(got["params"][k], ref)
     # and into a one-rank mesh (DTensor exemplar)
     mesh = make_mesh(device="cpu")
-    ex = TrainState(step=0, params=_fsdp(mesh, {k: torch.zeros(s) for k, s in SHAPES.items()}), opt_state=(), data_state={"i": 0}, rng=0)
+    ex = TrainState(
+        step=0,
+        params=_fsdp(mesh, {k: torch.zeros(s) for k, s in SHAPES.items()}),
+        opt_state=(),
+        data_state={"i": 0},
+        rng=0,
+    )
     got = restore(tmp_path / "run" / "1" / "default", ex)
     assert isinstance(got.params["a"], DTensor) and torch.equal(got.params["uneven"].full_tensor(), refs["uneven"])
 
@@ -182,7 +221,7 @@ def test_kill_9_during_async_saves_never_leaves_a_partial_checkpoint(tmp_path):
     rng = random.Random(0)
     ex = {"step": 0, "w": torch.zeros(256, 1024), "b": torch.zeros(1000, dtype=torch.int64)}
     restored_steps = []
-    for trial in range(10):
+    for _trial in range(10):
         mgr = CheckpointManager(root, interval=1, keep_last=2)
         start = (mgr.latest_step() or 0) + 1
         ready = ctx.Event()
@@ -257,7 +296,9 @@ def test_a_damaged_step_is_resaved_in_place_and_never_counts_toward_keep_last(tm
     f.write_bytes(f.read_bytes()[:-10])
     (tmp_path / "3" / "default" / "_COMMIT").unlink()
     mgr = CheckpointManager(tmp_path, interval=1, keep_last=2, async_save=False)
-    with pytest.warns(RuntimeWarning, match=r"step 3 .*damaged.*_COMMIT is missing.*step 2 .*damaged.*truncated.*restored step 1"):
+    with pytest.warns(
+        RuntimeWarning, match=r"step 3 .*damaged.*_COMMIT is missing.*step 2 .*damaged.*truncated.*restored step 1"
+    ):
         got = mgr.restore_latest(_zeros_like(_state(0)))
     _assert_tree_equal(got, _state(1))
     # the resumed run reaches step 2 again: saved, replacing the damaged one; the damaged 3 does not count
@@ -272,7 +313,9 @@ def test_a_damaged_step_is_resaved_in_place_and_never_counts_toward_keep_last(tm
 def test_a_functitan_checkpoint_without_its_commit_marker_is_incomplete(tmp_path):
     save_sync(tmp_path / "ck", {"w": torch.ones(3)})
     (tmp_path / "ck" / "_COMMIT").unlink()
-    with pytest.raises(CheckpointError, match=r"ck/_COMMIT is missing: .*ck was written by functitan but never committed"):
+    with pytest.raises(
+        CheckpointError, match=r"ck/_COMMIT is missing: .*ck was written by functitan but never committed"
+    ):
         restore(tmp_path / "ck", {"w": torch.zeros(3)})
     with pytest.raises(CheckpointError, match="_COMMIT is missing"):
         verify(tmp_path / "ck")
@@ -284,7 +327,9 @@ def test_flipped_bits_are_caught_by_the_chunk_checksum(tmp_path):
     data = bytearray(f.read_bytes())
     data[100] ^= 0x40
     f.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"^w: reading .*/ck/w failed: .*Digest mismatch.*the checkpoint is corrupted"):
+    with pytest.raises(
+        CheckpointError, match=r"^w: reading .*/ck/w failed: .*Digest mismatch.*the checkpoint is corrupted"
+    ):
         restore(tmp_path / "ck", {"w": torch.zeros(64, 64)})
 
 
@@ -307,8 +352,11 @@ def test_direct_reader_reads_only_the_inner_chunks_a_box_needs(tmp_path, monkeyp
     data[(4 << 20) + 4 + 100] ^= 1  # inside the second inner chunk
     f.write_bytes(bytes(data))
     assert np.array_equal(_fastread.read_box(str(tmp_path / "ck" / "w"), spec, (0, 0), (1024, 1024)), w[:1024].numpy())
-    with pytest.raises(CheckpointError, match=r"^w: reading .*/ck/w failed: Digest mismatch: the crc32c of .*c/0/0 inner "
-                                              r"chunk \(1, 0\) does not match.*the checkpoint is corrupted"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"^w: reading .*/ck/w failed: Digest mismatch: the crc32c of .*c/0/0 inner "
+        r"chunk \(1, 0\) does not match.*the checkpoint is corrupted",
+    ):
         restore(tmp_path / "ck", {"w": torch.zeros(2048, 1024)})
 
 
@@ -330,13 +378,17 @@ def test_errors_name_the_key_path_and_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"params\.a\.b: the dict key 'a\.b' contains '\.'"):
         save(tmp_path / "bad", {"params": {"a.b": torch.zeros(2)}})
     save_sync(tmp_path / "ck", {"params": {"w": torch.zeros(2, 3), "v": torch.zeros(4)}})
-    with pytest.raises(ValueError, match=r"params\.w: the checkpoint holds shape \(2, 3\) \(.*/ck/params\.w\), the exemplar \(3, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"params\.w: the checkpoint holds shape \(2, 3\) \(.*/ck/params\.w\), the exemplar \(3, 2\)"
+    ):
         restore(tmp_path / "ck", {"params": {"w": torch.zeros(3, 2), "v": torch.zeros(4)}})
     with pytest.raises(ValueError, match=r"params\.u: not in the checkpoint \(.*/ck/_METADATA\)"):
         restore(tmp_path / "ck", {"params": {"w": torch.zeros(2, 3), "v": torch.zeros(4), "u": torch.zeros(1)}})
     with pytest.raises(ValueError, match=r"params\.v: in the checkpoint \(.*_METADATA\) but not in the exemplar"):
         restore(tmp_path / "ck", {"params": {"w": torch.zeros(2, 3)}})
-    with pytest.raises(ValueError, match=r"params\.w: the checkpoint holds torch.float32 .* the exemplar torch.bfloat16"):
+    with pytest.raises(
+        ValueError, match=r"params\.w: the checkpoint holds torch.float32 .* the exemplar torch.bfloat16"
+    ):
         restore(tmp_path / "ck", {"params": {"w": torch.zeros(2, 3, dtype=torch.bfloat16), "v": torch.zeros(4)}})
     # an unknown dtype (hand-edited metadata, same size so the commit marker does not notice)
     zj = tmp_path / "ck" / "params.v" / "zarr.json"

@@ -69,8 +69,17 @@ def _write_sharded(path: str) -> int:
     mesh = make_mesh(device="cpu")
     ref = _ref()
     pl = {"w": Shard(0), "emb": Shard(1), "rep": Replicate()}
-    params = {k: distribute_tensor(v, mesh, [Replicate(), Replicate(), pl[k], Replicate()], src_data_rank=None) for k, v in ref.items()}
-    tree = {"params": params, "opt": [{"count": torch.tensor(5, dtype=torch.int64)}], "step": 11, "lr": 0.5, "flag": True}
+    params = {
+        k: distribute_tensor(v, mesh, [Replicate(), Replicate(), pl[k], Replicate()], src_data_rank=None)
+        for k, v in ref.items()
+    }
+    tree = {
+        "params": params,
+        "opt": [{"count": torch.tensor(5, dtype=torch.int64)}],
+        "step": 11,
+        "lr": 0.5,
+        "flag": True,
+    }
     save_sync(path, tree)
     return 0
 
@@ -80,7 +89,14 @@ def test_orbax_restores_a_sharded_functitan_checkpoint_bit_for_bit(tmp_path):
     run_distributed(_write_sharded, 2, ck)
     ref = _ref()
     want = {f"params.{k}": as_numpy(v) for k, v in ref.items()}
-    want.update({"opt.0.count": np.array(5, np.int64), "step": np.array(11, np.int64), "lr": np.array(0.5), "flag": np.array(True)})
+    want.update(
+        {
+            "opt.0.count": np.array(5, np.int64),
+            "step": np.array(11, np.int64),
+            "lr": np.array(0.5),
+            "flag": np.array(True),
+        }
+    )
     _dump(want, tmp_path / "expected")
     report = _orbax("read", ck, str(tmp_path / "expected"))
     assert report["pytree"] == {k: True for k in want}
@@ -105,7 +121,13 @@ def test_functitan_restores_orbax_checkpoints_bit_for_bit(tmp_path):
         meta = json.loads((path / "_METADATA").read_text())
         got = restore(path, exemplar)
         assert got["step"] == 7 and isinstance(got["step"], int) and got["lr"] == 0.125
-        for name, t in (("params.w", got["params"]["w"]), ("params.emb", got["params"]["emb"]), ("count", got["count"]), ("layers.0", got["layers"][0]), ("j", got["j"])):
+        for name, t in (
+            ("params.w", got["params"]["w"]),
+            ("params.emb", got["params"]["emb"]),
+            ("count", got["count"]),
+            ("layers.0", got["layers"][0]),
+            ("j", got["j"]),
+        ):
             raw = (tmp_path / "expected" / name).read_bytes()
             assert as_numpy(t).dtype == np.dtype(index[name]["dtype"]), (kind, name)
             assert as_numpy(t).tobytes() == raw, (kind, name, meta["use_ocdbt"], meta["use_zarr3"])
@@ -116,7 +138,9 @@ def test_functitan_restores_orbax_checkpoints_bit_for_bit(tmp_path):
 
 
 def _bf16(tree):
-    return optree.tree_map(lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
+    return optree.tree_map(
+        lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree
+    )
 
 
 def _train_fsdp2_and_dump(root: str) -> None:
@@ -132,8 +156,18 @@ def _train_fsdp2_and_dump(root: str) -> None:
     from functitan.train import run
     from functitan.tree import flatten_with_names
 
-    cfg = apply_overrides(JobConfig(), {**SMALL, "parallelism.dp_shard": 2, "training.steps": 2, "checkpoint.enable": True,
-                                        "checkpoint.interval": 2, "metrics.run_dir": root, "metrics.run_name": "fp32"})
+    cfg = apply_overrides(
+        JobConfig(),
+        {
+            **SMALL,
+            "parallelism.dp_shard": 2,
+            "training.steps": 2,
+            "checkpoint.enable": True,
+            "checkpoint.interval": 2,
+            "metrics.run_dir": root,
+            "metrics.run_name": "fp32",
+        },
+    )
     state = run(cfg)["state"]
     bf16 = state._replace(params=_bf16(state.params), opt_state=_bf16(state.opt_state))
     with CheckpointManager(f"{root}/bf16/checkpoints", interval=2, keep_last=1) as mgr:
@@ -141,7 +175,9 @@ def _train_fsdp2_and_dump(root: str) -> None:
     for tag, s in (("fp32", state), ("bf16", bf16)):
         named = [(n, x.full_tensor() if isinstance(x, DTensor) else x) for n, x in flatten_with_names(s)[0]]
         if torch.distributed.get_rank() == 0:
-            want = {n: as_numpy(x.detach()) if isinstance(x, torch.Tensor) else np.asarray(x, np.int64) for n, x in named}
+            want = {
+                n: as_numpy(x.detach()) if isinstance(x, torch.Tensor) else np.asarray(x, np.int64) for n, x in named
+            }
             _dump(want, Path(root) / f"expected-{tag}", scalars=tuple(n for n, x in named if isinstance(x, int)))
 
 
@@ -156,18 +192,28 @@ def trainer_run(tmp_path_factory):
 def test_orbax_restores_the_trainers_fsdp_checkpoint_bit_for_bit(trainer_run, dtype):
     index = json.loads((trainer_run / f"expected-{dtype}" / "index.json").read_text())
     assert "opt_state.0.mu.layers.0.attn.wq" in index and "opt_state.2.count" in index  # the adamw chain's state
-    assert {v["dtype"] for k, v in index.items() if k.startswith("params.")} == {"float32" if dtype == "fp32" else "bfloat16"}
+    assert {v["dtype"] for k, v in index.items() if k.startswith("params.")} == {
+        "float32" if dtype == "fp32" else "bfloat16"
+    }
     meta = json.loads((trainer_run / dtype / "checkpoints" / "2" / "default" / "_METADATA").read_text())
-    assert meta["tree_metadata"]["('opt_state', '1')"]["value_metadata"] == {"value_type": "None", "skip_deserialize": True}
+    assert meta["tree_metadata"]["('opt_state', '1')"]["value_metadata"] == {
+        "value_type": "None",
+        "skip_deserialize": True,
+    }
     report = _orbax("trainer", str(trainer_run / dtype / "checkpoints"), "2", str(trainer_run / f"expected-{dtype}"))
     methods = ["pytree", "standard", "standard_abstract", "pytree_numpy_target", "manager_abstract", "manager_pytree"]
     for method in methods:
         assert report[method] == {k: True for k in index}, method  # every leaf, and no other, bit for bit
     assert report["steps"] == [2]
     # EmptyState() comes back as None without a target, and as the target's own type with one
-    assert report["empty_node"] == {"pytree": "NoneType", "standard": "NoneType", "standard_abstract": "EmptyState",
-                                    "pytree_numpy_target": "EmptyState", "manager_abstract": "EmptyState",
-                                    "manager_pytree": "NoneType"}
+    assert report["empty_node"] == {
+        "pytree": "NoneType",
+        "standard": "NoneType",
+        "standard_abstract": "EmptyState",
+        "pytree_numpy_target": "EmptyState",
+        "manager_abstract": "EmptyState",
+        "manager_pytree": "NoneType",
+    }
     assert report["leaf_types"]["pytree_numpy_target"] == ["int", "ndarray"]
     assert report["leaf_types"]["standard_abstract"] == ["ArrayImpl", "int"]
 
@@ -176,7 +222,10 @@ def test_orbax_restores_the_trainers_fsdp_checkpoint_bit_for_bit(trainer_run, dt
 
 
 def _optax_exemplar(dtype: torch.dtype):
-    params = {"embed": torch.zeros(16, 8, dtype=dtype), "layers": [{"w": torch.zeros(8, 8, dtype=dtype)} for _ in range(2)]}
+    params = {
+        "embed": torch.zeros(16, 8, dtype=dtype),
+        "layers": [{"w": torch.zeros(8, 8, dtype=dtype)} for _ in range(2)],
+    }
     opt = optim.adamw(optim.warmup_linear(1e-2, 0, 10, final=1e-3), weight_decay=0.1)
     # optax counts are int32 (functitan's int64): the exemplar says which dtype to build (see docs/checkpoints.md)
     opt_state = optree.tree_map(lambda x: x.int() if x.dtype == torch.int64 else x, opt.init(params))
@@ -223,14 +272,27 @@ class _Empty(NamedTuple):
 
 
 def test_empty_nodes_metadata_is_what_orbax_writes(tmp_path):
-    tree = {"a": np.arange(3, dtype=np.float32), "opt": (np.zeros(2, np.int64), _Empty(), ()),
-            "seq": [np.ones(1, np.float32), [], {}, None, np.zeros(1, np.float32)], "d": {}, "n": None}
+    tree = {
+        "a": np.arange(3, dtype=np.float32),
+        "opt": (np.zeros(2, np.int64), _Empty(), ()),
+        "seq": [np.ones(1, np.float32), [], {}, None, np.zeros(1, np.float32)],
+        "d": {},
+        "n": None,
+    }
     save_sync(tmp_path / "ours", tree)
     report = _orbax("empties", str(tmp_path / "ours"), str(tmp_path / "theirs"))
     ours = json.loads((tmp_path / "ours" / "_METADATA").read_text())["tree_metadata"]
     assert ours == report["metadata"]  # entry for entry: keys, key types, value types, skip_deserialize
-    assert report["restored"] == {"opt.1": "None", "opt.2": "()", "seq.1": "[]", "seq.2": "{}", "seq.3": "None",
-                                  "d": "{}", "n": "None", "seq.4": [0.0]}
+    assert report["restored"] == {
+        "opt.1": "None",
+        "opt.2": "()",
+        "seq.1": "[]",
+        "seq.2": "{}",
+        "seq.3": "None",
+        "d": "{}",
+        "n": "None",
+        "seq.4": [0.0],
+    }
     got = restore(tmp_path / "ours", tree)
     assert got["opt"][1] == _Empty() and got["seq"][1:4] == [[], {}, None] and got["d"] == {} and got["n"] is None
     np.testing.assert_array_equal(got["seq"][4], tree["seq"][4])

@@ -11,14 +11,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_train import _train
 
 from functitan.testing import run_distributed
 
-from test_train import _train
-
 ROOT = Path(__file__).resolve().parents[1]
 CKPT = {"checkpoint.enable": True, "checkpoint.interval": 3, "checkpoint.keep_last": 3, "training.steps": 6}
-PP2 = {"parallelism.pp": 2, "parallelism.dp_shard": 1, "parallelism.pipeline_schedule": "1f1b", "training.microbatches": 2}
+PP2 = {
+    "parallelism.pp": 2,
+    "parallelism.dp_shard": 1,
+    "parallelism.pipeline_schedule": "1f1b",
+    "training.microbatches": 2,
+}
 
 
 def _losses(run_dir) -> dict[int, float]:
@@ -34,6 +38,7 @@ def _run(layout: dict, root: str, name: str):
 
 def _crash_then_resume(layout: dict, root: str):
     from test_resume import _Crash, _crash_at_step
+
     import functitan.train as train_module
 
     original = train_module.make_train_step
@@ -105,9 +110,21 @@ def test_pipeline_checkpoints_reshard_on_load(src_world, src, dst_world, dst, tm
 def test_hf_export_of_a_pipeline_checkpoint_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     params = _merged(run_distributed(_run, 2, PP2, str(tmp_path), "a", timeout=600))
-    out = subprocess.run([sys.executable, "-m", "functitan.cli", "export", "hf", str(tmp_path / "a" / "checkpoints" / "6"),
-                          str(tmp_path / "exported")], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "functitan.cli",
+            "export",
+            "hf",
+            str(tmp_path / "a" / "checkpoints" / "6"),
+            str(tmp_path / "exported"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "exported")
     sd = model.state_dict()
@@ -143,16 +160,27 @@ def _chain_run(layout: dict, root: str, name: str, src: str | None, src_step: in
     """Run ``name`` to ``steps`` in ``layout``, starting from run ``src``'s checkpoint at ``src_step``."""
     if src is not None and int(os.environ.get("RANK", "0")) == 0:
         (Path(root) / name / "checkpoints").mkdir(parents=True)
-        shutil.copytree(Path(root) / src / "checkpoints" / str(src_step), Path(root) / name / "checkpoints" / str(src_step))
+        shutil.copytree(
+            Path(root) / src / "checkpoints" / str(src_step), Path(root) / name / "checkpoints" / str(src_step)
+        )
     if src is not None:
         torch.distributed.barrier()
-    _, params, data_state = _train({**layout, **CHAIN, "training.steps": steps, "metrics.run_dir": root, "metrics.run_name": name})
+    _, params, data_state = _train(
+        {**layout, **CHAIN, "training.steps": steps, "metrics.run_dir": root, "metrics.run_name": name}
+    )
     return params, data_state
 
 
 # a constant learning rate: the runs of the chain stop at different training.steps, which a schedule would see
-CHAIN = {"model.n_layers": 4, "training.microbatches": 4, "checkpoint.enable": True, "checkpoint.interval": 2,
-         "checkpoint.keep_last": 3, "optimizer.schedule": "constant", "optimizer.lr": 3e-3}
+CHAIN = {
+    "model.n_layers": 4,
+    "training.microbatches": 4,
+    "checkpoint.enable": True,
+    "checkpoint.interval": 2,
+    "checkpoint.keep_last": 3,
+    "optimizer.schedule": "constant",
+    "optimizer.lr": 3e-3,
+}
 
 
 def test_pipeline_checkpoint_goes_pp4_pp2_pp1_and_back(tmp_path):

@@ -15,8 +15,17 @@ from functitan.errors import user_errors_exit
 from functitan.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=8", "--model.n_kv_heads=4", "--model.ffn_dim=128",
-         "--training.batch_size=8", "--training.seq_len=32", "--data.max_corpus_bytes=400000", "--metrics.log_every=1"]
+SMALL = [
+    "--model.n_layers=2",
+    "--model.dim=64",
+    "--model.n_heads=8",
+    "--model.n_kv_heads=4",
+    "--model.ffn_dim=128",
+    "--training.batch_size=8",
+    "--training.seq_len=32",
+    "--data.max_corpus_bytes=400000",
+    "--metrics.log_every=1",
+]
 
 
 def _env(extra: dict | None = None) -> dict:
@@ -24,14 +33,29 @@ def _env(extra: dict | None = None) -> dict:
 
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "functitan.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=_env(env), timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "functitan.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(env),
+        timeout=timeout,
+    )
 
 
 def _clis(commands: list[list[str]], timeout: float = 300) -> list[subprocess.CompletedProcess]:
     """Run several CLI commands at once (each mostly waits for torch's import) and collect them in order."""
-    procs = [subprocess.Popen([sys.executable, "-m", "functitan.cli", *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=ROOT, env=_env()) for c in commands]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "functitan.cli", *c],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=_env(),
+        )
+        for c in commands
+    ]
     out = []
     for c, p in zip(commands, procs):
         try:
@@ -54,17 +78,25 @@ BAD_VALUES = {  # the command line as typed -> the one line it must print
     ("--metrics.log_every=0",): "functitan: error: metrics.log_every=0: must be >= 1",
     ("--training.microbatches=0",): "functitan: error: training.microbatches=0: must be >= 1",
     ("--training.steps=0",): "functitan: error: training.steps=0: must be >= 1",  # and no word of warmup_steps
-    ("--training.device=tpu",): "functitan: error: training.device='tpu' is not allowed; choose one of ['auto', 'cpu', 'cuda']",
+    (
+        "--training.device=tpu",
+    ): "functitan: error: training.device='tpu' is not allowed; choose one of ['auto', 'cpu', 'cuda']",
     ("--nproc", "abc"): "functitan: error: --nproc='abc': the number of processes is an integer >= 1, e.g. --nproc 2",
-    ("--nproc", "2", "--optimizer.lr=-1"): "functitan: error: optimizer.lr=-1.0: a learning rate is a finite number > 0, e.g. 3e-4",
+    (
+        "--nproc",
+        "2",
+        "--optimizer.lr=-1",
+    ): "functitan: error: optimizer.lr=-1.0: a learning rate is a finite number > 0, e.g. 3e-4",
     ("--checkpoint.keep_last=0",): "functitan: error: checkpoint.keep_last=0: must be >= 1",
     ("--training.batch_size=0",): "functitan: error: training.batch_size=0: must be >= 1",
     ("--parallelism.tp=0",): "functitan: error: parallelism.tp=0: must be >= 1",
-    ("--optimizer.schedule=wsd", "--training.steps=10"):
-        "functitan: error: optimizer.schedule='wsd' does not fit training.steps=10 with optimizer.warmup_steps=20 "
-        "(capped at training.steps=10): wsd: the decay (1 steps, decay_fraction=0.1 of 10) would start at step 9, "
-        "inside the 10-step warmup; lower decay_fraction or warmup_steps; lower optimizer.warmup_steps or raise "
-        "training.steps",
+    (
+        "--optimizer.schedule=wsd",
+        "--training.steps=10",
+    ): "functitan: error: optimizer.schedule='wsd' does not fit training.steps=10 with optimizer.warmup_steps=20 "
+    "(capped at training.steps=10): wsd: the decay (1 steps, decay_fraction=0.1 of 10) would start at step 9, "
+    "inside the 10-step warmup; lower decay_fraction or warmup_steps; lower optimizer.warmup_steps or raise "
+    "training.steps",
 }
 
 
@@ -80,8 +112,16 @@ def test_debug_shows_the_traceback():
 
 
 def test_a_diverging_run_names_the_non_finite_value(tmp_path):
-    out = _cli("train", *SMALL, "--training.steps=3", "--optimizer.lr=1e30", "--optimizer.warmup_steps=0",
-               "--optimizer.max_norm=0", f"--metrics.run_dir={tmp_path}", "--metrics.run_name=nan")
+    out = _cli(
+        "train",
+        *SMALL,
+        "--training.steps=3",
+        "--optimizer.lr=1e30",
+        "--optimizer.warmup_steps=0",
+        "--optimizer.max_norm=0",
+        f"--metrics.run_dir={tmp_path}",
+        "--metrics.run_name=nan",
+    )
     assert _one_line_error(out).startswith("functitan: error: non-finite loss nan and grad norm nan at step 2; ")
 
 
@@ -100,8 +140,13 @@ def _train_main(argv: list[str], error_dir: str) -> int:
 
 def test_each_failing_rank_reports_its_line(tmp_path):
     # an error found by the ranks once running (a checkpoint that is not there), on 2 processes as torchrun runs them
-    argv = [*SMALL, "--parallelism.dp_shard=2", "--training.steps=2", f"--metrics.run_dir={tmp_path}",
-            f"--checkpoint.load_path={tmp_path}/missing"]
+    argv = [
+        *SMALL,
+        "--parallelism.dp_shard=2",
+        "--training.steps=2",
+        f"--metrics.run_dir={tmp_path}",
+        f"--checkpoint.load_path={tmp_path}/missing",
+    ]
     codes = run_distributed(_train_main, 2, argv, str(tmp_path))
     assert codes == [2, 2]
     for rank in (0, 1):
@@ -124,17 +169,25 @@ def test_export_hf_names_a_missing_checkpoint_and_a_bad_output(tmp_path):
     (ckpts / "2" / "default" / "_METADATA").write_text("{}")
     (tmp_path / "a_file").write_text("")
     cases = {
-        (str(ckpts / "7"), str(tmp_path / "hf")):
-            f"functitan: error: checkpoint {ckpts}/7 does not exist (steps in {ckpts}: 2); pass a step directory",
-        (str(tmp_path / "run"), str(tmp_path / "hf")):
-            f"functitan: error: {tmp_path}/run is not a functitan checkpoint (no _METADATA in it or in {tmp_path}/run/"
-            f"default) (steps in {ckpts}: 2); pass a step directory",
-        (str(ckpts / "2"), str(tmp_path / "a_file")):
-            f"functitan: error: output {tmp_path}/a_file exists and is not a directory",
-        (str(ckpts / "2"), str(tmp_path / "a_file" / "hf")):
-            f"functitan: error: output {tmp_path}/a_file/hf: {tmp_path}/a_file is not a directory",
+        (
+            str(ckpts / "7"),
+            str(tmp_path / "hf"),
+        ): f"functitan: error: checkpoint {ckpts}/7 does not exist (steps in {ckpts}: 2); pass a step directory",
+        (
+            str(tmp_path / "run"),
+            str(tmp_path / "hf"),
+        ): f"functitan: error: {tmp_path}/run is not a functitan checkpoint (no _METADATA in it or in {tmp_path}/run/"
+        f"default) (steps in {ckpts}: 2); pass a step directory",
+        (
+            str(ckpts / "2"),
+            str(tmp_path / "a_file"),
+        ): f"functitan: error: output {tmp_path}/a_file exists and is not a directory",
+        (
+            str(ckpts / "2"),
+            str(tmp_path / "a_file" / "hf"),
+        ): f"functitan: error: output {tmp_path}/a_file/hf: {tmp_path}/a_file is not a directory",
     }
-    for ((ckpt, out), message), result in zip(cases.items(), _clis([["export", "hf", c, o] for c, o in cases])):
+    for ((_ckpt, _out), message), result in zip(cases.items(), _clis([["export", "hf", c, o] for c, o in cases])):
         assert _one_line_error(result).startswith(message), message
 
 

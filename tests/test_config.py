@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_toml_then_overrides_in_order(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 1e-3\n[data]\npaths = ["a.txt", "b.jsonl"]\n')
-    cfg = parse_config(JobConfig, ["--config", str(f), "--training.steps=9", "--parallelism.dp_shard", "2", "--metrics.run_name=none"])
+    cfg = parse_config(
+        JobConfig, ["--config", str(f), "--training.steps=9", "--parallelism.dp_shard", "2", "--metrics.run_name=none"]
+    )
     assert cfg.training.steps == 9 and cfg.training.seq_len == 64
     assert cfg.optimizer.lr == 1e-3 and cfg.parallelism.dp_shard == 2
     assert cfg.data.paths == ("a.txt", "b.jsonl")
@@ -24,7 +26,9 @@ def test_toml_then_overrides_in_order(tmp_path):
 
 
 def test_unknown_key_suggests_the_nearest():
-    with pytest.raises(ConfigError, match=r"unknown config key 'training.step' \(command line\); did you mean 'training.steps'\?"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'training.step' \(command line\); did you mean 'training.steps'\?"
+    ):
         parse_config(JobConfig, ["--training.step=3"])
     with pytest.raises(ConfigError, match=r"unknown config key 'optim.lr'.*did you mean 'optimizer.lr'\?"):
         parse_config(JobConfig, ["--optim.lr=3"])
@@ -33,7 +37,10 @@ def test_unknown_key_suggests_the_nearest():
 def test_bad_values_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"training.steps='ten' is not a valid int"):
         parse_config(JobConfig, ["--training.steps=ten"])
-    with pytest.raises(ConfigError, match=r"training.remat='some' is not allowed; choose one of \['none', 'full', 'selective', 'offload'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"training.remat='some' is not allowed; choose one of \['none', 'full', 'selective', 'offload'\]",
+    ):
         parse_config(JobConfig, ["--training.remat=some"])
     bad = tmp_path / "bad.toml"
     bad.write_text("[training\nsteps=1")
@@ -45,7 +52,7 @@ def test_bad_values_name_the_key(tmp_path):
 
 def test_help_lists_every_key_with_its_default():
     text = config_help(JobConfig)
-    for key, (_, default, _) in flat_keys(JobConfig).items():
+    for key, (_, _default, _) in flat_keys(JobConfig).items():
         assert f"--{key}" in text
     assert "--training.steps" in text and "default: 200" in text
     assert "--parallelism.dp_shard" in text and "default: -1" in text
@@ -54,28 +61,74 @@ def test_help_lists_every_key_with_its_default():
 def test_cli_surface_is_frozen():
     # adding a key is fine (update this list); renaming or removing one breaks users' TOML files
     assert list(flat_keys(JobConfig)) == [
-        "model.name", "model.flavor",
-        "data.paths", "data.path", "data.tokenizer", "data.text_key", "data.add_bos", "data.seed", "data.max_corpus_bytes",
+        "model.name",
+        "model.flavor",
+        "data.paths",
+        "data.path",
+        "data.tokenizer",
+        "data.text_key",
+        "data.add_bos",
+        "data.seed",
+        "data.max_corpus_bytes",
         "data.max_open_shards",
-        "training.steps", "training.batch_size", "training.seq_len", "training.microbatches", "training.seed",
-        "training.remat", "training.param_dtype", "training.reduce_dtype", "training.compile",
-        "training.on_nonfinite", "training.device", "training.threads",
-        "optimizer.name", "optimizer.lr", "optimizer.schedule", "optimizer.warmup_steps", "optimizer.final_lr_ratio",
-        "optimizer.b1", "optimizer.b2", "optimizer.eps", "optimizer.weight_decay", "optimizer.momentum",
+        "training.steps",
+        "training.batch_size",
+        "training.seq_len",
+        "training.microbatches",
+        "training.seed",
+        "training.remat",
+        "training.param_dtype",
+        "training.reduce_dtype",
+        "training.compile",
+        "training.on_nonfinite",
+        "training.device",
+        "training.threads",
+        "optimizer.name",
+        "optimizer.lr",
+        "optimizer.schedule",
+        "optimizer.warmup_steps",
+        "optimizer.final_lr_ratio",
+        "optimizer.b1",
+        "optimizer.b2",
+        "optimizer.eps",
+        "optimizer.weight_decay",
+        "optimizer.momentum",
         "optimizer.max_norm",
-        "parallelism.dp_replicate", "parallelism.dp_shard", "parallelism.tp", "parallelism.pp", "parallelism.sequence_parallel",
-        "parallelism.reshard_after_forward", "parallelism.pipeline_schedule", "parallelism.stages_per_rank",
-        "metrics.log_every", "metrics.run_dir", "metrics.run_name",
-        "checkpoint.enable", "checkpoint.folder", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.load_path",
-        "elastic.microbatch_size", "elastic.live", "elastic.lighthouse", "elastic.replica_id", "elastic.min_replicas",
-        "elastic.timeout_s", "elastic.quorum_timeout_s", "elastic.advertise_host",
+        "parallelism.dp_replicate",
+        "parallelism.dp_shard",
+        "parallelism.tp",
+        "parallelism.pp",
+        "parallelism.sequence_parallel",
+        "parallelism.reshard_after_forward",
+        "parallelism.pipeline_schedule",
+        "parallelism.stages_per_rank",
+        "metrics.log_every",
+        "metrics.run_dir",
+        "metrics.run_name",
+        "checkpoint.enable",
+        "checkpoint.folder",
+        "checkpoint.interval",
+        "checkpoint.keep_last",
+        "checkpoint.load_path",
+        "elastic.microbatch_size",
+        "elastic.live",
+        "elastic.lighthouse",
+        "elastic.replica_id",
+        "elastic.min_replicas",
+        "elastic.timeout_s",
+        "elastic.quorum_timeout_s",
+        "elastic.advertise_host",
     ]
 
 
 def test_train_help_and_bad_key_from_the_command_line():
-    out = subprocess.run([sys.executable, "-m", "functitan.cli", "train", "--help"], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "functitan.cli", "train", "--help"], capture_output=True, text=True, cwd=ROOT
+    )
     assert out.returncode == 0 and "--optimizer.lr" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "functitan.cli", "train", "--trainig.steps=1"], capture_output=True, text=True, cwd=ROOT)
+    bad = subprocess.run(
+        [sys.executable, "-m", "functitan.cli", "train", "--trainig.steps=1"], capture_output=True, text=True, cwd=ROOT
+    )
     assert bad.returncode != 0 and "did you mean 'training.steps'?" in bad.stderr
 
 

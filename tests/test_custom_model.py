@@ -21,9 +21,15 @@ def specs():
 
 
 def init(k):
-    shapes = {"embed": (VOCAB, DIM), "layers": [{"norm": (DIM,), "w_in": (HIDDEN, DIM), "w_out": (DIM, HIDDEN)} for _ in range(LAYERS)]}
-    return map_with_names(lambda n, s: torch.randn(s, generator=generator(fold_in(k, n))) * 0.3, shapes,
-                          is_leaf=lambda s: isinstance(s, tuple))
+    shapes = {
+        "embed": (VOCAB, DIM),
+        "layers": [{"norm": (DIM,), "w_in": (HIDDEN, DIM), "w_out": (DIM, HIDDEN)} for _ in range(LAYERS)],
+    }
+    return map_with_names(
+        lambda n, s: torch.randn(s, generator=generator(fold_in(k, n))) * 0.3,
+        shapes,
+        is_leaf=lambda s: isinstance(s, tuple),
+    )
 
 
 def block(p, x, layout):
@@ -55,10 +61,14 @@ def _grads(degrees, sp):
     value, grads = value_and_grad(loss)(params, b, layout)
     value = value.clone()
     torch.distributed.all_reduce(value)
-    return value.item() / torch.distributed.get_world_size(), {n: g.full_tensor() for n, g in flatten_with_names(grads)[0]}
+    return value.item() / torch.distributed.get_world_size(), {
+        n: g.full_tensor() for n, g in flatten_with_names(grads)[0]
+    }
 
 
-@pytest.mark.parametrize("degrees,sp", [(dict(dp_shard=2), False), (dict(dp_shard=1, tp=2), True), (dict(dp_shard=2, tp=2), False)])
+@pytest.mark.parametrize(
+    "degrees,sp", [(dict(dp_shard=2), False), (dict(dp_shard=1, tp=2), True), (dict(dp_shard=2, tp=2), False)]
+)
 def test_custom_model_gets_every_layout(degrees, sp):
     ref_loss, ref_grads = value_and_grad(loss)(init(key(0)), _batch())
     world = degrees.get("dp_shard", 1) * degrees.get("tp", 1)
@@ -79,13 +89,30 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ASSETS = Path(__file__).parent / "assets"
-CLI_FLAGS = {"training.steps": 3, "training.batch_size": 4, "training.seq_len": 32, "data.max_corpus_bytes": 200_000,
-             "metrics.log_every": 1, "optimizer.eps": 1e-6}
+CLI_FLAGS = {
+    "training.steps": 3,
+    "training.batch_size": 4,
+    "training.seq_len": 32,
+    "data.max_corpus_bytes": 200_000,
+    "metrics.log_every": 1,
+    "optimizer.eps": 1e-6,
+}
 
 
 def _cli(tmp_path, model: str, *flags: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "functitan.cli", "train", "--nproc", "2", f"--model.name={model}",
-           *[f"--{k}={v}" for k, v in CLI_FLAGS.items()], f"--metrics.run_dir={tmp_path}", "--metrics.run_name=cli", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "functitan.cli",
+        "train",
+        "--nproc",
+        "2",
+        f"--model.name={model}",
+        *[f"--{k}={v}" for k, v in CLI_FLAGS.items()],
+        f"--metrics.run_dir={tmp_path}",
+        "--metrics.run_name=cli",
+        *flags,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -105,16 +132,19 @@ def test_model_file_outside_the_package_trains_under_fsdp2_through_the_cli(tmp_p
     assert out.returncode == 0, out.stderr[-3000:]
     with open(tmp_path / "fsdp" / "cli" / "metrics.jsonl") as f:
         losses = [json.loads(line)["loss"] for line in f]
-    ref = run_distributed(_train_in_process, 1, {"model.name": model, "metrics.run_dir": str(tmp_path / "ref"),
-                                                 "metrics.run_name": "ref"})[0]
+    ref = run_distributed(
+        _train_in_process, 1, {"model.name": model, "metrics.run_dir": str(tmp_path / "ref"), "metrics.run_name": "ref"}
+    )[0]
     assert len(losses) == 3 and losses[-1] < losses[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), atol=2e-5, rtol=1e-4)
     record = json.loads((tmp_path / "fsdp" / "cli" / "model_config.json").read_text())
     assert record["name"] == model and record["config"]["dim"] == 32
 
 
-BAD_NAMES = (r"functitan: error: param 'w_in' is declared with names \['mlp', 'embed'\] but the contraction at .*bad_model\.py:\d+ in apply "
-             r"calls its dims \['hidden', 'embed'\]")
+BAD_NAMES = (
+    r"functitan: error: param 'w_in' is declared with names \['mlp', 'embed'\] but the contraction at .*bad_model\.py:\d+ in apply "
+    r"calls its dims \['hidden', 'embed'\]"
+)
 
 
 def test_a_misnamed_contraction_is_refused_through_the_cli_on_2_tp_ranks(tmp_path):

@@ -6,15 +6,14 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from functitan.data import (
     ByteTokenizer,
     DataConfig,
-    TokenLoader,
     Tokenizer,
+    TokenLoader,
     build_loader,
     default_corpus,
     dp_coords,

@@ -67,8 +67,12 @@ def test_shard_stream_resumes_at_another_dp_size(corpus: list[Path], tmp_path: P
     got, state = [], {"epoch": 0, "seq": 0}
     for dp_size, batch_size, steps in ((8, 1, 3), (4, 2, 3)):
         for _ in range(steps):
-            outs = [TokenLoader(shards=ShardSet(tmp_path / "prep"), batch_size=batch_size, dp_rank=r, dp_size=dp_size, **kw).next(state)
-                    for r in range(dp_size)]
+            outs = [
+                TokenLoader(
+                    shards=ShardSet(tmp_path / "prep"), batch_size=batch_size, dp_rank=r, dp_size=dp_size, **kw
+                ).next(state)
+                for r in range(dp_size)
+            ]
             assert all(s == outs[0][1] for _, s in outs)
             got += [torch.cat([b["inputs"], b["targets"][:, -1:]], 1)[k] for b, _ in outs for k in range(batch_size)]
             state = outs[0][1]
@@ -79,11 +83,22 @@ def test_shard_stream_resumes_at_another_dp_size(corpus: list[Path], tmp_path: P
 
 def test_cli_prepares_in_parallel_and_resumes(corpus: list[Path], tmp_path: Path):
     out = tmp_path / "prep"
-    cmd = [sys.executable, "-m", "functitan.cli", "data", "prepare", *map(str, corpus), "--out", str(out), "--workers", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "functitan.cli",
+        "data",
+        "prepare",
+        *map(str, corpus),
+        "--out",
+        str(out),
+        "--workers",
+        "2",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert f"13 documents" in r.stdout and "7 shards (uint16)" in r.stdout
+    assert "13 documents" in r.stdout and "7 shards (uint16)" in r.stdout
     first = json.loads((out / INDEX).read_text())
     # an interrupted run: no index yet and one file unfinished; the rerun redoes only that file
     (out / INDEX).unlink()
@@ -111,8 +126,22 @@ def test_bad_sources_are_named_errors(tmp_path: Path):
         with pytest.raises(DataError, match=pattern):
             prepare([tmp_path / name], tmp_path / f"out-{name}", workers=1, progress=False)
     # from the command line: one line, exit code 2
-    r = subprocess.run([sys.executable, "-m", "functitan.cli", "data", "prepare", str(tmp_path / "binary.txt"), "--out",
-                        str(tmp_path / "o")], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "functitan.cli",
+            "data",
+            "prepare",
+            str(tmp_path / "binary.txt"),
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]  # after the progress bar
     assert last.startswith("functitan: error: ") and "binary.txt: byte 0xff at offset 3 is not UTF-8" in last
@@ -145,8 +174,11 @@ def test_changed_shards_and_another_tokenizer_are_detected(corpus: list[Path], t
         build_loader(DataConfig(path=str(out)), batch_size=1, seq_len=4)
     # a tokenizer other than the one the shards were made with
     words = _word_tokenizer(tmp_path / "tokenizer.json", ["document", "line"])
-    with pytest.raises(ValueError, match=r"data.tokenizer .*tokenizer.json .* differs from the tokenizer the shards .* "
-                                         r"were made with, the byte tokenizer"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.tokenizer .*tokenizer.json .* differs from the tokenizer the shards .* "
+        r"were made with, the byte tokenizer",
+    ):
         ShardSet(out, tokenizer=words)
     with pytest.raises(ValueError, match=r"data.path=.*prep"):
         build_loader(DataConfig(paths=(str(out),)), batch_size=1, seq_len=4)
@@ -156,8 +188,14 @@ def test_tokenizer_file_is_recorded_and_reused(corpus: list[Path], tmp_path: Pat
     words = _word_tokenizer(tmp_path / "tokenizer.json", ["document", "line", "xyz"])
     prepare(corpus, tmp_path / "prep", tokenizer=words, workers=1, progress=False)
     index = json.loads((tmp_path / "prep" / INDEX).read_text())
-    assert index["tokenizer"] == {"kind": "file", "vocab_size": 5, "bos_id": 1, "eos_id": 1, "path": str(words.resolve()),
-                                  "hash": file_hash(words)}
+    assert index["tokenizer"] == {
+        "kind": "file",
+        "vocab_size": 5,
+        "bos_id": 1,
+        "eos_id": 1,
+        "path": str(words.resolve()),
+        "hash": file_hash(words),
+    }
     loader = build_loader(DataConfig(path=str(tmp_path / "prep")), batch_size=1, seq_len=4)  # the recorded tokenizer
     assert loader.tokenizer.vocab_size == 5 and tokenizer_identity(loader.tokenizer, words) == index["tokenizer"]
 
@@ -175,8 +213,12 @@ def test_parquet_and_datasets_directories(tmp_path: Path):
     with pytest.raises(DataError, match=r"a.parquet: no column 'body' \(columns: \['text', 'n'\]\); pass --text-key"):
         prepare([tmp_path / "a.parquet"], tmp_path / "pq2", text_key="body", workers=1, progress=False)
     datasets = pytest.importorskip("datasets")
-    ds = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts[:5]}),
-                               "test": datasets.Dataset.from_dict({"text": texts[5:]})})
+    ds = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": texts[:5]}),
+            "test": datasets.Dataset.from_dict({"text": texts[5:]}),
+        }
+    )
     ds.save_to_disk(str(tmp_path / "hf"))
     got = prepare([tmp_path / "hf"], tmp_path / "hfprep", workers=1, progress=False)
     assert got["documents"] == 9
@@ -203,8 +245,15 @@ def _sparse_shards(out: Path, n_shards: int, shard_tokens: int, doc_tokens: int)
             st = (out / "shards" / f"{name}{ext}").stat()
             rec |= {f"{prefix}bytes": st.st_size, f"{prefix}mtime_ns": st.st_mtime_ns, f"{prefix}hash": "-"}
         shards.append(rec)
-    index = {"format": FORMAT, "tokenizer": tokenizer_identity(ByteTokenizer(), None), "dtype": "uint16",
-             "text_key": "text", "shard_tokens": shard_tokens, "sources": [], "shards": shards}
+    index = {
+        "format": FORMAT,
+        "tokenizer": tokenizer_identity(ByteTokenizer(), None),
+        "dtype": "uint16",
+        "text_key": "text",
+        "shard_tokens": shard_tokens,
+        "sources": [],
+        "shards": shards,
+    }
     (out / INDEX).write_text(json.dumps(index))
 
 
@@ -241,6 +290,10 @@ def test_training_on_prepared_shards_equals_training_on_the_files(corpus: list[P
 
     prepare(corpus, tmp_path / "prep", workers=1, progress=False)  # one shard per file: the same stream
     common = {"training.steps": 2, "metrics.run_dir": str(tmp_path)}
-    raw = run_distributed(_train_losses, 1, {**common, "data.paths": ",".join(map(str, corpus)), "metrics.run_name": "raw"})[0]
-    shards = run_distributed(_train_losses, 1, {**common, "data.path": str(tmp_path / "prep"), "metrics.run_name": "sh"})[0]
+    raw = run_distributed(
+        _train_losses, 1, {**common, "data.paths": ",".join(map(str, corpus)), "metrics.run_name": "raw"}
+    )[0]
+    shards = run_distributed(
+        _train_losses, 1, {**common, "data.path": str(tmp_path / "prep"), "metrics.run_name": "sh"}
+    )[0]
     assert len(shards) == 2 and shards == raw

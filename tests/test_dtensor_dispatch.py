@@ -8,15 +8,18 @@ mesh (gradient accumulation ran foreach ops on DTensor gradients). The count is 
 import time
 
 import torch
+from test_parallel import LAYOUTS
+from test_train import _train
 
 from functitan import _dtensor as _dt
 from functitan.testing import run_distributed
 
-from test_parallel import LAYOUTS
-from test_train import _train
-
-PIPELINE = {"parallelism.pp": 2, "parallelism.dp_shard": 2, "parallelism.pipeline_schedule": "zb_h1",
-            "training.microbatches": 4}
+PIPELINE = {
+    "parallelism.pp": 2,
+    "parallelism.dp_shard": 2,
+    "parallelism.pipeline_schedule": "zb_h1",
+    "training.microbatches": 4,
+}
 STEPS = 3
 
 
@@ -36,6 +39,7 @@ def _counted_run(layouts: dict, run_dir: str) -> dict:
                 out = fn(state, *args, **kwargs)
             record.append((c.count, dict(c.ops), time.perf_counter() - t0))
             return out
+
         return counted
 
     class CountedManager(manager):
@@ -49,8 +53,17 @@ def _counted_run(layouts: dict, run_dir: str) -> dict:
         for name, layout in layouts.items():
             record.clear()
             ckpt = {} if "parallelism.pp" in layout else {"checkpoint.enable": True, "checkpoint.interval": 1}
-            _train({"training.microbatches": 2, "optimizer.max_norm": 1.0, "training.steps": STEPS, **layout, **ckpt,
-                    "metrics.run_dir": run_dir, "metrics.run_name": name})
+            _train(
+                {
+                    "training.microbatches": 2,
+                    "optimizer.max_norm": 1.0,
+                    "training.steps": STEPS,
+                    **layout,
+                    **ckpt,
+                    "metrics.run_dir": run_dir,
+                    "metrics.run_name": name,
+                }
+            )
             out[name] = list(record)
     finally:
         T.make_train_step, T.CheckpointManager = make_step, manager
@@ -84,5 +97,9 @@ def _shim_round_trip():
         y = x + 1  # one DTensor op
     with _dt.CountDTensorOps() as c2:
         z = _dt.wrap(_dt.local(y) * 2, _dt.spec(y))  # local math: none
-    same = type(z) is _dt.DTensor and z.placements == x.placements and torch.equal(z.full_tensor(), (torch.arange(4.0) + 1) * 2)
+    same = (
+        type(z) is _dt.DTensor
+        and z.placements == x.placements
+        and torch.equal(z.full_tensor(), (torch.arange(4.0) + 1) * 2)
+    )
     return c.count, dict(c.ops), c2.count, same

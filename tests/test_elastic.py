@@ -21,11 +21,25 @@ from functitan.elastic.harness import committed, live_scenario, read_metrics, re
 from functitan.testing import run_distributed
 
 BATCH, SEQ = 12, 32
-ARGS = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=8", "--model.n_kv_heads=4", "--model.ffn_dim=128",
-        f"--training.batch_size={BATCH}", f"--training.seq_len={SEQ}", "--data.max_corpus_bytes=400000",
-        "--metrics.log_every=1", "--optimizer.eps=1e-6", "--optimizer.lr=1e-2", "--training.threads=1",
-        "--elastic.microbatch_size=2", "--training.steps=100000", "--checkpoint.enable=true",
-        "--checkpoint.interval=1", "--checkpoint.keep_last=2"]
+ARGS = [
+    "--model.n_layers=2",
+    "--model.dim=64",
+    "--model.n_heads=8",
+    "--model.n_kv_heads=4",
+    "--model.ffn_dim=128",
+    f"--training.batch_size={BATCH}",
+    f"--training.seq_len={SEQ}",
+    "--data.max_corpus_bytes=400000",
+    "--metrics.log_every=1",
+    "--optimizer.eps=1e-6",
+    "--optimizer.lr=1e-2",
+    "--training.threads=1",
+    "--elastic.microbatch_size=2",
+    "--training.steps=100000",
+    "--checkpoint.enable=true",
+    "--checkpoint.interval=1",
+    "--checkpoint.keep_last=2",
+]
 # fp32, the same global batch; 1, 2 and 3 ranks x 2-6 microbatches sum in different orders. Over ~20 steps of
 # Adam at lr 1e-2 the rounding differences grow to ~1e-5 relative.
 TOL = dict(rel=2e-4, abs=5e-5)
@@ -82,8 +96,12 @@ def _resume_one_step(tmp_path, name: str, n: int) -> dict:
 
 
 def test_restart_level_kill_and_join(tmp_path):
-    out = restart_scenario(tmp_path / "logs", [*ARGS, f"--metrics.run_dir={tmp_path}", "--metrics.run_name=job"],
-                           timeout=600, steps_per_phase=2)
+    out = restart_scenario(
+        tmp_path / "logs",
+        [*ARGS, f"--metrics.run_dir={tmp_path}", "--metrics.run_name=job"],
+        timeout=600,
+        steps_per_phase=2,
+    )
     assert not out["leftovers"], f"processes left: {out['leftovers']}"
     assert set(out["returncodes"].values()) == {0}, out["returncodes"]
     records = out["records"]
@@ -106,8 +124,12 @@ def _in_order(seq: list[int], pattern: list[int]) -> bool:
 
 def test_live_level_kill_and_join(tmp_path):
     pytest.importorskip("torchft")
-    out = live_scenario(tmp_path / "logs", [*ARGS, f"--metrics.run_dir={tmp_path}", "--metrics.run_name=live"],
-                        timeout=600, steps_per_phase=3)
+    out = live_scenario(
+        tmp_path / "logs",
+        [*ARGS, f"--metrics.run_dir={tmp_path}", "--metrics.run_name=live"],
+        timeout=600,
+        steps_per_phase=3,
+    )
     assert not out["leftovers"], f"processes left: {out['leftovers']}"
     assert set(out["returncodes"].values()) == {0}, out["returncodes"]
     groups = out["records"]

@@ -9,11 +9,21 @@ import time
 
 import pytest
 
-from functitan.elastic import LaunchError, parse_launch_args, split_batch, world_sizes_for, BatchSplitError
+from functitan.elastic import BatchSplitError, LaunchError, parse_launch_args, split_batch, world_sizes_for
 
-SMALL = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=8", "--model.n_kv_heads=4", "--model.ffn_dim=128",
-         "--training.batch_size=8", "--training.seq_len=32", "--data.max_corpus_bytes=400000", "--metrics.log_every=1",
-         "--optimizer.eps=1e-6", "--training.threads=1"]
+SMALL = [
+    "--model.n_layers=2",
+    "--model.dim=64",
+    "--model.n_heads=8",
+    "--model.n_kv_heads=4",
+    "--model.ffn_dim=128",
+    "--training.batch_size=8",
+    "--training.seq_len=32",
+    "--data.max_corpus_bytes=400000",
+    "--metrics.log_every=1",
+    "--optimizer.eps=1e-6",
+    "--training.threads=1",
+]
 
 
 def descendants(pid: int) -> set[int]:
@@ -71,9 +81,21 @@ def wait_for_step(path, step: int, proc, timeout: float) -> dict:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_nproc_cli_saves_a_checkpoint_and_leaves_no_process(sig, tmp_path):
-    cmd = [sys.executable, "-m", "functitan.cli", "train", "--nproc", "2", "--parallelism.dp_shard=2", *SMALL,
-           "--training.steps=100000", "--checkpoint.enable=true", "--checkpoint.interval=100000",
-           f"--metrics.run_dir={tmp_path}", "--metrics.run_name=pre"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "functitan.cli",
+        "train",
+        "--nproc",
+        "2",
+        "--parallelism.dp_shard=2",
+        *SMALL,
+        "--training.steps=100000",
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=100000",
+        f"--metrics.run_dir={tmp_path}",
+        "--metrics.run_name=pre",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     tree: set[int] = set()
     try:
@@ -98,14 +120,26 @@ def test_signal_to_nproc_cli_saves_a_checkpoint_and_leaves_no_process(sig, tmp_p
 
 def test_rank_user_error_is_one_line_and_exit_2(tmp_path):
     # batch 8 over 3 ranks cannot stay constant: every rank raises BatchSplitError before training
-    cmd = [sys.executable, "-m", "functitan.cli", "train", "--nproc", "3", *SMALL, "--training.steps=2",
-           f"--metrics.run_dir={tmp_path}", "--metrics.run_name=bad"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "functitan.cli",
+        "train",
+        "--nproc",
+        "3",
+        *SMALL,
+        "--training.steps=2",
+        f"--metrics.run_dir={tmp_path}",
+        "--metrics.run_name=bad",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert out.returncode == 2, out.stderr[-3000:]
-    lines = [l for l in out.stderr.splitlines() if l.startswith("functitan: error:")]
-    assert lines == ["functitan: error: training.batch_size=8 must split evenly over 3 data-parallel ranks x "
-                     "training.microbatches=1 (world size 3); world sizes that keep it: 1, 2, 4, 8; or use a batch_size "
-                     "that is a multiple of 3"]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("functitan: error:")]
+    assert lines == [
+        "functitan: error: training.batch_size=8 must split evenly over 3 data-parallel ranks x "
+        "training.microbatches=1 (world size 3); world sizes that keep it: 1, 2, 4, 8; or use a batch_size "
+        "that is a multiple of 3"
+    ]
     assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
 
 
@@ -116,8 +150,9 @@ def test_bad_launcher_flags_are_named():
         parse_launch_args(["--nnodes=3:2", "--rdzv-endpoint=h:1", "--rdzv-id=x"])
     with pytest.raises(LaunchError, match=r"needs --rdzv-endpoint=HOST:PORT.*functitan rendezvous"):
         parse_launch_args(["--nnodes=1:3"])
-    spec, rest = parse_launch_args(["--nproc=2", "--training.steps=3", "--nnodes", "2:3", "--rdzv-endpoint=h:1",
-                                    "--rdzv-id=job"])
+    spec, rest = parse_launch_args(
+        ["--nproc=2", "--training.steps=3", "--nnodes", "2:3", "--rdzv-endpoint=h:1", "--rdzv-id=job"]
+    )
     assert (spec.nproc, spec.nnodes, spec.elastic, rest) == (2, "2:3", True, ["--training.steps=3"])
 
 

@@ -8,22 +8,39 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_print_layouts_example():
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "print_layouts.py")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "print_layouts.py")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "FSDP 2 x TP 2" in out.stdout
     assert "layers.0.attn.wq             (Replicate(), Replicate(), Shard(dim=1), Shard(dim=0))" in out.stdout
 
 
 def test_ensemble_example():
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "ensemble.py")], capture_output=True, text=True,
-                         cwd=ROOT, timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "ensemble.py")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ensemble losses:" in out.stdout and "per-example gradient norms:" in out.stdout
 
 
 def test_plan_then_train_example():
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "plan_then_train.py")], capture_output=True, text=True,
-                         cwd=ROOT, timeout=900)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "plan_then_train.py")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "recommended:" in out.stdout and "[parallelism]" in out.stdout
     assert "20 steps, first loss" in out.stdout

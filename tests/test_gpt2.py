@@ -42,8 +42,17 @@ def test_published_sizes_count_exactly_as_transformers(flavor):
 
 def _hf_model(tied: bool, seed: int = 0):
     """A tiny random GPT2LMHeadModel; every weight (norms and biases too) random, so a swapped key shows."""
-    config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=48, n_layer=2, n_head=4,
-                                     tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    config = transformers.GPT2Config(
+        vocab_size=96,
+        n_positions=32,
+        n_embd=48,
+        n_layer=2,
+        n_head=4,
+        tie_word_embeddings=tied,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():
@@ -57,8 +66,9 @@ def test_load_hf_logits_match_transformers_and_export_round_trips(tmp_path, tied
     model = _hf_model(tied)
     model.save_pretrained(tmp_path / "src")
     cfg, params = ckpt.load_hf(tmp_path / "src", M)
-    assert cfg == gpt2.GPT2Config(vocab_size=96, dim=48, n_layers=2, n_heads=4, ffn_dim=192, max_seq_len=32,
-                                  tie_embeddings=tied)
+    assert cfg == gpt2.GPT2Config(
+        vocab_size=96, dim=48, n_layers=2, n_heads=4, ffn_dim=192, max_seq_len=32, tie_embeddings=tied
+    )
     with torch.no_grad():
         theirs = model(TOKENS).logits
     ours = M.apply(params, TOKENS, cfg)
@@ -103,8 +113,12 @@ def test_unsupported_config_names_the_key():
     d = gpt2.config_to_hf(M.config("124m"))
     assert gpt2.config_from_hf(d) == M.config("124m")
     assert gpt2.config_from_hf({**d, "activation_function": "gelu_pytorch_tanh"}) == M.config("124m")
-    for key, value in [("activation_function", "relu"), ("scale_attn_by_inverse_layer_idx", True),
-                       ("add_cross_attention", True), ("scale_attn_weights", False)]:
+    for key, value in [
+        ("activation_function", "relu"),
+        ("scale_attn_by_inverse_layer_idx", True),
+        ("add_cross_attention", True),
+        ("scale_attn_weights", False),
+    ]:
         with pytest.raises(ValueError, match=f"config.json {key}={value!r} is not supported"):
             gpt2.config_from_hf({**d, key: value})
     with pytest.raises(ValueError, match=r"lacks \['n_head'\]"):
@@ -116,11 +130,16 @@ def test_unsupported_config_names_the_key():
 def test_column_parallel_biases_are_sharded_and_row_parallel_bias_replicated():
     rules = default_rules(sequence_parallel=True)
     decl = M.params(M.config("debug"))["layers"][0]
-    axes = {n: logical_to_mesh_axes(p.names, rules) for n, p in flatten_with_names(decl, is_leaf=lambda x: hasattr(x, "names"))[0]}
+    axes = {
+        n: logical_to_mesh_axes(p.names, rules)
+        for n, p in flatten_with_names(decl, is_leaf=lambda x: hasattr(x, "names"))[0]
+    }
     assert axes["attn.c_attn.weight"] == ((), ("tp",), ("dp_shard",))  # q, k, v of this rank's heads
     assert axes["attn.c_attn.bias"] == ((), ("tp",))  # the column-parallel bias: sliced like its output
     assert axes["mlp.c_fc.bias"] == (("tp",),)
-    assert axes["attn.c_proj.bias"] == axes["mlp.c_proj.bias"] == (("dp_shard",),)  # row parallel: whole on every tp rank
+    assert (
+        axes["attn.c_proj.bias"] == axes["mlp.c_proj.bias"] == (("dp_shard",),)
+    )  # row parallel: whole on every tp rank
 
 
 def test_check_names_and_layout_errors():
@@ -129,7 +148,10 @@ def test_check_names_and_layout_errors():
     named = [n for n, _ in flatten_with_names(M.params(cfg), is_leaf=lambda x: hasattr(x, "names"))[0]]
     # every weight goes through a named contraction or lookup; the biases are plain adds
     assert seen == {n for n in named if not n.endswith("bias")}
-    with pytest.raises(ValueError, match=r"parallelism.tp=3 does not divide model.n_heads=4, model.ffn_dim=256.*A tp that works for this model: 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"parallelism.tp=3 does not divide model.n_heads=4, model.ffn_dim=256.*A tp that works for this model: 2",
+    ):
         gpt2.check_layout(cfg, tp=3)
     with pytest.raises(ValueError, match="training.seq_len=2048 exceeds model.max_seq_len=1024"):
         gpt2.check_layout(cfg, tp=1, seq_len=2048)
@@ -143,9 +165,21 @@ def test_gradcheck_biases_positions_and_fused_qkv_under_every_layout():
 
 
 def test_cli_trains_gpt2(tmp_path):
-    cmd = [sys.executable, "-m", "functitan.cli", "train", "--model.name=models.gpt2", "--model.flavor=debug",
-           "--training.steps=3", "--training.batch_size=4", "--training.seq_len=32", "--data.max_corpus_bytes=200000",
-           "--metrics.log_every=1", f"--metrics.run_dir={tmp_path}", "--metrics.run_name=g"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "functitan.cli",
+        "train",
+        "--model.name=models.gpt2",
+        "--model.flavor=debug",
+        "--training.steps=3",
+        "--training.batch_size=4",
+        "--training.seq_len=32",
+        "--data.max_corpus_bytes=200000",
+        "--metrics.log_every=1",
+        f"--metrics.run_dir={tmp_path}",
+        "--metrics.run_name=g",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "functitan: 3 steps, first loss" in out.stdout

@@ -44,17 +44,31 @@ def from_hf_state_dict(sd, cfg, **kw):
 def import_hf(src, out, **kw):
     return ckpt.import_hf(src, out, M, **kw)
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
 def _hf_model(*, tied: bool, rope: bool, seed: int = 0):
     """A tiny random LlamaForCausalLM; every weight (norms included) random, so a swapped key shows."""
     rope_params = {**(LLAMA3_ROPE if rope else {"rope_type": "default"}), "rope_theta": 10000.0 if rope else 500000.0}
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=tied,
-        rope_parameters=rope_params, attn_implementation="eager",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        rope_parameters=rope_params,
+        attn_implementation="eager",
     )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -77,10 +91,19 @@ def test_load_hf_logits_match_transformers(tmp_path, tied, rope):
     model = _hf_model(tied=tied, rope=rope)
     model.save_pretrained(tmp_path)
     cfg, params = load_hf(tmp_path)
-    assert cfg == llama.LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
-                                    norm_eps=1e-5, rope_theta=10000.0 if rope else 500000.0,
-                                    rope_scaling=llama.RopeScaling(original_max_position_embeddings=16) if rope else None,
-                                    max_seq_len=64, tie_embeddings=tied)
+    assert cfg == llama.LlamaConfig(
+        vocab_size=128,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=96,
+        norm_eps=1e-5,
+        rope_theta=10000.0 if rope else 500000.0,
+        rope_scaling=llama.RopeScaling(original_max_position_embeddings=16) if rope else None,
+        max_seq_len=64,
+        tie_embeddings=tied,
+    )
     ours = llama.apply(params, TOKENS, cfg)
     theirs = _hf_logits(model, TOKENS)
     assert ours.shape == theirs.shape == (2, 24, 128)
@@ -103,7 +126,10 @@ def test_save_hf_round_trip_through_from_pretrained(tmp_path):
     # the export reads back into the same config and the same tensors
     cfg2, params2 = load_hf(tmp_path / "out")
     assert cfg2 == cfg
-    assert all(torch.equal(a, b) for a, b in zip(to_hf_state_dict(params, cfg).values(), to_hf_state_dict(params2, cfg2).values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(to_hf_state_dict(params, cfg).values(), to_hf_state_dict(params2, cfg2).values())
+    )
 
 
 def test_tied_export_writes_no_lm_head_and_accepts_equal_one(tmp_path):
@@ -114,7 +140,9 @@ def test_tied_export_writes_no_lm_head_and_accepts_equal_one(tmp_path):
     assert "lm_head.weight" not in sd and len(sd) == 1 + 2 * 9 + 1
     with_head = {**sd, "lm_head.weight": sd["model.embed_tokens.weight"].clone()}
     assert torch.equal(from_hf_state_dict(with_head, cfg)["embed"]["weight"], sd["model.embed_tokens.weight"])
-    with pytest.raises(ValueError, match="'lm_head.weight' differs from 'model.embed_tokens.weight' but the config ties them"):
+    with pytest.raises(
+        ValueError, match="'lm_head.weight' differs from 'model.embed_tokens.weight' but the config ties them"
+    ):
         from_hf_state_dict({**sd, "lm_head.weight": torch.zeros(128, 64)}, cfg)
     save_hf(params, cfg, tmp_path / "out")
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
@@ -165,8 +193,9 @@ def test_config_round_trip_and_both_rope_layouts():
     mha = llama.LlamaConfig(n_heads=8, n_kv_heads=None)
     assert config_from_hf(config_to_hf(mha)).n_kv_heads == 8
     # a minimal config takes HF's defaults, as transformers would
-    minimal = config_from_hf({"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
-                              "num_attention_heads": 4, "vocab_size": 10})
+    minimal = config_from_hf(
+        {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 10}
+    )
     assert (minimal.norm_eps, minimal.rope_theta, minimal.max_seq_len, minimal.n_kv_heads) == (1e-6, 10000.0, 2048, 4)
 
 
@@ -187,8 +216,17 @@ def test_unsupported_config_names_the_key():
     with pytest.raises(ValueError, match="model_type='mistral' is not supported"):
         config_from_hf({**d, "model_type": "mistral"})
     with pytest.raises(ValueError, match=r"lacks \['low_freq_factor'\]"):
-        config_from_hf({**d, "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
-                                                 "original_max_position_embeddings": 8192}})
+        config_from_hf(
+            {
+                **d,
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                },
+            }
+        )
     with pytest.raises(ValueError, match=r"lacks \['hidden_size'\]"):
         config_from_hf({k: v for k, v in d.items() if k != "hidden_size"})
 
@@ -197,20 +235,31 @@ def test_state_dict_errors_name_both_keys():
     cfg = llama.config("debug", n_layers=1)
     sd = to_hf_state_dict(llama.init(cfg, 0), cfg)
     bad = {**sd, "model.layers.0.self_attn.k_proj.weight": torch.zeros(64, 256)}
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' \(functitan 'layers\.0\.attn\.wk'\) "
-                                         r"has shape \(64, 256\), expected \(128, 256\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'model\.layers\.0\.self_attn\.k_proj\.weight' \(functitan 'layers\.0\.attn\.wk'\) "
+        r"has shape \(64, 256\), expected \(128, 256\)",
+    ):
         from_hf_state_dict(bad, cfg)
     missing = {k: v for k, v in sd.items() if k != "model.layers.0.mlp.up_proj.weight"}
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' \(functitan 'layers\.0\.mlp\.w_up'\) is missing"):
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' \(functitan 'layers\.0\.mlp\.w_up'\) is missing"
+    ):
         from_hf_state_dict(missing, cfg)
-    with pytest.raises(ValueError, match=r"\['model\.layers\.1\.input_layernorm\.weight'\] .*map to no llama parameter"):
+    with pytest.raises(
+        ValueError, match=r"\['model\.layers\.1\.input_layernorm\.weight'\] .*map to no llama parameter"
+    ):
         from_hf_state_dict({**sd, "model.layers.1.input_layernorm.weight": torch.ones(256)}, cfg)
     # old checkpoints carry RoPE buffers: ignored
     with_buffer = {**sd, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(16)}
-    assert torch.equal(from_hf_state_dict(with_buffer, cfg)["layers"][0]["attn"]["wq"], sd["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(
+        from_hf_state_dict(with_buffer, cfg)["layers"][0]["attn"]["wq"], sd["model.layers.0.self_attn.q_proj.weight"]
+    )
     params = llama.init(cfg, 0)
     params["layers"][0]["mlp"]["w_down"] = torch.zeros(3, 3)
-    with pytest.raises(ValueError, match=r"'layers\.0\.mlp\.w_down' \('model\.layers\.0\.mlp\.down_proj\.weight'\) has shape \(3, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"'layers\.0\.mlp\.w_down' \('model\.layers\.0\.mlp\.down_proj\.weight'\) has shape \(3, 3\)"
+    ):
         to_hf_state_dict(params, cfg)
     assert llama.hf_tensors(cfg)["layers.0.mlp_norm.weight"].key == "model.layers.0.post_attention_layernorm.weight"
 
@@ -219,9 +268,13 @@ def test_load_hf_refuses_pickle_and_reports_missing_shard(tmp_path):
     cfg = llama.config("debug", n_layers=1)
     (tmp_path / "config.json").write_text(json.dumps(config_to_hf(cfg)))
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
-    with pytest.raises(ValueError, match=r"no model\.safetensors or model\.safetensors\.index\.json .*pytorch_model\.bin.*never pickle"):
+    with pytest.raises(
+        ValueError, match=r"no model\.safetensors or model\.safetensors\.index\.json .*pytorch_model\.bin.*never pickle"
+    ):
         load_hf(tmp_path)
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}})
+    )
     with pytest.raises(ValueError, match="names 'model-00001-of-00002.safetensors', which is missing"):
         load_hf(tmp_path)
 
@@ -235,7 +288,9 @@ def test_import_then_export_round_trips_through_a_functitan_checkpoint(tmp_path)
     assert export_hf(tmp_path / "ckpt", tmp_path / "out") == cfg  # the config comes from the checkpoint
     cfg2, params2 = load_hf(tmp_path / "out")
     assert cfg2 == cfg and params2["layers"][1]["mlp"]["w_up"].dtype == torch.bfloat16
-    assert torch.equal(params2["layers"][1]["mlp"]["w_up"], model.model.layers[1].mlp.up_proj.weight.detach().to(torch.bfloat16))
+    assert torch.equal(
+        params2["layers"][1]["mlp"]["w_up"], model.model.layers[1].mlp.up_proj.weight.detach().to(torch.bfloat16)
+    )
     assert torch.equal(params2["output"]["weight"], model.lm_head.weight.detach().to(torch.bfloat16))
 
 
@@ -245,9 +300,10 @@ def test_export_without_a_model_config_names_the_fix(tmp_path):
 
 
 def _save_sharded_params(out_dir, cfg):
+    import torch.distributed as dist
+
     from functitan.mesh import make_mesh
     from functitan.sharding import default_rules, place
-    import torch.distributed as dist
 
     params = place(llama.init(cfg, 3), llama.specs(cfg), default_rules(), make_mesh(dp_shard=1, tp=2))
     assert isinstance(params["layers"][0]["attn"]["wq"], torch.distributed.tensor.DTensor)

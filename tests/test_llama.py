@@ -77,7 +77,7 @@ def _reference_forward(params, tokens, cfg):
     cos, sin = torch.cat([ang, ang], -1).cos().float(), torch.cat([ang, ang], -1).sin().float()
 
     def rot(t):
-        t1, t2 = t[..., : hd // 2], t[..., hd // 2:]
+        t1, t2 = t[..., : hd // 2], t[..., hd // 2 :]
         return t * cos + torch.cat([-t2, t1], -1) * sin
 
     def norm(t, w):
@@ -100,7 +100,9 @@ def test_apply_matches_a_direct_implementation():
     params = llama.init(TINY, key(1))
     params["norm"]["weight"] = torch.rand(TINY.dim) + 0.5  # non-trivial norm weights
     tokens = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(llama.apply(params, tokens, TINY), _reference_forward(params, tokens, TINY), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        llama.apply(params, tokens, TINY), _reference_forward(params, tokens, TINY), atol=2e-5, rtol=1e-4
+    )
 
 
 def test_llama3_rope_scaling_matches_the_published_rule():
@@ -118,7 +120,9 @@ def test_llama3_rope_scaling_matches_the_published_rule():
         else:
             smooth = (8192 / w - 1) / (4 - 1)
             expected.append((1 - smooth) * f / 8 + smooth * f)
-    torch.testing.assert_close(cos[1, : hd // 2].double(), torch.tensor(expected, dtype=torch.float64).cos(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        cos[1, : hd // 2].double(), torch.tensor(expected, dtype=torch.float64).cos(), atol=1e-6, rtol=0
+    )
 
 
 def test_tied_embeddings_have_no_output_head():
@@ -131,7 +135,10 @@ def test_tied_embeddings_have_no_output_head():
 def test_config_errors_name_the_key_and_the_fix():
     with pytest.raises(ValueError, match=r"model.dim=100 is not divisible by model.n_heads=8; choose n_heads among"):
         llama.LlamaConfig(dim=100, n_heads=8)
-    with pytest.raises(ValueError, match=r"model.n_heads=8 is not divisible by model.n_kv_heads=3; choose n_kv_heads among \[1, 2, 4, 8\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.n_heads=8 is not divisible by model.n_kv_heads=3; choose n_kv_heads among \[1, 2, 4, 8\]",
+    ):
         llama.LlamaConfig(dim=64, n_heads=8, n_kv_heads=3)
     with pytest.raises(ValueError, match="unknown Llama config 'llama9'"):
         llama.config("llama9")
@@ -141,10 +148,18 @@ def test_config_errors_name_the_key_and_the_fix():
 
 def test_layouts_that_cannot_split_the_model_fail_before_launch():
     cfg = llama.config("debug")  # 8 heads, 4 kv heads, ffn 768
-    with pytest.raises(ValueError, match=r"parallelism.tp=3 does not divide model.n_heads=8, model.n_kv_heads=4; .* A tp that works for this model: 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"parallelism.tp=3 does not divide model.n_heads=8, model.n_kv_heads=4; .* A tp that works for this model: 2",
+    ):
         llama.check_layout(cfg, tp=3)
-    with pytest.raises(ValueError, match=r"parallelism.tp=8 does not divide model.n_kv_heads=4; .*A tp that works for this model: 4"):
+    with pytest.raises(
+        ValueError, match=r"parallelism.tp=8 does not divide model.n_kv_heads=4; .*A tp that works for this model: 4"
+    ):
         llama.check_layout(cfg, tp=8)
-    with pytest.raises(ValueError, match=r"sequence parallelism with parallelism.tp=4 needs training.seq_len divisible by 4, got 130; use seq_len=128"):
+    with pytest.raises(
+        ValueError,
+        match=r"sequence parallelism with parallelism.tp=4 needs training.seq_len divisible by 4, got 130; use seq_len=128",
+    ):
         llama.check_layout(cfg, tp=4, seq_len=130, sequence_parallel=True)
     llama.check_layout(cfg, tp=4, seq_len=128, sequence_parallel=True)  # fine

@@ -37,8 +37,9 @@ def test_flops_hand_calculation():
     # per layer: q,k,v,o 4*16*16 = 1024, mlp 2*16*64 = 2048 -> 3072; two layers 6144.
     # embedding 100*16 = 1600 (excluded), head 16*100 = 1600 (kept): matmul params 7744.
     # 6 * 7744 = 46464; attention 12 * 2 * 4 * 4 * 8 = 3072; total 49536.
-    got = transformer_flops_per_token(n_params=1600 + 6144 + 1600, n_layers=2, n_heads=4, head_dim=4,
-                                      seq_len=8, n_embedding_params=1600)
+    got = transformer_flops_per_token(
+        n_params=1600 + 6144 + 1600, n_layers=2, n_heads=4, head_dim=4, seq_len=8, n_embedding_params=1600
+    )
     assert got == 49536
 
 
@@ -52,9 +53,18 @@ def _tiny_params(gen):
 
     p = {"embed": w(_V, _D), "head": w(_D, _V), "norm": torch.ones(_D, requires_grad=True)}
     for i in range(_L):
-        p.update({f"{i}.wq": w(_D, _H * _Q), f"{i}.wk": w(_D, _H * _Q), f"{i}.wv": w(_D, _H * _Q),
-                  f"{i}.wo": w(_H * _Q, _D), f"{i}.w1": w(_D, _FF), f"{i}.w2": w(_FF, _D),
-                  f"{i}.n1": torch.ones(_D, requires_grad=True), f"{i}.n2": torch.ones(_D, requires_grad=True)})
+        p.update(
+            {
+                f"{i}.wq": w(_D, _H * _Q),
+                f"{i}.wk": w(_D, _H * _Q),
+                f"{i}.wv": w(_D, _H * _Q),
+                f"{i}.wo": w(_H * _Q, _D),
+                f"{i}.w1": w(_D, _FF),
+                f"{i}.w2": w(_FF, _D),
+                f"{i}.n1": torch.ones(_D, requires_grad=True),
+                f"{i}.n2": torch.ones(_D, requires_grad=True),
+            }
+        )
     return p
 
 
@@ -96,8 +106,7 @@ def test_flops_match_flop_counter_on_a_tiny_causal_transformer():
 
 def test_flops_rejects_bad_input_with_a_fix():
     with pytest.raises(ValueError, match=r"n_embedding_params=200 exceeds n_params=100.*embedding table included"):
-        transformer_flops_per_token(n_params=100, n_layers=1, n_heads=1, head_dim=1, seq_len=1,
-                                    n_embedding_params=200)
+        transformer_flops_per_token(n_params=100, n_layers=1, n_heads=1, head_dim=1, seq_len=1, n_embedding_params=200)
     with pytest.raises(ValueError, match=r"seq_len must be a non-negative int, got -3"):
         transformer_flops_per_token(n_params=100, n_layers=1, n_heads=1, head_dim=1, seq_len=-3)
 
@@ -107,25 +116,29 @@ def test_flops_rejects_bad_input_with_a_fix():
 
 def _fake_gpu(monkeypatch, name, sms=None):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: types.SimpleNamespace(multi_processor_count=sms))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(multi_processor_count=sms)
+    )
 
 
-@pytest.mark.parametrize("name, dtype, tflops, source", [
-    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4, "table:H100 SXM"),
-    ("NVIDIA H100 PCIe", torch.bfloat16, 756.5, "table:H100 PCIe"),
-    ("NVIDIA H200", torch.float16, 989.4, "table:H200"),
-    ("NVIDIA GH200 480GB", torch.bfloat16, 989.4, "table:GH200"),
-    ("NVIDIA H20", torch.bfloat16, 148.0, "table:H20"),
-    ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312.0, "table:A100"),
-    ("NVIDIA A100-SXM4-80GB", torch.float32, 19.5, "table:A100 fp32"),
-    ("NVIDIA A100-SXM4-80GB", "tf32", 156.0, "table:A100 tf32"),
-    ("NVIDIA A10G", torch.bfloat16, 125.0, "table:A10G(A10 datasheet)"),
-    ("NVIDIA L4", torch.bfloat16, 121.0, "table:L4"),
-    ("NVIDIA L40S", torch.bfloat16, 362.05, "table:L40S"),
-    ("Tesla V100-SXM2-16GB", torch.float16, 125.0, "table:V100 SXM2"),
-    ("AMD Instinct MI300X", torch.bfloat16, 1307.4, "table:MI300X"),
-])
+@pytest.mark.parametrize(
+    "name, dtype, tflops, source",
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4, "table:H100 SXM"),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756.5, "table:H100 PCIe"),
+        ("NVIDIA H200", torch.float16, 989.4, "table:H200"),
+        ("NVIDIA GH200 480GB", torch.bfloat16, 989.4, "table:GH200"),
+        ("NVIDIA H20", torch.bfloat16, 148.0, "table:H20"),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312.0, "table:A100"),
+        ("NVIDIA A100-SXM4-80GB", torch.float32, 19.5, "table:A100 fp32"),
+        ("NVIDIA A100-SXM4-80GB", "tf32", 156.0, "table:A100 tf32"),
+        ("NVIDIA A10G", torch.bfloat16, 125.0, "table:A10G(A10 datasheet)"),
+        ("NVIDIA L4", torch.bfloat16, 121.0, "table:L4"),
+        ("NVIDIA L40S", torch.bfloat16, 362.05, "table:L40S"),
+        ("Tesla V100-SXM2-16GB", torch.float16, 125.0, "table:V100 SXM2"),
+        ("AMD Instinct MI300X", torch.bfloat16, 1307.4, "table:MI300X"),
+    ],
+)
 def test_peak_table_matches_device_names(monkeypatch, name, dtype, tflops, source):
     _fake_gpu(monkeypatch, name)
     got = peak_flops("cuda", dtype)
@@ -199,8 +212,9 @@ def test_cpu_calibration_takes_the_best_round_so_a_busy_moment_does_not_lower_th
 
 def test_an_achieved_rate_above_the_peak_is_no_mfu_but_a_flagged_ratio():
     # 5.4x the calibrated peak: the calibration ran slow; an "MFU 540%" would be printed as a fact
-    out = throughput(wall_s=1.0, data_s=0.0, tokens=1000, world_size=1, flops_per_token=5.4e9,
-                     peak=PeakFlops(1e12, "cpu-calibrated"))
+    out = throughput(
+        wall_s=1.0, data_s=0.0, tokens=1000, world_size=1, flops_per_token=5.4e9, peak=PeakFlops(1e12, "cpu-calibrated")
+    )
     assert out["mfu"] is None and out["mfu_above_peak"] == pytest.approx(5.4)
     line = ConsoleSink(10, stream=io.StringIO()).format(1, out)
     assert "MFU n/a | achieved/peak 5.40 (peak underestimated)" in line and "540" not in line
@@ -229,8 +243,15 @@ def test_cpu_peak_rss_resets():
 
 def test_throughput_by_hand():
     # 4 devices, 2 steps in 2 s (0.5 s of it waiting for data), 65536 tokens, 1e9 FLOPs/token, 100 TFLOP/s peak.
-    out = throughput(wall_s=2.0, data_s=0.5, tokens=65536, world_size=4, flops_per_token=1e9,
-                     peak=PeakFlops(100e12, "table:x"), steps=2)
+    out = throughput(
+        wall_s=2.0,
+        data_s=0.5,
+        tokens=65536,
+        world_size=4,
+        flops_per_token=1e9,
+        peak=PeakFlops(100e12, "table:x"),
+        steps=2,
+    )
     assert out == {
         "tokens_per_s": 32768.0,
         "tokens_per_s_per_device": 8192.0,
@@ -257,8 +278,16 @@ def test_meter_sums_a_window_and_restarts():
 
 # --- sinks ---------------------------------------------------------------------------------------------
 
-_METRICS = {"loss": 2.3456, "grad_norm": 0.987, "lr": 3e-4, "tokens_per_s": 12345.0, "tflops": 45.6,
-            "mfu": 38.25, "mem_max_reserved_gib": 12.5, "step_time_s": 0.25}
+_METRICS = {
+    "loss": 2.3456,
+    "grad_norm": 0.987,
+    "lr": 3e-4,
+    "tokens_per_s": 12345.0,
+    "tflops": 45.6,
+    "mfu": 38.25,
+    "mem_max_reserved_gib": 12.5,
+    "step_time_s": 0.25,
+}
 
 
 def test_console_non_tty_prints_plain_lines_with_the_numbers(capsys):
@@ -269,8 +298,10 @@ def test_console_non_tty_prints_plain_lines_with_the_numbers(capsys):
     sink.close()
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and "\r" not in lines[0]
-    assert lines[0] == ("step   10/1000 | loss 2.3456 | gnorm 0.987 | lr 3.00e-04 | tok/s 12.35k | "
-                        "TFLOP/s 45.6 | MFU 38.2% | mem 12.50GiB | eta ?")
+    assert lines[0] == (
+        "step   10/1000 | loss 2.3456 | gnorm 0.987 | lr 3.00e-04 | tok/s 12.35k | "
+        "TFLOP/s 45.6 | MFU 38.2% | mem 12.50GiB | eta ?"
+    )
     # 30 steps took 30 s, 960 to go: 0:16:00.
     assert lines[1].endswith("MFU n/a | mem 12.50GiB | eta 0:16:00")
 

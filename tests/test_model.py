@@ -18,9 +18,12 @@ TINY = f"{ROOT / 'tests' / 'assets' / 'tiny_gpt.py'}"
 
 
 def test_functitan_imports_no_model():
-    offenders = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "functitan").rglob("*.py")
-                 for i, line in enumerate(p.read_text().splitlines(), 1)
-                 if re.match(r"\s*(from|import)\s+models\b", line)]
+    offenders = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in (ROOT / "functitan").rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.match(r"\s*(from|import)\s+models\b", line)
+    ]
     assert offenders == []
 
 
@@ -59,7 +62,10 @@ def test_load_model_by_plugin_module_and_file():
         load_model(f"{TINY}:NOPE")
     m = load_model("llama")
     assert m.config("debug", n_layers="3").n_layers == 3  # strings from the command line are converted
-    with pytest.raises(ValueError, match=r"model.n_layer is not a field of llama's config \(LlamaConfig\) \(did you mean 'n_layers'\?\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.n_layer is not a field of llama's config \(LlamaConfig\) \(did you mean 'n_layers'\?\)",
+    ):
         m.config("debug", n_layer=3)
     with pytest.raises(ValueError, match=r"model.flavor='8b' is not a llama flavor"):
         m.config("8b")
@@ -70,8 +76,11 @@ def test_check_names_names_the_param_both_lists_and_the_call_site():
     used = check_names(good, good.config("debug"))
     assert "layers.0.fc" in used and "wpe" in used
     bad = load_model(f"{TINY}:BAD")
-    with pytest.raises(ValueError, match=r"param 'layers\.0\.fc' is declared with names \['mlp', 'embed'\] but the "
-                                         r"contraction at .*tiny_gpt\.py:\d+ in block calls its dims \['hidden', 'embed'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"param 'layers\.0\.fc' is declared with names \['mlp', 'embed'\] but the "
+        r"contraction at .*tiny_gpt\.py:\d+ in block calls its dims \['hidden', 'embed'\]",
+    ):
         check_names(bad, bad.config("debug"))
 
 
@@ -87,18 +96,28 @@ def _train_bad(argv):
     return None
 
 
-@pytest.mark.parametrize("layout", [["--parallelism.tp=2", "--parallelism.dp_shard=1"], ["--parallelism.dp_shard=2"]],
-                         ids=["tp2", "fsdp2"])
+@pytest.mark.parametrize(
+    "layout", [["--parallelism.tp=2", "--parallelism.dp_shard=1"], ["--parallelism.dp_shard=2"]], ids=["tp2", "fsdp2"]
+)
 def test_trainer_refuses_a_misnamed_contraction_before_any_collective(tmp_path, layout):
-    argv = [f"--model.name={TINY}:BAD", "--training.steps=1", "--training.seq_len=16", "--training.batch_size=4",
-            "--data.max_corpus_bytes=50000", f"--metrics.run_dir={tmp_path}", *layout]
+    argv = [
+        f"--model.name={TINY}:BAD",
+        "--training.steps=1",
+        "--training.seq_len=16",
+        "--training.batch_size=4",
+        "--data.max_corpus_bytes=50000",
+        f"--metrics.run_dir={tmp_path}",
+        *layout,
+    ]
     errors = run_distributed(_train_bad, 2, argv)
     assert all(e is not None and "param 'layers.0.fc' is declared with names ['mlp', 'embed']" in e for e in errors)
 
 
 def test_gradcheck_passes_for_llama_and_a_gpt_with_biases_and_positions():
-    for name, kw in (("llama", {"overrides": {"dim": 32, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "n_layers": 2}}),
-                     (TINY, {})):
+    for name, kw in (
+        ("llama", {"overrides": {"dim": 32, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64, "n_layers": 2}}),
+        (TINY, {}),
+    ):
         report = gradcheck(name, layouts=("fsdp", "tp", "tp_sp", "hsdp", "fsdp_tp_sp"), **kw)
         assert report == {"fsdp": {}, "tp": {}, "tp_sp": {}, "hsdp": {}, "fsdp_tp_sp": {}}, (name, report)
 
@@ -111,10 +130,25 @@ def test_gradcheck_names_exactly_the_params_a_layout_gets_wrong():
 
 
 def test_cli_trains_a_model_from_a_file(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "functitan.cli", "train", f"--model.name={TINY}", "--training.steps=2",
-                          "--training.seq_len=16", "--training.batch_size=2", "--data.max_corpus_bytes=50000",
-                          f"--metrics.run_dir={tmp_path}", "--metrics.run_name=t"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "functitan.cli",
+            "train",
+            f"--model.name={TINY}",
+            "--training.steps=2",
+            "--training.seq_len=16",
+            "--training.batch_size=2",
+            "--data.max_corpus_bytes=50000",
+            f"--metrics.run_dir={tmp_path}",
+            "--metrics.run_name=t",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "2 steps, first loss" in out.stdout
     record = (tmp_path / "t" / "model_config.json").read_text()
@@ -122,8 +156,21 @@ def test_cli_trains_a_model_from_a_file(tmp_path):
 
 
 def test_cli_gradcheck_lists_the_wrong_params():
-    out = subprocess.run([sys.executable, "-m", "functitan.cli", "gradcheck", f"--model.name={TINY}", "--model.flavor=raw",
-                          "--layouts=tp"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "functitan.cli",
+            "gradcheck",
+            f"--model.name={TINY}",
+            "--model.flavor=raw",
+            "--layouts=tp",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert out.returncode == 1 and "tp           2 differ" in out.stdout and "layers.1.q_scale" in out.stdout
 
 
@@ -142,15 +189,44 @@ def _run(overrides):
 def test_load_path_model_and_flags_never_disagree_silently(tmp_path):
     import json
 
-    small = {"training.steps": 2, "training.seq_len": 16, "training.batch_size": 2, "data.max_corpus_bytes": 50_000,
-             "metrics.run_dir": str(tmp_path), "checkpoint.interval": 2}
-    first = run_distributed(_run, 1, {**small, "metrics.run_name": "a", "checkpoint.enable": True, "model.dim": 32,
-                                      "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_dim": 64, "model.n_layers": 2})[0]
+    small = {
+        "training.steps": 2,
+        "training.seq_len": 16,
+        "training.batch_size": 2,
+        "data.max_corpus_bytes": 50_000,
+        "metrics.run_dir": str(tmp_path),
+        "checkpoint.interval": 2,
+    }
+    first = run_distributed(
+        _run,
+        1,
+        {
+            **small,
+            "metrics.run_name": "a",
+            "checkpoint.enable": True,
+            "model.dim": 32,
+            "model.n_heads": 4,
+            "model.n_kv_heads": 2,
+            "model.ffn_dim": 64,
+            "model.n_layers": 2,
+        },
+    )[0]
     ckpt = f"{first}/checkpoints/2"
-    clash = run_distributed(_run, 1, {**small, "metrics.run_name": "b", "checkpoint.load_path": ckpt, "model.n_layers": 3})[0]
+    clash = run_distributed(
+        _run, 1, {**small, "metrics.run_name": "b", "checkpoint.load_path": ckpt, "model.n_layers": 3}
+    )[0]
     assert "[model] flags conflict with the checkpoint's model" in clash and "n_layers=3 vs 2" in clash
-    flavor = run_distributed(_run, 1, {**small, "metrics.run_name": "c", "checkpoint.load_path": ckpt, "model.flavor": "debug"})[0]
+    flavor = run_distributed(
+        _run, 1, {**small, "metrics.run_name": "c", "checkpoint.load_path": ckpt, "model.flavor": "debug"}
+    )[0]
     assert "dim=256 vs 32" in flavor
-    same = run_distributed(_run, 1, {**small, "metrics.run_name": "d", "checkpoint.load_path": ckpt, "model.n_layers": 2})[0]
+    same = run_distributed(
+        _run, 1, {**small, "metrics.run_name": "d", "checkpoint.load_path": ckpt, "model.n_layers": 2}
+    )[0]
     ran = json.loads((tmp_path / "d" / "config.json").read_text())["model"]
-    assert same.endswith("/d") and ran["name"] == "llama" and ran["overrides"]["n_layers"] == 2 and ran["overrides"]["dim"] == 32
+    assert (
+        same.endswith("/d")
+        and ran["name"] == "llama"
+        and ran["overrides"]["n_layers"] == 2
+        and ran["overrides"]["dim"] == 32
+    )

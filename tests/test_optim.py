@@ -81,7 +81,10 @@ def test_adamw_matches_torch_adamw_over_20_steps_fp64():
         decay = [p for n, p in named if optim.default_decay_mask(n, p)]
         no_decay = [p for n, p in named if not optim.default_decay_mask(n, p)]
         assert [n for n, p in named if optim.default_decay_mask(n, p)] == [
-            "layers.0.attn.wq", "layers.1.attn.wq", "out.weight", "tok_embeddings"
+            "layers.0.attn.wq",
+            "layers.1.attn.wq",
+            "out.weight",
+            "tok_embeddings",
         ]
         groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=peak, betas=(0.9, 0.95), eps=1e-8)
@@ -171,7 +174,9 @@ def test_decay_masks_decay_matrices_and_the_specs_spare_vocab_tables():
     mask = optim.decay_mask_from_specs(llama.specs(cfg))
     params = llama.init(cfg, 0, device="meta")
     decayed = [n for n, p in flatten_with_names(params)[0] if mask(n, p)]
-    assert sorted(decayed) == sorted(f"layers.0.{k}" for k in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down"))
+    assert sorted(decayed) == sorted(
+        f"layers.0.{k}" for k in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down")
+    )
     assert mask("layers.7.attn.wq", m)  # a pipeline stage's own names fall back to the rule by shape
 
 
@@ -315,7 +320,7 @@ def _fsdp_worker(grads_per_step, params, max_norm):
 
 def _assert_ranks_match_reference(results, reference):
     ref_norm, ref_clipped, ref_params = reference
-    for norm, clipped, params, placements in results:
+    for norm, clipped, params, _placements in results:
         assert norm == pytest.approx(ref_norm, rel=1e-12)
         for k in ref_clipped:
             torch.testing.assert_close(torch.from_numpy(clipped[k]), ref_clipped[k], rtol=0, atol=1e-12)
@@ -373,13 +378,20 @@ def test_clip_and_adamw_on_2d_fsdp_tp_shards_equal_the_unsharded_run():
 
 def test_fused_adamw_equals_its_chain_of_transforms():
     torch.manual_seed(0)
-    params = {"w": torch.randn(4, 3, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64), "embed": torch.randn(5, 3, dtype=torch.float64)}
+    params = {
+        "w": torch.randn(4, 3, dtype=torch.float64),
+        "b": torch.randn(3, dtype=torch.float64),
+        "embed": torch.randn(5, 3, dtype=torch.float64),
+    }
     schedule = optim.warmup_cosine(1e-2, 2, 10)
     fused = optim.adamw(schedule, b1=0.8, b2=0.9, weight_decay=0.3)
-    chained = optim.chain(optim.scale_by_adam(b1=0.8, b2=0.9), optim.add_decayed_weights(0.3, mask=optim.default_decay_mask),
-                          optim.scale_by_learning_rate(schedule))
+    chained = optim.chain(
+        optim.scale_by_adam(b1=0.8, b2=0.9),
+        optim.add_decayed_weights(0.3, mask=optim.default_decay_mask),
+        optim.scale_by_learning_rate(schedule),
+    )
     sf, sc, pf, pc = fused.init(params), chained.init(params), params, params
-    for step in range(5):
+    for _step in range(5):
         grads = {k: torch.randn_like(v) for k, v in params.items()}
         uf, sf = fused.update(grads, sf, pf)
         uc, sc = chained.update(grads, sc, pc)

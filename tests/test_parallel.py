@@ -3,10 +3,9 @@ x {no checkpointing, full, selective}, 5 steps of the trainer in fp32."""
 
 import pytest
 import torch
+from test_train import SMALL, _train
 
 from functitan.testing import run_distributed
-
-from test_train import SMALL, _train
 
 # fp32, same global batch and data. Collectives sum in another order than one process does, and AdamW's
 # m / sqrt(v) amplifies that rounding on tiny gradients: losses agree to 2e-5, params after 5 steps to 1e-4.
@@ -23,12 +22,16 @@ LAYOUTS = {
 
 
 def _train_all_remats(layout: dict, run_dir: str):
-    return [_train({**layout, "training.remat": r, "metrics.run_dir": run_dir, "metrics.run_name": r})[:2] for r in REMATS]
+    return [
+        _train({**layout, "training.remat": r, "metrics.run_dir": run_dir, "metrics.run_name": r})[:2] for r in REMATS
+    ]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return run_distributed(_train, 1, {"metrics.run_dir": str(tmp_path_factory.mktemp("ref")), "metrics.run_name": "ref"})[0]
+    return run_distributed(
+        _train, 1, {"metrics.run_dir": str(tmp_path_factory.mktemp("ref")), "metrics.run_name": "ref"}
+    )[0]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -36,7 +39,9 @@ def test_layout_equals_one_process(name, reference, tmp_path):
     ref_losses, ref_params, _ = reference
     results = run_distributed(_train_all_remats, 4, LAYOUTS[name], str(tmp_path), timeout=280)
     for remat, (losses, params) in zip(REMATS, results[0]):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **LOSS_TOL, msg=lambda m: f"{name}/{remat} losses: {m}")
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), **LOSS_TOL, msg=lambda m: f"{name}/{remat} losses: {m}"
+        )
         for key, p in params.items():
             torch.testing.assert_close(p, ref_params[key], **PARAM_TOL, msg=lambda m, k=key: f"{name}/{remat} {k}: {m}")
 
@@ -48,8 +53,16 @@ def _state_bytes(degrees: dict, run_dir: str) -> int:
     from functitan.train import run
     from functitan.tree import tree_leaves
 
-    cfg = apply_overrides(JobConfig(), {**SMALL, **{f"parallelism.{k}": v for k, v in degrees.items()},
-                                        "training.steps": 1, "metrics.run_dir": run_dir, "metrics.run_name": "m"})
+    cfg = apply_overrides(
+        JobConfig(),
+        {
+            **SMALL,
+            **{f"parallelism.{k}": v for k, v in degrees.items()},
+            "training.steps": 1,
+            "metrics.run_dir": run_dir,
+            "metrics.run_name": "m",
+        },
+    )
     state = run(cfg)["state"]
     storages = {}
     for x in tree_leaves((state.params, state.opt_state)):
@@ -74,8 +87,13 @@ def _train_pipelined(layout: dict, run_dir: str):
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])  # 2 layers: one stage per rank
 def test_trainer_with_pipeline_stages_equals_one_process(schedule, reference, tmp_path):
     ref_losses, ref_params, _ = reference
-    layout = {"parallelism.pp": 2, "parallelism.dp_shard": 1, "parallelism.pipeline_schedule": schedule,
-              "parallelism.reshard_after_forward": False, "training.microbatches": 4}
+    layout = {
+        "parallelism.pp": 2,
+        "parallelism.dp_shard": 1,
+        "parallelism.pipeline_schedule": schedule,
+        "parallelism.reshard_after_forward": False,
+        "training.microbatches": 4,
+    }
     results = run_distributed(_train_pipelined, 2, layout, str(tmp_path))
     torch.testing.assert_close(torch.tensor(results[0][0]), torch.tensor(ref_losses), **LOSS_TOL)
     params = {**results[0][1], **results[1][1]}  # each pipeline rank holds its stages' params
@@ -132,56 +150,90 @@ def test_reshard_after_forward_frees_gathered_params():
 # one 4-process run per model walks DDP, FSDP, HSDP, FSDP x TP + SP and PP x FSDP, each against one process.
 
 MODEL_BASE = {
-    "training.steps": 3, "training.batch_size": 8, "training.seq_len": 32, "optimizer.lr": 1e-2,
-    "optimizer.warmup_steps": 2, "optimizer.eps": 1e-6, "metrics.log_every": 1, "data.max_corpus_bytes": 400_000,
+    "training.steps": 3,
+    "training.batch_size": 8,
+    "training.seq_len": 32,
+    "optimizer.lr": 1e-2,
+    "optimizer.warmup_steps": 2,
+    "optimizer.eps": 1e-6,
+    "metrics.log_every": 1,
+    "data.max_corpus_bytes": 400_000,
 }
 MODELS = {
     # 4 layers: zb_v puts the first and the last of its 4 stages on rank 0, as the tied head needs
-    "gpt2": ({"model.name": "models.gpt2", "model.n_layers": 4, "model.dim": 32, "model.n_heads": 4, "model.ffn_dim": 64},
-             {"parallelism.pipeline_schedule": "zb_v"}),
-    "qwen3": ({"model.name": "models.qwen3", "model.n_layers": 2, "model.dim": 32, "model.n_heads": 4,
-               "model.n_kv_heads": 2, "model.head_dim": 16, "model.ffn_dim": 64}, {"parallelism.pipeline_schedule": "1f1b"}),
+    "gpt2": (
+        {"model.name": "models.gpt2", "model.n_layers": 4, "model.dim": 32, "model.n_heads": 4, "model.ffn_dim": 64},
+        {"parallelism.pipeline_schedule": "zb_v"},
+    ),
+    "qwen3": (
+        {
+            "model.name": "models.qwen3",
+            "model.n_layers": 2,
+            "model.dim": 32,
+            "model.n_heads": 4,
+            "model.n_kv_heads": 2,
+            "model.head_dim": 16,
+            "model.ffn_dim": 64,
+        },
+        {"parallelism.pipeline_schedule": "1f1b"},
+    ),
 }
 MODEL_LAYOUTS = {
     "ddp4": {"parallelism.dp_replicate": 4, "parallelism.dp_shard": 1},
     "fsdp4": {"parallelism.dp_shard": 4},
     "hsdp2x2": {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 2},
     "fsdp2_tp2_sp": {"parallelism.dp_shard": 2, "parallelism.tp": 2, "parallelism.sequence_parallel": True},
-    "pp2_fsdp2": {"parallelism.pp": 2, "parallelism.dp_shard": 2, "parallelism.reshard_after_forward": False,
-                  "training.microbatches": 4},
+    "pp2_fsdp2": {
+        "parallelism.pp": 2,
+        "parallelism.dp_shard": 2,
+        "parallelism.reshard_after_forward": False,
+        "training.microbatches": 4,
+    },
 }
 
 
 def _train_model(overrides: dict) -> tuple[list, dict]:
+    import json
+
     from functitan.config import apply_overrides
     from functitan.job_config import JobConfig
     from functitan.train import run
     from functitan.tree import flatten_with_names
-    import json
 
     out = run(apply_overrides(JobConfig(), {**MODEL_BASE, **overrides}))
     losses = None
     if torch.distributed.get_rank() == 0:
         with open(f"{out['run_dir']}/metrics.jsonl") as f:
             losses = [json.loads(line)["loss"] for line in f]
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in flatten_with_names(out["state"].params)[0]}
+    params = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        for n, p in flatten_with_names(out["state"].params)[0]
+    }
     return losses, params
 
 
 def _train_model_layouts(model: dict, pp: dict, run_dir: str) -> dict:
-    return {name: _train_model({**model, **layout, **(pp if "pp" in name else {}), "metrics.run_dir": run_dir,
-                                "metrics.run_name": name}) for name, layout in MODEL_LAYOUTS.items()}
+    return {
+        name: _train_model(
+            {**model, **layout, **(pp if "pp" in name else {}), "metrics.run_dir": run_dir, "metrics.run_name": name}
+        )
+        for name, layout in MODEL_LAYOUTS.items()
+    }
 
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_model_layouts_equal_one_process(model, tmp_path):
     overrides, pp = MODELS[model]
-    ref_losses, ref_params = run_distributed(_train_model, 1, {**overrides, "metrics.run_dir": str(tmp_path), "metrics.run_name": "ref"})[0]
+    ref_losses, ref_params = run_distributed(
+        _train_model, 1, {**overrides, "metrics.run_dir": str(tmp_path), "metrics.run_name": "ref"}
+    )[0]
     assert len(ref_losses) == 3 and ref_losses[-1] < ref_losses[0]
     results = run_distributed(_train_model_layouts, 4, overrides, pp, str(tmp_path), timeout=600)
     for name in MODEL_LAYOUTS:
         losses = results[0][name][0]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **LOSS_TOL, msg=lambda m: f"{model}/{name} losses: {m}")
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), **LOSS_TOL, msg=lambda m: f"{model}/{name} losses: {m}"
+        )
         # pipeline ranks hold their own stages' params; together they hold all
         params = {k: v for r in results for k, v in r[name][1].items()} if "pp" in name else results[0][name][1]
         assert params.keys() == ref_params.keys(), name

@@ -215,7 +215,12 @@ def _rank_trees(schedule_name: str):
     stages = pipeline.make_stages(model, _schedule(schedule_name, 2, 4), mesh)
     params = pipeline.place_stages(_init(), llama.specs(CFG), default_rules(), stages)
     named = flatten_with_names(params)[0]
-    return stages.local, [str(i) for s in stages.local for i in stages.layers[s]], sorted({n.split(".")[0] for n, _ in named}), named[0][1].device_mesh.mesh_dim_names
+    return (
+        stages.local,
+        [str(i) for s in stages.local for i in stages.layers[s]],
+        sorted({n.split(".")[0] for n, _ in named}),
+        named[0][1].device_mesh.mesh_dim_names,
+    )
 
 
 def test_each_rank_holds_only_its_stages_params(pp2):

@@ -276,8 +276,7 @@ def test_simulate_p2p_and_per_stage_costs_exactly():
 def test_render_text_timeline():
     s = P.one_f_one_b(2, 2)
     assert P.render_text(s, P.simulate(s, EQUAL)) == (
-        "rank 0 |[F0 ][F1 ]..........[BW0     ].....[BW1     ]\n"
-        "rank 1 |.....[F0 ][BW0     ][F1 ][BW1     ].........."
+        "rank 0 |[F0 ][F1 ]..........[BW0     ].....[BW1     ]\nrank 1 |.....[F0 ][BW0     ][F1 ][BW1     ].........."
     )
     v = P.zb_v(2, 3)
     first_row = P.render_text(v, P.simulate(v, EQUAL)).splitlines()[0]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,9 @@ LAYOUTS = [
     Candidate(dp_shard=2, tp=2, remat="none", param_dtype="bfloat16"),
     Candidate(tp=4, remat="selective", param_dtype="float32", microbatches=2),
     Candidate(dp_shard=2, pp=2, schedule="1f1b", microbatches=2, remat="none", param_dtype="float32"),
-    Candidate(dp_shard=2, pp=2, schedule="zb_v", stages_per_rank=2, microbatches=4, remat="full", param_dtype="float32"),
+    Candidate(
+        dp_shard=2, pp=2, schedule="zb_v", stages_per_rank=2, microbatches=4, remat="full", param_dtype="float32"
+    ),
     Candidate(dp_shard=4, reshard_after_forward=False, microbatches=2, param_dtype="bfloat16"),
     Candidate(tp=2, pp=2, schedule="zb_h1", microbatches=2, remat="none", param_dtype="float32"),
 ]
@@ -78,20 +79,46 @@ def test_predicted_peak_matches_real_runs():
 
 
 def test_plan_help():
-    r = subprocess.run([sys.executable, "-m", "functitan.cli", "plan", "--help"], capture_output=True, text=True,
-                       cwd=ROOT, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "functitan.cli", "plan", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert r.returncode == 0
     assert "--global-batch-tokens" in r.stdout and "--calibrate" in r.stdout and "--measure" in r.stdout
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--device", "tpu9"], "--device='tpu9' is not in the device table; choose one of ['a100', 'cpu', 'h100', 'h200']"),
-    (["--model.name", "nosuchmodel"], "model.name='nosuchmodel' is not an installed model"),
-    (["--model.flavor", "llama3_405b", "--device", "a100", "--nodes", "1", "--gpus-per-node", "1",
-      "--global-batch-tokens", "8192", "--seq-len", "8192", "--top", "1"], "no layout fits in 79.2 GiB per device (a100); the smallest needs"),
-    (["--gpus-per-node", "7", "--global-batch-tokens", "2048", "--seq-len", "256"],
-     "no layout uses all 7 devices (1 x 7)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--device", "tpu9"],
+            "--device='tpu9' is not in the device table; choose one of ['a100', 'cpu', 'h100', 'h200']",
+        ),
+        (["--model.name", "nosuchmodel"], "model.name='nosuchmodel' is not an installed model"),
+        (
+            [
+                "--model.flavor",
+                "llama3_405b",
+                "--device",
+                "a100",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "1",
+                "--global-batch-tokens",
+                "8192",
+                "--seq-len",
+                "8192",
+                "--top",
+                "1",
+            ],
+            "no layout fits in 79.2 GiB per device (a100); the smallest needs",
+        ),
+        (
+            ["--gpus-per-node", "7", "--global-batch-tokens", "2048", "--seq-len", "256"],
+            "no layout uses all 7 devices (1 x 7)",
+        ),
+    ],
+)
 def test_plan_bad_input(argv, message, capsys):
     assert plan_main(argv) == 2
     err = capsys.readouterr().err
@@ -101,12 +128,45 @@ def test_plan_bad_input(argv, message, capsys):
 
 def test_plan_writes_a_config_the_trainer_runs(tmp_path):
     out = tmp_path / "plan.toml"
-    assert plan_main(["--device", "cpu", "--gpus-per-node", "1", "--global-batch-tokens", "512", "--seq-len", "64",
-                      "--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.ffn_dim=128",
-                      "--top", "1", "--out", str(out)]) == 0
+    assert (
+        plan_main(
+            [
+                "--device",
+                "cpu",
+                "--gpus-per-node",
+                "1",
+                "--global-batch-tokens",
+                "512",
+                "--seq-len",
+                "64",
+                "--model.n_layers=2",
+                "--model.dim=64",
+                "--model.n_heads=4",
+                "--model.ffn_dim=128",
+                "--top",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     cfg = parse_config(JobConfig, ["--config", str(out)])
     assert cfg.model.overrides["n_layers"] == 2 and cfg.training.batch_size == 8 and cfg.training.seq_len == 64
-    r = subprocess.run([sys.executable, "-m", "functitan.train", "--config", str(out), "--training.steps=2",
-                        f"--metrics.run_dir={tmp_path}"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "functitan.train",
+            "--config",
+            str(out),
+            "--training.steps=2",
+            f"--metrics.run_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "2 steps" in r.stdout

@@ -33,9 +33,18 @@ def test_published_sizes_count_exactly_as_transformers(flavor):
 
 def _hf_model(tied: bool, seed: int = 0):
     """A tiny random Qwen3ForCausalLM with head_dim != hidden / heads; every weight (norms too) random."""
-    config = transformers.Qwen3Config(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                                      tie_word_embeddings=tied, attn_implementation="eager")
+    config = transformers.Qwen3Config(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        attn_implementation="eager",
+    )
     torch.manual_seed(seed)
     model = transformers.Qwen3ForCausalLM(config).eval()
     with torch.no_grad():
@@ -49,8 +58,18 @@ def test_load_hf_logits_match_transformers_and_export_round_trips(tmp_path, tied
     model = _hf_model(tied)
     model.save_pretrained(tmp_path / "src")
     cfg, params = ckpt.load_hf(tmp_path / "src", M)
-    assert cfg == qwen3.Qwen3Config(vocab_size=96, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=80,
-                                    rope_theta=10000.0, max_seq_len=64, tie_embeddings=tied)
+    assert cfg == qwen3.Qwen3Config(
+        vocab_size=96,
+        dim=48,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_dim=80,
+        rope_theta=10000.0,
+        max_seq_len=64,
+        tie_embeddings=tied,
+    )
     with torch.no_grad():
         theirs = model(TOKENS).logits
     ours = M.apply(params, TOKENS, cfg)
@@ -87,7 +106,9 @@ def test_check_names_and_layout_errors():
     cfg = M.config("debug")
     named = {n for n, _ in flatten_with_names(M.params(cfg), is_leaf=lambda x: hasattr(x, "names"))[0]}
     assert check_names(M, cfg) == named  # every param, q/k norms included, goes through a named contraction
-    with pytest.raises(ValueError, match=r"parallelism.tp=4 does not divide model.n_kv_heads=2.*A tp that works for this model: 2"):
+    with pytest.raises(
+        ValueError, match=r"parallelism.tp=4 does not divide model.n_kv_heads=2.*A tp that works for this model: 2"
+    ):
         qwen3.check_layout(cfg, tp=4)
     with pytest.raises(ValueError, match="needs training.seq_len divisible by 2, got 33"):
         qwen3.check_layout(cfg, tp=2, seq_len=33, sequence_parallel=True)
@@ -98,7 +119,9 @@ def test_gradcheck_qk_norms_and_gqa_under_every_layout():
     layouts = ("fsdp", "hsdp", "tp", "tp_sp", "fsdp_tp_sp")
     assert gradcheck("models.qwen3", flavor="debug", layouts=layouts) == {n: {} for n in layouts}
     # the tied variant: one table is both the embedding and the vocab-parallel head
-    assert gradcheck("models.qwen3", flavor="debug", overrides={"tie_embeddings": True}, layouts=("tp_sp",)) == {"tp_sp": {}}
+    assert gradcheck("models.qwen3", flavor="debug", overrides={"tie_embeddings": True}, layouts=("tp_sp",)) == {
+        "tp_sp": {}
+    }
 
 
 def test_pyproject_entry_points_name_the_models():
@@ -108,5 +131,11 @@ def test_pyproject_entry_points_name_the_models():
     from functitan.model import load_model
     from models import gpt2, llama
 
-    eps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["entry-points"]["functitan.models"]
-    assert {name: load_model(value) for name, value in eps.items()} == {"llama": llama.MODEL, "gpt2": gpt2.MODEL, "qwen3": M}
+    eps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["entry-points"][
+        "functitan.models"
+    ]
+    assert {name: load_model(value) for name, value in eps.items()} == {
+        "llama": llama.MODEL,
+        "gpt2": gpt2.MODEL,
+        "qwen3": M,
+    }

@@ -5,10 +5,9 @@ import math
 
 import pytest
 import torch
+from test_train import _train
 
 from functitan.testing import run_distributed
-
-from test_train import _train
 
 CKPT = {"checkpoint.enable": True, "checkpoint.interval": 10, "checkpoint.keep_last": 2}
 
@@ -58,7 +57,9 @@ def _interrupted_and_resumed(layout: dict, root: str):
 
 @pytest.mark.parametrize("world,layout", [(1, {}), (2, {"parallelism.dp_shard": 2})])
 def test_resume_after_step_10_is_bit_exact(world, layout, tmp_path):
-    straight_params, resumed_params, data_state = run_distributed(_interrupted_and_resumed, world, layout, str(tmp_path))[0]
+    straight_params, resumed_params, data_state = run_distributed(
+        _interrupted_and_resumed, world, layout, str(tmp_path)
+    )[0]
     straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
     assert [s for s in resumed if s > 10] == [11, 12, 13, 14]  # the second run started at step 11
     for step in (11, 12, 13, 14):
@@ -103,7 +104,13 @@ def _files(step_dir) -> dict[str, bytes]:
 def test_a_restarted_trainer_removes_leftovers_and_resaves_a_damaged_newest_step(tmp_path):
     import shutil
 
-    run = {**CKPT, "checkpoint.interval": 2, "training.steps": 6, "metrics.run_dir": str(tmp_path), "metrics.run_name": "r"}
+    run = {
+        **CKPT,
+        "checkpoint.interval": 2,
+        "training.steps": 6,
+        "metrics.run_dir": str(tmp_path),
+        "metrics.run_name": "r",
+    }
     assert run_distributed(_train_and_capture, 1, run, 4) == [None]  # crashed after step 4 was saved
     ckpts = tmp_path / "r" / "checkpoints"
     assert sorted(e.name for e in ckpts.iterdir()) == ["2", "4"]

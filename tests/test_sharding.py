@@ -25,12 +25,18 @@ def test_precedence_earlier_rule_wins_as_in_flax():
     assert logical_to_mesh_axes((None, "unknown"), FLAX_EXAMPLE) == ((), ())
     # a rule may map to several axes: batch over both data-parallel axes
     assert logical_to_mesh_axes(("batch", "seq"), default_rules()) == (("dp_replicate", "dp_shard"), ())
-    assert logical_to_mesh_axes(("batch", "seq"), default_rules(sequence_parallel=True)) == (("dp_replicate", "dp_shard"), ("tp",))
+    assert logical_to_mesh_axes(("batch", "seq"), default_rules(sequence_parallel=True)) == (
+        ("dp_replicate", "dp_shard"),
+        ("tp",),
+    )
 
 
 def test_degrees_fill_and_errors():
     assert resolve_degrees(8, dp_replicate=2, dp_shard=-1, tp=2) == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2}
-    with pytest.raises(ValueError, match=r"parallelism.dp_shard=-1: the other degrees multiply to 3, which does not divide the world size 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"parallelism.dp_shard=-1: the other degrees multiply to 3, which does not divide the world size 4",
+    ):
         resolve_degrees(4, dp_shard=-1, tp=3)
     with pytest.raises(ValueError, match=r"dp_shard=3 x tp=1 = 3 ranks, but the world size is 2"):
         resolve_degrees(2, dp_shard=3)
@@ -66,7 +72,12 @@ def test_rules_to_placements_on_a_real_mesh():
 def test_spec_errors_name_the_key_path():
     mesh = make_mesh()
     with pytest.raises(ValueError, match=r"layers.0.attn.wq: spec \('heads',\) names 1 dims but the tensor has 2"):
-        place({"layers": [{"attn": {"wq": torch.ones(2, 2)}}]}, {"layers": [{"attn": {"wq": ("heads",)}}]}, default_rules(), mesh)
+        place(
+            {"layers": [{"attn": {"wq": torch.ones(2, 2)}}]},
+            {"layers": [{"attn": {"wq": ("heads",)}}]},
+            default_rules(),
+            mesh,
+        )
     with pytest.raises(ValueError, match=r"names mesh axis 'fsdp', which the mesh does not have"):
         spec_placements(("embed",), (("embed", "fsdp"),), mesh)
     with pytest.raises(ValueError, match=r"params and specs differ at '<root>': keys only in the first: \['b'\]"):
@@ -86,7 +97,9 @@ def _fsdp_gather_and_grad(degrees):
     return tuple(p.placements), tuple(g.placements), g.full_tensor()
 
 
-@pytest.mark.parametrize("degrees", [dict(dp_shard=2), dict(dp_replicate=2, dp_shard=1), dict(dp_shard=4), dict(dp_replicate=2, dp_shard=2)])
+@pytest.mark.parametrize(
+    "degrees", [dict(dp_shard=2), dict(dp_replicate=2, dp_shard=1), dict(dp_shard=4), dict(dp_replicate=2, dp_shard=2)]
+)
 def test_layout_param_grads_equal_single_process(degrees):
     torch.manual_seed(0)
     w = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
@@ -108,15 +121,20 @@ def _constrain_activation():
     sharded = constrain(x, ("batch", "embed"), default_rules(), mesh)
     whole = constrain(sharded, (None, None), default_rules(), mesh)  # redistributed: all-gathered
     by_embed = constrain(whole, (None, "embed"), default_rules(), mesh)  # the same table: embed -> dp_shard
-    return (tuple(sharded.placements), sharded.to_local().tolist(), tuple(whole.placements), whole.to_local().tolist(),
-            tuple(by_embed.placements))
+    return (
+        tuple(sharded.placements),
+        sharded.to_local().tolist(),
+        tuple(whole.placements),
+        whole.to_local().tolist(),
+        tuple(by_embed.placements),
+    )
 
 
 def test_constrain_lays_out_activations_by_name():
     R = Replicate()
     for rank, (pl, local, whole_pl, whole, by_embed) in enumerate(run_distributed(_constrain_activation, 2)):
         assert pl == (R, R, Shard(0), R)  # batch -> (dp_replicate, dp_shard); dp_replicate has size 1
-        assert local == torch.arange(8.0).reshape(4, 2)[2 * rank:2 * rank + 2].tolist()
+        assert local == torch.arange(8.0).reshape(4, 2)[2 * rank : 2 * rank + 2].tolist()
         assert whole_pl == (R, R, R, R) and whole == torch.arange(8.0).reshape(4, 2).tolist()
         assert by_embed == (R, R, Shard(1), R)
 

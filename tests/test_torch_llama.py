@@ -18,11 +18,15 @@ TINY = llama.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_head
 
 def _batch(cfg, b=2, s=16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"inputs": torch.randint(0, cfg.vocab_size, (b, s), generator=g),
-            "targets": torch.randint(0, cfg.vocab_size, (b, s), generator=g)}
+    return {
+        "inputs": torch.randint(0, cfg.vocab_size, (b, s), generator=g),
+        "targets": torch.randint(0, cfg.vocab_size, (b, s), generator=g),
+    }
 
 
-@pytest.mark.parametrize("cfg", [TINY, llama.config("debug", n_layers=1, tie_embeddings=True, vocab_size=64)], ids=["gqa", "tied"])
+@pytest.mark.parametrize(
+    "cfg", [TINY, llama.config("debug", n_layers=1, tie_embeddings=True, vocab_size=64)], ids=["gqa", "tied"]
+)
 def test_logits_equal_functional(cfg):
     params = llama.init(cfg, key(1))
     model = from_functional(params, cfg)
@@ -53,8 +57,13 @@ def test_adamw_step_equals_torch_adamw():
     for name, p in model.named_parameters():
         (decay if optim.default_decay_mask(name, p) else no_decay).append(p)
     assert len(no_decay) == 2 * TINY.n_layers + 1  # norms (default_decay_mask decays every matrix)
-    torch_opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2,
-                                  betas=(hp["b1"], hp["b2"]), eps=hp["eps"], weight_decay=hp["weight_decay"])
+    torch_opt = torch.optim.AdamW(
+        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(hp["b1"], hp["b2"]),
+        eps=hp["eps"],
+        weight_decay=hp["weight_decay"],
+    )
     opt = optim.adamw(1e-2, mask=optim.default_decay_mask, **hp)
     state = opt.init(params)
     grad_fn = value_and_grad(lambda p, b: llama.loss(p, b, TINY))
@@ -93,7 +102,9 @@ def test_meta_module_allocates_nothing():
 def test_errors_name_the_key_path():
     params = llama.init(TINY, key(5))
     params["layers"][1]["attn"]["wk"] = torch.zeros(3, 32)
-    with pytest.raises(ValueError, match=r"params\['layers.1.attn.wk'\] has shape \(3, 32\) but the config gives \(16, 32\)"):
+    with pytest.raises(
+        ValueError, match=r"params\['layers.1.attn.wk'\] has shape \(3, 32\) but the config gives \(16, 32\)"
+    ):
         from_functional(params, TINY)
     del params["layers"][1]["attn"]["wk"]
     with pytest.raises(ValueError, match=r"differ at 'layers.1.attn'"):

@@ -30,6 +30,7 @@ def _grads_and_collectives(sp: bool):
         def call(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
             return originals[name](*args, **kwargs)
+
         return call
 
     for n in originals:

@@ -12,9 +12,18 @@ from functitan.train import run
 from functitan.tree import flatten_with_names
 
 SMALL = {
-    "model.n_layers": 2, "model.dim": 64, "model.n_heads": 8, "model.n_kv_heads": 4, "model.ffn_dim": 128,
-    "training.steps": 5, "training.batch_size": 8, "training.seq_len": 32, "optimizer.lr": 1e-2,
-    "optimizer.warmup_steps": 2, "metrics.log_every": 1, "data.max_corpus_bytes": 400_000,
+    "model.n_layers": 2,
+    "model.dim": 64,
+    "model.n_heads": 8,
+    "model.n_kv_heads": 4,
+    "model.ffn_dim": 128,
+    "training.steps": 5,
+    "training.batch_size": 8,
+    "training.seq_len": 32,
+    "optimizer.lr": 1e-2,
+    "optimizer.warmup_steps": 2,
+    "metrics.log_every": 1,
+    "data.max_corpus_bytes": 400_000,
     # AdamW divides by sqrt(v) + eps: with the default 1e-8, the rounding noise of a near-zero gradient (a
     # token that appears once) becomes a full-size update. 1e-6 keeps the comparison about the layout.
     "optimizer.eps": 1e-6,
@@ -28,7 +37,10 @@ def _train(overrides: dict):
     if torch.distributed.get_rank() == 0:
         with open(f"{out['run_dir']}/metrics.jsonl") as f:
             losses = [json.loads(line)["loss"] for line in f]
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in flatten_with_names(out["state"].params)[0]}
+    params = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        for n, p in flatten_with_names(out["state"].params)[0]
+    }
     return losses, params, out["state"].data_state
 
 
@@ -45,7 +57,9 @@ def reference(tmp_path_factory):
 TOL = dict(atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("layout", [{"parallelism.dp_shard": 2}, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}])
+@pytest.mark.parametrize(
+    "layout", [{"parallelism.dp_shard": 2}, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}]
+)
 def test_fsdp_and_ddp_equal_one_process(layout, reference, tmp_path):
     ref_losses, ref_params, ref_data = reference
     assert len(ref_losses) == 5 and ref_losses[-1] < ref_losses[0]
@@ -61,8 +75,16 @@ def test_fsdp_and_ddp_equal_one_process(layout, reference, tmp_path):
 
 def test_microbatches_and_remat_equal_one_batch(reference, tmp_path):
     ref_losses, ref_params, _ = reference
-    losses, params, _ = run_distributed(_train, 1, {"training.microbatches": 4, "training.remat": "full",
-                                                    "metrics.run_dir": str(tmp_path), "metrics.run_name": "acc"})[0]
+    losses, params, _ = run_distributed(
+        _train,
+        1,
+        {
+            "training.microbatches": 4,
+            "training.remat": "full",
+            "metrics.run_dir": str(tmp_path),
+            "metrics.run_name": "acc",
+        },
+    )[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
     # microbatch sums round differently; after 5 AdamW steps (m / sqrt(v) amplifies rounding on tiny
     # gradients) the params agree to 1e-4
@@ -81,7 +103,9 @@ def test_batch_not_dividing_the_data_parallel_ranks_is_an_error():
 
 
 def _train_bf16(layout: dict, run_dir: str):
-    losses, params, _ = _train({**layout, "training.param_dtype": "bfloat16", "metrics.run_dir": run_dir, "metrics.run_name": "bf16"})
+    losses, params, _ = _train(
+        {**layout, "training.param_dtype": "bfloat16", "metrics.run_dir": run_dir, "metrics.run_name": "bf16"}
+    )
     return losses, {n: p.dtype for n, p in params.items()}
 
 
@@ -98,8 +122,19 @@ def test_nproc_flag_launches_torchrun(tmp_path):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "functitan.cli", "train", "--nproc", "2", "--parallelism.dp_shard=2",
-           *[f"--{k}={v}" for k, v in SMALL.items()], "--training.steps=2", f"--metrics.run_dir={tmp_path}", "--metrics.run_name=np"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "functitan.cli",
+        "train",
+        "--nproc",
+        "2",
+        "--parallelism.dp_shard=2",
+        *[f"--{k}={v}" for k, v in SMALL.items()],
+        "--training.steps=2",
+        f"--metrics.run_dir={tmp_path}",
+        "--metrics.run_name=np",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "functitan: 2 steps, first loss" in out.stdout
@@ -109,6 +144,16 @@ def test_nproc_flag_launches_torchrun(tmp_path):
 
 def test_compiled_blocks_train_like_eager(reference, tmp_path):
     # FSDP 2 with compiled blocks: the gathers, reshard hooks and prefetch sit around the compiled block
-    compiled = run_distributed(_train, 2, {"training.compile": True, "training.steps": 2, "parallelism.dp_shard": 2,
-                                           "metrics.run_dir": str(tmp_path), "metrics.run_name": "compiled"}, timeout=600)[0]
+    compiled = run_distributed(
+        _train,
+        2,
+        {
+            "training.compile": True,
+            "training.steps": 2,
+            "parallelism.dp_shard": 2,
+            "metrics.run_dir": str(tmp_path),
+            "metrics.run_name": "compiled",
+        },
+        timeout=600,
+    )[0]
     torch.testing.assert_close(torch.tensor(compiled[0]), torch.tensor(reference[0][:2]), atol=1e-5, rtol=1e-5)

@@ -3,7 +3,15 @@ import collections
 import pytest
 import torch
 
-from functitan.tree import check_same_structure, combine, flatten_with_names, keystr, leaf_names, map_with_names, partition
+from functitan.tree import (
+    check_same_structure,
+    combine,
+    flatten_with_names,
+    keystr,
+    leaf_names,
+    map_with_names,
+    partition,
+)
 
 State = collections.namedtuple("State", "mu nu")
 

@@ -10,12 +10,21 @@
 See docs/checkpoints.md for the on-disk layout, the commit protocol and the Orbax interop.
 """
 
+from ._hf import (
+    export_hf,
+    from_hf_state_dict,
+    import_hf,
+    is_hf_dir,
+    load_hf,
+    recorded_model,
+    recorded_model_config,
+    save_hf,
+    to_hf_state_dict,
+    write_model_config,
+)
 from ._manager import CheckpointManager, restore_params
 from ._restore import CheckpointError, restore, verify
 from ._save import Checkpointer, SaveHandle, save, save_sync
-
-from ._hf import (export_hf, from_hf_state_dict, import_hf, is_hf_dir, load_hf, recorded_model, recorded_model_config,
-                  save_hf, to_hf_state_dict, write_model_config)
 
 __all__ = [
     "save",

@@ -61,7 +61,12 @@ def _leaf_codecs(codecs: Any) -> bool:
 
 def parse(zmeta: dict) -> Spec | None:
     """The spec of a zarr.json that ``read_box`` can read, or None (read it with tensorstore)."""
-    if _crc32c is None or sys.byteorder != "little" or zmeta.get("zarr_format") != 3 or zmeta.get("node_type", "array") != "array":
+    if (
+        _crc32c is None
+        or sys.byteorder != "little"
+        or zmeta.get("zarr_format") != 3
+        or zmeta.get("node_type", "array") != "array"
+    ):
         return None
     grid, keys = zmeta.get("chunk_grid", {}), zmeta.get("chunk_key_encoding", {})
     if grid.get("name") != "regular" or keys.get("name") != "default":
@@ -106,9 +111,9 @@ def _overlap(a_off, a_shp, b_off, b_shp):
     """The intersection of two boxes as (offset, shape), or None."""
     lo = [max(a, b) for a, b in zip(a_off, b_off)]
     hi = [min(a + s, b + t) for a, s, b, t in zip(a_off, a_shp, b_off, b_shp)]
-    if any(h <= l for l, h in zip(lo, hi)):
+    if any(h <= low for low, h in zip(lo, hi)):
         return None
-    return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
+    return tuple(lo), tuple(h - low for low, h in zip(lo, hi))
 
 
 def _put(out, out_off, src_off, block: np.ndarray, ov) -> None:
@@ -141,7 +146,12 @@ def _pread(fd: int, offset: int, n: int, where: str, scratch: Any = None) -> mem
 
 
 def read_box(
-    path: str, spec: Spec, off: tuple[int, ...], shp: tuple[int, ...], scratch: Any = None, out: np.ndarray | None = None
+    path: str,
+    spec: Spec,
+    off: tuple[int, ...],
+    shp: tuple[int, ...],
+    scratch: Any = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """The block ``[off, off + shp)`` of the array stored under the directory ``path``.
 

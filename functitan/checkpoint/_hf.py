@@ -25,8 +25,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,8 +59,10 @@ _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 def _hf_map(model: Model):
     if model.hf is None:
-        raise ValueError(f"model {model.name!r} declares no Hugging Face mapping (Model.hf); it cannot be imported "
-                         "from or exported to Hugging Face")
+        raise ValueError(
+            f"model {model.name!r} declares no Hugging Face mapping (Model.hf); it cannot be imported "
+            "from or exported to Hugging Face"
+        )
     return model.hf
 
 
@@ -91,8 +94,10 @@ def _config_from_hf(model: Model, d: Mapping[str, Any]) -> Any:
     arch = _hf_map(model).architecture
     archs = d.get("architectures") or [arch]
     if arch not in archs:
-        raise ValueError(f"config.json architectures={archs!r} is not model {model.name!r}'s ({arch!r}); choose the "
-                         f"model that matches with --model.name")
+        raise ValueError(
+            f"config.json architectures={archs!r} is not model {model.name!r}'s ({arch!r}); choose the "
+            f"model that matches with --model.name"
+        )
     return _hf_map(model).config_from_hf(d)
 
 
@@ -107,15 +112,16 @@ def _full(x: Tensor) -> Tensor:
 def _check_params(params: Any, model: Model, cfg: Any) -> list[tuple[str, Any, Tensor]]:
     """``[(our name, HFTensor, leaf)]`` after checking structure and (global) shapes against ``cfg``."""
     decl = model.params(cfg)
-    map_with_names(lambda n, i, x: None, decl, params, is_leaf=is_param,
-                   what=(f"{model.name}.params(cfg)", "params"))
+    map_with_names(lambda n, i, x: None, decl, params, is_leaf=is_param, what=(f"{model.name}.params(cfg)", "params"))
     named, _ = flatten_with_names(params)
     out = []
     for (name, hf, shape), (_, x) in zip(_expected(model, cfg), named):
         if not isinstance(x, Tensor):
             raise TypeError(f"params {name!r} ({hf.key!r}) is a {type(x).__name__}, expected a Tensor")
         if tuple(x.shape) != shape:
-            raise ValueError(f"params {name!r} ({hf.key!r}) has shape {tuple(x.shape)}, expected {shape} for this config")
+            raise ValueError(
+                f"params {name!r} ({hf.key!r}) has shape {tuple(x.shape)}, expected {shape} for this config"
+            )
         out.append((name, hf, x))
     return out
 
@@ -149,11 +155,15 @@ def from_hf_state_dict(sd: Mapping[str, Tensor], model: Model, cfg: Any, *, dtyp
         if key in extra:
             a, b = sd[key], sd.get(twin)
             if b is not None and (a.shape != b.shape or not torch.equal(a, b.to(a))):
-                raise ValueError(f"HF tensor {key!r} differs from {twin!r} but the config ties them; untie the "
-                                 f"weights in config.json to load both")
+                raise ValueError(
+                    f"HF tensor {key!r} differs from {twin!r} but the config ties them; untie the "
+                    f"weights in config.json to load both"
+                )
             extra.remove(key)
     if extra:
-        raise ValueError(f"HF tensors {extra[:8]} ({len(extra)} in all) map to no {model.name} parameter for this config")
+        raise ValueError(
+            f"HF tensors {extra[:8]} ({len(extra)} in all) map to no {model.name} parameter for this config"
+        )
     by_name = {}
     for name, hf, shape in expected:
         if hf.key not in sd:
@@ -325,8 +335,10 @@ def recorded_model_config(ckpt_dir: str | os.PathLike) -> tuple[str, dict[str, A
         if (d / MODEL_CONFIG).is_file():
             record = _read_json(d / MODEL_CONFIG)
             if not isinstance(record, dict) or "name" not in record or "config" not in record:
-                raise ValueError(f"{d / MODEL_CONFIG} is not a functitan model record (no 'name' and 'config'); it was "
-                                 f"written by an older functitan: rewrite it as {{'name': ..., 'config': {{...}}}}")
+                raise ValueError(
+                    f"{d / MODEL_CONFIG} is not a functitan model record (no 'name' and 'config'); it was "
+                    f"written by an older functitan: rewrite it as {{'name': ..., 'config': {{...}}}}"
+                )
             return record["name"], record["config"]
     return None
 
@@ -343,8 +355,14 @@ def recorded_model(ckpt_dir: str | os.PathLike) -> tuple[Model, Any]:
     return model, config_from_dict(model.config_type, found[1])
 
 
-def import_hf(hf_dir: str | os.PathLike, out_ckpt_dir: str | os.PathLike, model: Model, *, name: str | None = None,
-              dtype: torch.dtype | None = None) -> Any:
+def import_hf(
+    hf_dir: str | os.PathLike,
+    out_ckpt_dir: str | os.PathLike,
+    model: Model,
+    *,
+    name: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Any:
     """Convert an HF directory into a functitan checkpoint holding ``{"params": ...}`` plus its model record.
 
     The trainer starts from it with ``--checkpoint.load_path=OUT`` (a weights-only load). ``name``: how
@@ -358,12 +376,19 @@ def import_hf(hf_dir: str | os.PathLike, out_ckpt_dir: str | os.PathLike, model:
     return cfg
 
 
-def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, model: Model | None = None, cfg: Any = None,
-              **kwargs: Any) -> Any:
+def export_hf(
+    ckpt_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    model: Model | None = None,
+    cfg: Any = None,
+    **kwargs: Any,
+) -> Any:
     """Convert a functitan checkpoint (a trainer's step directory, or ``import_hf``'s output) into an HF
     directory. ``model`` and ``cfg`` default to the record beside the checkpoint; ``kwargs`` as ``save_hf``'s."""
-    from ._manager import ITEM, restore_params
     from functitan.model import init
+
+    from ._manager import ITEM, restore_params
 
     if model is None or cfg is None:
         model, cfg = recorded_model(ckpt_dir)
@@ -372,7 +397,11 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, model:
     # restore in the dtype the checkpoint holds (the exemplar's dtype must match: no silent casts)
     first = flatten_with_names(decl, is_leaf=is_param)[0][0][0]
     array = item / f"params.{first}" / "zarr.json"
-    dtype = getattr(torch, _read_json(array).get("data_type", "float32"), torch.float32) if array.is_file() else torch.float32
+    dtype = (
+        getattr(torch, _read_json(array).get("data_type", "float32"), torch.float32)
+        if array.is_file()
+        else torch.float32
+    )
     params = restore_params(item, init(decl, 0, device="meta", dtype=dtype))
     save_hf(params, model, cfg, out_dir, **kwargs)
     return cfg

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ..errors import UserError, pop_debug, user_errors_exit
 from ._hf import MAX_SHARD_BYTES
@@ -40,23 +40,31 @@ def _steps_in(d: Path) -> str:
 def _checkpoint_in(path: str) -> None:
     p = Path(path)
     if not p.exists():
-        raise UserError(f"checkpoint {path} does not exist{_steps_in(p.parent)}; pass a step directory such as "
-                        f"runs/<run>/checkpoints/<step>, or import hf's output")
+        raise UserError(
+            f"checkpoint {path} does not exist{_steps_in(p.parent)}; pass a step directory such as "
+            f"runs/<run>/checkpoints/<step>, or import hf's output"
+        )
     if not ((p / "_METADATA").is_file() or (p / "default" / "_METADATA").is_file()):
-        raise UserError(f"{path} is not a functitan checkpoint (no _METADATA in it or in {path}/default)"
-                        f"{_steps_in(p / 'checkpoints') or _steps_in(p)}; pass a step directory such as "
-                        f"runs/<run>/checkpoints/<step>")
+        raise UserError(
+            f"{path} is not a functitan checkpoint (no _METADATA in it or in {path}/default)"
+            f"{_steps_in(p / 'checkpoints') or _steps_in(p)}; pass a step directory such as "
+            f"runs/<run>/checkpoints/<step>"
+        )
 
 
 def _hf_in(path: str) -> None:
     from ._hf import is_hf_dir
 
     if not Path(path).is_dir():
-        raise UserError(f"Hugging Face directory {path} does not exist; pass a local model directory "
-                        f"(config.json and *.safetensors)")
+        raise UserError(
+            f"Hugging Face directory {path} does not exist; pass a local model directory "
+            f"(config.json and *.safetensors)"
+        )
     if not is_hf_dir(path):
-        raise UserError(f"{path} is not a Hugging Face model directory: it needs config.json and model.safetensors "
-                        f"(or model.safetensors.index.json)")
+        raise UserError(
+            f"{path} is not a Hugging Face model directory: it needs config.json and model.safetensors "
+            f"(or model.safetensors.index.json)"
+        )
 
 
 def _writable_dir(path: str, *, must_be_new: bool = False) -> None:
@@ -72,14 +80,16 @@ def _writable_dir(path: str, *, must_be_new: bool = False) -> None:
     try:  # a probe, not os.access: root passes access() on read-only and virtual file systems
         os.rmdir(tempfile.mkdtemp(prefix=".functitan-probe-", dir=parent))
     except OSError as e:
-        raise UserError(f"output {path}: cannot write in {parent} ({e.strerror}); pass a directory you can write to") from None
+        raise UserError(
+            f"output {path}: cannot write in {parent} ({e.strerror}); pass a directory you can write to"
+        ) from None
 
 
 EXAMPLES = {
     "export": "example:\n  functitan export hf runs/llama-20260101-120000/checkpoints/200 hf_out/\n"
-              "  python -c \"import transformers as t; t.AutoModelForCausalLM.from_pretrained('hf_out')\"",
+    "  python -c \"import transformers as t; t.AutoModelForCausalLM.from_pretrained('hf_out')\"",
     "import": "example:\n  functitan import hf ~/models/Llama-3.2-1B ckpt/llama-1b\n"
-              "  functitan train --checkpoint.load_path=ckpt/llama-1b --data.tokenizer=~/models/Llama-3.2-1B/tokenizer.json",
+    "  functitan train --checkpoint.load_path=ckpt/llama-1b --data.tokenizer=~/models/Llama-3.2-1B/tokenizer.json",
 }
 
 
@@ -95,17 +105,23 @@ def import_main(argv: Sequence[str]) -> int:
 
 def main(command: str, argv: Sequence[str]) -> int:
     debug, args = pop_debug(argv)
-    parser = argparse.ArgumentParser(prog=f"functitan {command} hf", epilog=EXAMPLES[command],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=f"functitan {command} hf", epilog=EXAMPLES[command], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     if command == "export":
-        parser.add_argument("checkpoint", help="a functitan checkpoint (a step directory: runs/<name>/checkpoints/<step>)")
+        parser.add_argument(
+            "checkpoint", help="a functitan checkpoint (a step directory: runs/<name>/checkpoints/<step>)"
+        )
         parser.add_argument("out", help="the Hugging Face directory to write")
         parser.add_argument("--max-shard-bytes", type=int, default=MAX_SHARD_BYTES)
     else:
         parser.add_argument("hf_dir", help="a local Hugging Face model directory (config.json + safetensors)")
         parser.add_argument("out", help="the functitan checkpoint directory to write")
-        parser.add_argument("--model", default=None,
-                            help="the model as --model.name spells it (default: the installed model of config.json's architecture)")
+        parser.add_argument(
+            "--model",
+            default=None,
+            help="the model as --model.name spells it (default: the installed model of config.json's architecture)",
+        )
         parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     if args and args[0] in ("-h", "--help"):
@@ -130,8 +146,10 @@ def main(command: str, argv: Sequence[str]) -> int:
             _writable_dir(ns.out, must_be_new=True)
             name, model = _model_of(ns.hf_dir, ns.model)
             import_hf(ns.hf_dir, ns.out, model, name=name, dtype=getattr(torch, ns.dtype) if ns.dtype else None)
-            print(f"functitan: wrote a functitan checkpoint of {ns.hf_dir} to {ns.out}; train from it with "
-                  f"--checkpoint.load_path={ns.out}")
+            print(
+                f"functitan: wrote a functitan checkpoint of {ns.hf_dir} to {ns.out}; train from it with "
+                f"--checkpoint.load_path={ns.out}"
+            )
         return 0
 
     return user_errors_exit(body, debug=debug)

@@ -144,8 +144,11 @@ def empty_nodes(tree: Any) -> list[tuple[str, tuple[dict, ...], str]]:
     indices of a sequence stay contiguous: without ``opt_state.1`` its reader cannot rebuild ``opt_state.2``.
     """
     accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, is_leaf=_is_empty_node)
-    return [(keystr(acc), _key_metadata(acc), empty_value_type(x))
-            for acc, x in zip(accessors, leaves) if len(acc) and _is_empty_node(x)]
+    return [
+        (keystr(acc), _key_metadata(acc), empty_value_type(x))
+        for acc, x in zip(accessors, leaves)
+        if len(acc) and _is_empty_node(x)
+    ]
 
 
 def value_type(leaf: Any, name: str) -> str:
@@ -160,8 +163,9 @@ def value_type(leaf: Any, name: str) -> str:
     )
 
 
-def orbax_metadata(entries: list[tuple[str, tuple[dict, ...], str]],
-                   empty: list[tuple[str, tuple[dict, ...], str]] = ()) -> dict:
+def orbax_metadata(
+    entries: list[tuple[str, tuple[dict, ...], str]], empty: list[tuple[str, tuple[dict, ...], str]] = ()
+) -> dict:
     """The Orbax ``_METADATA`` document for the arrays ``[(name, key_metadata, value_type)]`` and the
     empty nodes ``empty`` (same shape, from ``empty_nodes``), written as Orbax writes them."""
     tree = {}

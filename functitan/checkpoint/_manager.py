@@ -143,8 +143,14 @@ class CheckpointManager:
         self._damaged.discard(step)
         tree = partition(state, lambda n, x: not _under(n, self.exclude))[0] if self.exclude else state
         # a synchronous save writes the live values directly: nothing can change them meanwhile
-        handle = self._ck.save(self.step_dir(step), tree, _item=ITEM, after_commit=self._retain,
-                               _stage_copy=self.async_save, _replace=replace)
+        handle = self._ck.save(
+            self.step_dir(step),
+            tree,
+            _item=ITEM,
+            after_commit=self._retain,
+            _stage_copy=self.async_save,
+            _replace=replace,
+        )
         if not self.async_save:
             handle.wait()
         return handle
@@ -252,7 +258,9 @@ class CheckpointManager:
                 return value
             errors.append((step, error or "damaged on another rank"))
         if errors:
-            raise CheckpointError(f"no intact checkpoint in {self.root}: " + "; ".join(f"step {s}: {e}" for s, e in errors))
+            raise CheckpointError(
+                f"no intact checkpoint in {self.root}: " + "; ".join(f"step {s}: {e}" for s, e in errors)
+            )
         return None
 
     def _all_ok(self, ok: bool) -> bool:
@@ -262,7 +270,7 @@ class CheckpointManager:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group.pg)
         return bool(flag.item())
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -282,4 +290,3 @@ def restore_params(path: str | os.PathLike, exemplar: Any, *, partial: bool = Fa
     if os.path.isdir(os.path.join(path, ITEM)):
         path = os.path.join(path, ITEM)
     return restore(path, exemplar, only="params", partial=partial)
-

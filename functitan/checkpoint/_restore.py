@@ -80,7 +80,9 @@ def verify(path: str | os.PathLike) -> None:
         try:
             found = os.path.getsize(full)
         except FileNotFoundError:
-            raise CheckpointError(f"{full} is missing (listed in {commit_path}): the checkpoint is incomplete") from None
+            raise CheckpointError(
+                f"{full} is missing (listed in {commit_path}): the checkpoint is incomplete"
+            ) from None
         if found != size:
             raise CheckpointError(
                 f"{full} has {found} bytes, the commit marker {commit_path} recorded {size}: the file is truncated "
@@ -135,12 +137,17 @@ def restore(
     return optree.tree_unflatten(optree.tree_structure(exemplar), out)
 
 
-def _read_leaves(path: str, meta: dict, named: list[tuple[str, Any]], pool: ThreadPoolExecutor, in_place: bool) -> list[Any]:
+def _read_leaves(
+    path: str, meta: dict, named: list[tuple[str, Any]], pool: ThreadPoolExecutor, in_place: bool
+) -> list[Any]:
     """Every leaf's value: functitan's own chunk files read directly (in ``pool``), others by tensorstore."""
     ctx = ts.Context()
     direct = meta.get("use_zarr3", False) and not meta.get("use_ocdbt", False)
     fast = [_fast_array(path, name, pool) if direct else None for name, _ in named]
-    opened = [f or ts.open(L.array_spec(path, name, meta), open=True, read=True, context=ctx) for (name, _), f in zip(named, fast)]
+    opened = [
+        f or ts.open(L.array_spec(path, name, meta), open=True, read=True, context=ctx)
+        for (name, _), f in zip(named, fast)
+    ]
     futures = []
     for (name, x), fut in zip(named, opened):
         try:
@@ -149,7 +156,7 @@ def _read_leaves(path: str, meta: dict, named: list[tuple[str, Any]], pool: Thre
             raise CheckpointError(f"{name}: cannot open the array {where_of(path, name)}: {_short(exc)}") from None
         futures.append(_start_read(name, x, arr, where_of(path, name), in_place))
     out = []
-    for (name, x), (fut, finish) in zip(named, futures):
+    for (name, _x), (fut, finish) in zip(named, futures):
         try:
             value = fut.result() if fut is not None else None
         except ValueError as exc:
@@ -173,7 +180,7 @@ class _FastArray:
         self.dtype = SimpleNamespace(numpy_dtype=spec.dtype)
         self._box = box or ((0,) * len(spec.shape), spec.shape)
 
-    def __getitem__(self, index: tuple[slice, ...]) -> "_FastArray":
+    def __getitem__(self, index: tuple[slice, ...]) -> _FastArray:
         box = (tuple(s.start for s in index), tuple(s.stop - s.start for s in index))
         return _FastArray(self._path, self._spec, self._pool, box)
 
@@ -259,8 +266,11 @@ def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str, in_place: bo
 def _writable(local: torch.Tensor, arr: Any, shape: tuple[int, ...]) -> bool:
     """Whether a direct read can fill ``local`` (the whole of a block of ``shape``) in place."""
     return (
-        isinstance(arr, _FastArray) and local.device.type == "cpu" and local.is_contiguous()
-        and tuple(local.shape) == tuple(shape) and math.prod(shape) > 0
+        isinstance(arr, _FastArray)
+        and local.device.type == "cpu"
+        and local.is_contiguous()
+        and tuple(local.shape) == tuple(shape)
+        and math.prod(shape) > 0
     )
 
 
@@ -269,7 +279,11 @@ def _start_dtensor(x: DTensor, arr: ts.TensorStore, in_place: bool = False):
     boxes = L.dtensor_boxes(x, "exemplar")
     rank = dist.get_rank() if dist.is_initialized() else 0
     off, shp = boxes.by_rank.get(rank, ((0,) * x.ndim, (0,) * x.ndim))
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    device = (
+        torch.device(mesh.device_type, torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device(mesh.device_type)
+    )
     index = tuple(slice(o, o + s) for o, s in zip(off, shp))
 
     def finish(a: np.ndarray) -> DTensor:
@@ -285,4 +299,3 @@ def _start_dtensor(x: DTensor, arr: ts.TensorStore, in_place: bool = False):
         if _writable(local, arr, shp):
             return arr[index].read(out=L.as_numpy(local.detach())), lambda _: x
     return (arr[index].read() if index else arr.read()), finish
-

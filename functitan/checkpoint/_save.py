@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import shutil
 import threading
@@ -138,12 +137,21 @@ def _plan(named: list, rank: int, ranks: tuple[int, ...]) -> list[_Leaf]:
             a = x if isinstance(x, np.ndarray) else _scalar_array(x, name)
             dtype = a.dtype
             if dtype not in L._NP_TO_TORCH:
-                raise TypeError(f"{name}: numpy dtype {dtype} cannot be checkpointed; supported: {sorted(map(str, L._NP_TO_TORCH))}")
+                raise TypeError(
+                    f"{name}: numpy dtype {dtype} cannot be checkpointed; supported: {sorted(map(str, L._NP_TO_TORCH))}"
+                )
             boxes = L.full_boxes(tuple(a.shape), ranks)
             my_off = (0,) * a.ndim
         leaf = L.zarr3_metadata(boxes.shape, dtype, L.chunk_grid(boxes))
-        item = _Leaf(name=name, keys=keys, vtype=vtype, shape=boxes.shape, dtype=dtype, metadata=leaf,
-                     writes_metadata=rank == min(boxes.by_rank, default=rank))
+        item = _Leaf(
+            name=name,
+            keys=keys,
+            vtype=vtype,
+            shape=boxes.shape,
+            dtype=dtype,
+            metadata=leaf,
+            writes_metadata=rank == min(boxes.by_rank, default=rank),
+        )
         for box, writer in boxes.writers.items():
             if writer == rank:
                 local = tuple(slice(o - m, o - m + s) for o, m, s in zip(box[0], my_off, box[1]))
@@ -171,8 +179,14 @@ def _stage(plan: list[_Leaf], named: list, *, copy: bool = True) -> list[torch.c
     for leaf, (_, _, x) in zip(plan, named):
         src = _local_tensor(x)
         for p in leaf.pieces:
-            if not copy and isinstance(src, (torch.Tensor, np.ndarray)) and not (isinstance(src, torch.Tensor) and src.is_cuda):
-                p.source = src[p.local].contiguous() if isinstance(src, torch.Tensor) else np.ascontiguousarray(src[p.local])
+            if (
+                not copy
+                and isinstance(src, (torch.Tensor, np.ndarray))
+                and not (isinstance(src, torch.Tensor) and src.is_cuda)
+            ):
+                p.source = (
+                    src[p.local].contiguous() if isinstance(src, torch.Tensor) else np.ascontiguousarray(src[p.local])
+                )
             elif isinstance(src, torch.Tensor):
                 if p.staging is None:
                     p.staging = torch.empty(p.box[1], dtype=src.dtype, pin_memory=src.is_cuda)
@@ -234,7 +248,11 @@ def _write_shards(item: str, plan: list[_Leaf], rank: int) -> dict[str, int]:
         if not leaf.pieces and not leader:
             continue
         # one rank creates zarr.json; the others assume it (no metadata I/O, no race)
-        opened = ts.open(spec, create=True, context=ctx) if leader else ts.open(spec, open=True, assume_metadata=True, context=ctx)
+        opened = (
+            ts.open(spec, create=True, context=ctx)
+            if leader
+            else ts.open(spec, open=True, assume_metadata=True, context=ctx)
+        )
         arr = opened.result()
         grid = tuple(leaf.metadata["chunk_grid"]["configuration"]["chunk_shape"])
         if leader:
@@ -293,8 +311,16 @@ def _move_aside(path: str) -> str:
     return doomed
 
 
-def _commit(final: str, item_rel: str, plan: list[_Leaf], empty: list, group: _Group, events: list, after_commit=None,
-            replace: bool = False) -> None:
+def _commit(
+    final: str,
+    item_rel: str,
+    plan: list[_Leaf],
+    empty: list,
+    group: _Group,
+    events: list,
+    after_commit=None,
+    replace: bool = False,
+) -> None:
     for ev in events:
         ev.synchronize()
     tmp = f"{final}{L.TMP_MARK}{group.shared_token()}"
@@ -320,7 +346,9 @@ def _commit(final: str, item_rel: str, plan: list[_Leaf], empty: list, group: _G
         if len(merged) != len(plan):  # trees differ across ranks: write the whole tree's metadata
             both = _as_sequences(merged + empties)
             merged, empties = both[: len(merged)], both[len(merged) :]
-        meta = L.orbax_metadata([(n, tuple(k), v) for n, k, v, _ in merged], [(n, tuple(k), v) for n, k, v, _ in empties])
+        meta = L.orbax_metadata(
+            [(n, tuple(k), v) for n, k, v, _ in merged], [(n, tuple(k), v) for n, k, v, _ in empties]
+        )
         files[L.METADATA] = _write_json(os.path.join(item, L.METADATA), meta)
         commit = {"format": L.FORMAT, "files": files, "arrays": {name: shape for name, _, _, shape in merged}}
         _write_json(os.path.join(item, L.COMMIT), commit)
@@ -352,13 +380,15 @@ def _as_sequences(entries: list[list]) -> list[list]:
         for i, k in enumerate(keys):
             children.setdefault(tuple(x["key"] for x in keys[:i]), set()).add((k["key"], k["key_type"]))
     seqs = {
-        prefix for prefix, ks in children.items()
+        prefix
+        for prefix, ks in children.items()
         if all(t == 2 and k.isdigit() for k, t in ks) and sorted(int(k) for k, _ in ks) == list(range(len(ks)))
     }
     out = []
     for name, keys, vtype, shape in entries:
         keys = [
-            {"key": k["key"], "key_type": 1} if tuple(x["key"] for x in keys[:i]) in seqs else k for i, k in enumerate(keys)
+            {"key": k["key"], "key_type": 1} if tuple(x["key"] for x in keys[:i]) in seqs else k
+            for i, k in enumerate(keys)
         ]
         out.append([name, keys, vtype, shape])
     return out
@@ -379,7 +409,9 @@ class Checkpointer:
     (or ``wait()``) before destroying the process group.
     """
 
-    def __init__(self, *, mesh: DeviceMesh | None = None, timeout_s: float = 1800.0, group: "_Group | None" = None) -> None:
+    def __init__(
+        self, *, mesh: DeviceMesh | None = None, timeout_s: float = 1800.0, group: _Group | None = None
+    ) -> None:
         self._mesh = mesh
         self._timeout_s = timeout_s
         self._group = group
@@ -389,8 +421,16 @@ class Checkpointer:
         self._plan_sig: tuple | None = None
         self._pending: SaveHandle | None = None
 
-    def save(self, path: str | os.PathLike, tree: Any, *, _item: str = "", after_commit=None, _stage_copy: bool = True,
-             _replace: bool = False) -> SaveHandle:
+    def save(
+        self,
+        path: str | os.PathLike,
+        tree: Any,
+        *,
+        _item: str = "",
+        after_commit=None,
+        _stage_copy: bool = True,
+        _replace: bool = False,
+    ) -> SaveHandle:
         """Stage ``tree`` and start writing it to ``path``; returns once the live values may change.
 
         ``after_commit()`` runs in the background thread on the leader once the checkpoint is visible
@@ -448,7 +488,7 @@ class Checkpointer:
             if self._owns_group and group is not None and group.pg is not None and group.rank in group.ranks:
                 dist.destroy_process_group(group.pg)
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

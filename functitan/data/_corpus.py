@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import os
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 __all__ = ["DEFAULT_CORPUS_BYTES", "default_corpus", "expand_paths", "read_documents", "is_jsonl"]
 

@@ -27,9 +27,10 @@ import bisect
 import operator
 import os
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -118,7 +119,9 @@ class TokenLoader:
             raise ValueError(f"TokenLoader: dp_rank must be in [0, dp_size={dp_size}), got {dp_rank!r}")
         if shards is not None:
             if paths is not None or tokenizer is not None:
-                raise ValueError("TokenLoader: pass either shards (whose tokenizer is shards.tokenizer) or paths/tokenizer")
+                raise ValueError(
+                    "TokenLoader: pass either shards (whose tokenizer is shards.tokenizer) or paths/tokenizer"
+                )
             self.files = [Path(shards.name(i)) for i in range(len(shards))]
             tokenizer = shards.tokenizer
         else:

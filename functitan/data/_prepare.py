@@ -19,9 +19,10 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -96,7 +97,9 @@ def _pyarrow(path: Path) -> Any:
     try:
         import pyarrow
     except ImportError:
-        raise ImportError(f"{path}: reading parquet / Arrow files needs pyarrow: pip install 'functitan[data]'") from None
+        raise ImportError(
+            f"{path}: reading parquet / Arrow files needs pyarrow: pip install 'functitan[data]'"
+        ) from None
     return pyarrow
 
 
@@ -106,7 +109,9 @@ def documents(path: Path, text_key: str) -> Iterator[str]:
         for batch in _arrow_batches(path, text_key):
             for i, text in enumerate(batch.column(0).to_pylist()):
                 if not isinstance(text, str):
-                    raise DataError(f"{path}: row {i} of a batch holds {type(text).__name__} in {text_key!r}, expected a string")
+                    raise DataError(
+                        f"{path}: row {i} of a batch holds {type(text).__name__} in {text_key!r}, expected a string"
+                    )
                 yield text
     elif is_jsonl(path):
         with path.open("rb") as f:
@@ -114,7 +119,9 @@ def documents(path: Path, text_key: str) -> Iterator[str]:
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    raise DataError(f"{path}, line {lineno}: byte {raw[e.start]:#04x} is not UTF-8; the file is not text") from None
+                    raise DataError(
+                        f"{path}, line {lineno}: byte {raw[e.start]:#04x} is not UTF-8; the file is not text"
+                    ) from None
                 if line.strip():
                     try:
                         yield _jsonl_text(line, path, lineno, text_key)
@@ -175,7 +182,11 @@ class _ShardWriter:
             final = self.out / f"{self._name}{ext}"
             os.replace(self.out / f"{self._name}{ext}.tmp", final)
             st = final.stat()
-            record |= {f"{prefix}bytes": st.st_size, f"{prefix}mtime_ns": st.st_mtime_ns, f"{prefix}hash": file_hash(final)}
+            record |= {
+                f"{prefix}bytes": st.st_size,
+                f"{prefix}mtime_ns": st.st_mtime_ns,
+                f"{prefix}hash": file_hash(final),
+            }
         self.done.append(record)
         self._bin = None
 
@@ -195,7 +206,9 @@ def _prepare_one(job: tuple) -> tuple[int, dict]:
         for doc in documents(path, text_key):
             ids = np.asarray(tok.encode(doc))
             if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-                raise DataError(f"{path}: the tokenizer produced an id outside its vocabulary 0..{vocab - 1}; check its vocab_size")
+                raise DataError(
+                    f"{path}: the tokenizer produced an id outside its vocabulary 0..{vocab - 1}; check its vocab_size"
+                )
             writer.add(ids)
     except BaseException:
         writer.abort()
@@ -216,6 +229,7 @@ def _progress(total: int, desc: str) -> Any:
 
         return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr)
     except ImportError:  # a line per file instead
+
         class _Lines:
             n = 0
 
@@ -276,7 +290,11 @@ def prepare(
                 records[u] = rec
                 continue
         todo.append((u, str(f), tok_path, text_key, dtype, shard_tokens, str(out)))
-    bar = _progress(sum(files[j[0]].stat().st_size for j in todo), f"functitan data prepare -> {out}") if progress else None
+    bar = (
+        _progress(sum(files[j[0]].stat().st_size for j in todo), f"functitan data prepare -> {out}")
+        if progress
+        else None
+    )
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     t0 = time.perf_counter()
     try:
@@ -348,10 +366,19 @@ def main(argv: Sequence[str]) -> int:
     ns = ap.parse_args(args[1:])
 
     def body() -> int:
-        index = prepare(ns.sources, ns.out, tokenizer=ns.tokenizer, text_key=ns.text_key, workers=ns.workers,
-                        shard_tokens=ns.shard_tokens, progress=not ns.no_progress)
-        print(f"functitan data prepare: {index['documents']} documents, {index['tokens']} tokens in "
-              f"{len(index['shards'])} shards ({index['dtype']}) under {ns.out}")
+        index = prepare(
+            ns.sources,
+            ns.out,
+            tokenizer=ns.tokenizer,
+            text_key=ns.text_key,
+            workers=ns.workers,
+            shard_tokens=ns.shard_tokens,
+            progress=not ns.no_progress,
+        )
+        print(
+            f"functitan data prepare: {index['documents']} documents, {index['tokens']} tokens in "
+            f"{len(index['shards'])} shards ({index['dtype']}) under {ns.out}"
+        )
         return 0
 
     return user_errors_exit(body, debug=debug)

@@ -102,7 +102,9 @@ class ShardSet:
         except ValueError as e:
             raise ValueError(f"{index_file} is not valid JSON ({e}); re-run functitan data prepare") from None
         if self.index.get("format") != FORMAT:
-            raise ValueError(f"{index_file}: format {self.index.get('format')!r}, expected {FORMAT!r}; re-run functitan data prepare")
+            raise ValueError(
+                f"{index_file}: format {self.index.get('format')!r}, expected {FORMAT!r}; re-run functitan data prepare"
+            )
         self.shards: list[dict] = self.index["shards"]
         self.dtype = np.dtype(self.index["dtype"])
         self.tokenizer = self._tokenizer(tokenizer)
@@ -127,7 +129,9 @@ class ShardSet:
             return self._open[i]
         base = self.root / "shards" / self.shards[i]["name"]
         n_tok, n_docs = self.size(i)
-        tokens = np.memmap(f"{base}.bin", dtype=self.dtype, mode="r", shape=(n_tok,)) if n_tok else np.zeros(0, self.dtype)
+        tokens = (
+            np.memmap(f"{base}.bin", dtype=self.dtype, mode="r", shape=(n_tok,)) if n_tok else np.zeros(0, self.dtype)
+        )
         # plain ndarray views of the mapping (slicing a np.memmap costs ~10x more); the view keeps it mapped
         starts = np.fromfile(f"{base}.idx", dtype=np.int64, count=n_docs + 1)  # small: 8 bytes per document
         self._open[i] = ShardTokens(np.asarray(tokens), starts)
@@ -162,7 +166,10 @@ class ShardSet:
     def _check_files(self) -> None:
         fix = f"the shards changed since `functitan data prepare` wrote {self.root / INDEX}; re-run it"
         for sh in self.shards:
-            for ext, size_key, mtime_key, hash_key in ((".bin", "bytes", "mtime_ns", "hash"), (".idx", "idx_bytes", "idx_mtime_ns", "idx_hash")):
+            for ext, size_key, mtime_key, hash_key in (
+                (".bin", "bytes", "mtime_ns", "hash"),
+                (".idx", "idx_bytes", "idx_mtime_ns", "idx_hash"),
+            ):
                 f = self.root / "shards" / f"{sh['name']}{ext}"
                 try:
                     st = f.stat()

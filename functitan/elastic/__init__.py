@@ -14,6 +14,15 @@ from ._launch import LaunchError, LaunchSpec, launch, parse_launch_args, report_
 from ._preempt import Preemption
 
 __all__ = [
-    "BatchSplitError", "split_batch", "world_sizes_for", "ElasticConfig", "LaunchError", "LaunchSpec", "launch",
-    "parse_launch_args", "report_stopped", "torchrun_command", "Preemption",
+    "BatchSplitError",
+    "split_batch",
+    "world_sizes_for",
+    "ElasticConfig",
+    "LaunchError",
+    "LaunchSpec",
+    "launch",
+    "parse_launch_args",
+    "report_stopped",
+    "torchrun_command",
+    "Preemption",
 ]

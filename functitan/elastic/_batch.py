@@ -19,12 +19,16 @@ def world_sizes_for(global_batch: int, *, microbatches: int = 1, microbatch_size
     >>> world_sizes_for(8, microbatch_size=2, fixed=1)
     [1, 2, 4]
     """
-    return [dp * fixed for dp in range(1, global_batch + 1)
-            if global_batch % dp == 0 and _fits(global_batch // dp, microbatches, microbatch_size)]
+    return [
+        dp * fixed
+        for dp in range(1, global_batch + 1)
+        if global_batch % dp == 0 and _fits(global_batch // dp, microbatches, microbatch_size)
+    ]
 
 
-def split_batch(global_batch: int, dp_size: int, *, microbatches: int = 1, microbatch_size: int = 0,
-                fixed: int = 1) -> tuple[int, int]:
+def split_batch(
+    global_batch: int, dp_size: int, *, microbatches: int = 1, microbatch_size: int = 0, fixed: int = 1
+) -> tuple[int, int]:
     """``(per-rank batch, microbatches)`` that keep ``global_batch`` sequences per step over ``dp_size`` ranks.
 
     Args:
@@ -40,8 +44,7 @@ def split_batch(global_batch: int, dp_size: int, *, microbatches: int = 1, micro
     per_rank, rest = divmod(global_batch, dp_size)
     if rest == 0 and _fits(per_rank, microbatches, microbatch_size):
         return per_rank, (per_rank // microbatch_size if microbatch_size else microbatches)
-    unit = (f"elastic.microbatch_size={microbatch_size}" if microbatch_size
-            else f"training.microbatches={microbatches}")
+    unit = f"elastic.microbatch_size={microbatch_size}" if microbatch_size else f"training.microbatches={microbatches}"
     ok = world_sizes_for(global_batch, microbatches=microbatches, microbatch_size=microbatch_size, fixed=fixed)
     raise BatchSplitError(
         f"training.batch_size={global_batch} must split evenly over {dp_size} data-parallel ranks x {unit} "

@@ -21,11 +21,20 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO
 
-__all__ = ["LaunchError", "LaunchSpec", "parse_launch_args", "launch", "torchrun_command", "report_stopped", "RDZV_CONF"]
+__all__ = [
+    "LaunchError",
+    "LaunchSpec",
+    "parse_launch_args",
+    "launch",
+    "torchrun_command",
+    "report_stopped",
+    "RDZV_CONF",
+]
 
 # Rendezvous timing measured on loopback (docs/elastic.md): scale-down in ~12 s instead of ~48 s.
 RDZV_CONF = {"last_call_timeout": "5", "keep_alive_interval": "1", "keep_alive_max_attempt": "3", "join_timeout": "600"}
@@ -94,15 +103,21 @@ def parse_launch_args(argv: Sequence[str]) -> tuple[LaunchSpec | None, list[str]
     conf = dict(RDZV_CONF)
     for item in filter(None, values.get("--rdzv-conf", "").split(",")):
         if "=" not in item:
-            raise LaunchError(f"--rdzv-conf={values['--rdzv-conf']}: expected key=value[,key=value], e.g. last_call_timeout=5")
+            raise LaunchError(
+                f"--rdzv-conf={values['--rdzv-conf']}: expected key=value[,key=value], e.g. last_call_timeout=5"
+            )
         k, v = item.split("=", 1)
         conf[k] = v
     elastic = nnodes != "1" or "--rdzv-endpoint" in values
     spec = LaunchSpec(
-        nproc=_positive("--nproc", values.get("--nproc", "1")), nnodes=nnodes,
-        rdzv_endpoint=values.get("--rdzv-endpoint", ""), rdzv_id=values.get("--rdzv-id", ""), rdzv_conf=conf,
-        max_restarts=_positive("--max-restarts", values.get("--max-restarts", str(ELASTIC_RESTARTS if elastic else 0)),
-                               zero=True),
+        nproc=_positive("--nproc", values.get("--nproc", "1")),
+        nnodes=nnodes,
+        rdzv_endpoint=values.get("--rdzv-endpoint", ""),
+        rdzv_id=values.get("--rdzv-id", ""),
+        rdzv_conf=conf,
+        max_restarts=_positive(
+            "--max-restarts", values.get("--max-restarts", str(ELASTIC_RESTARTS if elastic else 0)), zero=True
+        ),
         local_addr=values.get("--local-addr", ""),
     )
     if spec.elastic and not spec.rdzv_endpoint:
@@ -111,7 +126,9 @@ def parse_launch_args(argv: Sequence[str]) -> tuple[LaunchSpec | None, list[str]
             "`functitan rendezvous --port 29400` on a host that outlives the workers and pass --rdzv-endpoint=HOST:29400"
         )
     if spec.elastic and not spec.rdzv_id:
-        raise LaunchError("an elastic job needs --rdzv-id=NAME, the same on every node (it also names the run directory)")
+        raise LaunchError(
+            "an elastic job needs --rdzv-id=NAME, the same on every node (it also names the run directory)"
+        )
     return spec, rest
 
 
@@ -122,9 +139,15 @@ def torchrun_command(spec: LaunchSpec, argv: Sequence[str]) -> list[str]:
         cmd += ["--standalone", f"--max-restarts={spec.max_restarts}"]
     else:
         conf = {**spec.rdzv_conf, "is_host": "false"}  # the store is standalone: no agent hosts it
-        cmd += [f"--nnodes={spec.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={spec.rdzv_endpoint}",
-                f"--rdzv-id={spec.rdzv_id}", "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
-                f"--max-restarts={spec.max_restarts}", "--monitor-interval=0.5"]
+        cmd += [
+            f"--nnodes={spec.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={spec.rdzv_endpoint}",
+            f"--rdzv-id={spec.rdzv_id}",
+            "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
+            f"--max-restarts={spec.max_restarts}",
+            "--monitor-interval=0.5",
+        ]
         if spec.local_addr:
             cmd.append(f"--local-addr={spec.local_addr}")
     return [*cmd, "-m", "functitan.train", *argv]
@@ -223,7 +246,7 @@ def launch(spec: LaunchSpec, argv: Sequence[str]) -> int:
             # workers that saved and stopped since the signal (an elastic scale-up also stops them, earlier)
             stopped = sum(1 for f in error_dir.glob("stopped-*") if f.stat().st_mtime >= signalled_at[0] - 1.0)
             if stopped >= spec.nproc:
-                pump.held = [l for l in pump.held if not l.startswith(b"functitan: error:")]
+                pump.held = [line for line in pump.held if not line.startswith(b"functitan: error:")]
                 return 0
             pump.release()
             return 128 + received[0]

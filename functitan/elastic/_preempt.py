@@ -15,7 +15,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,7 @@ class Preemption:
         self._previous: dict[int, Any] = {}
         self._interruptible = False
 
-    def __enter__(self) -> "Preemption":
+    def __enter__(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():  # signals reach only the main thread
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -12,8 +12,8 @@ import argparse
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 __all__ = ["main", "serve"]
 
@@ -32,10 +32,12 @@ def serve(host: str, port: int, *, ready: threading.Event | None = None, stop: t
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="functitan rendezvous", description=__doc__.split("\n")[0],
+        prog="functitan rendezvous",
+        description=__doc__.split("\n")[0],
         epilog="example:\n  functitan rendezvous --port 29400        # on one host, then on every node:\n"
-               "  functitan train --config configs/debug.toml --nproc 1 --nnodes 2:3 --rdzv-endpoint HOST:29400 --rdzv-id run1",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "  functitan train --config configs/debug.toml --nproc 1 --nnodes 2:3 --rdzv-endpoint HOST:29400 --rdzv-id run1",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
     parser.add_argument("--port", type=int, default=29400, help="TCP port (default 29400)")
     args = parser.parse_args(argv)

@@ -13,8 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 __all__ = ["Loopback", "read_metrics", "committed", "descendants", "alive"]
 
@@ -159,8 +159,14 @@ def _last_step(path: Path, world: int | None = None, after: int = 0) -> int:
     return max(steps, default=0)
 
 
-def restart_scenario(workdir: str | os.PathLike, train_args: Sequence[str], *, steps_per_phase: int = 3,
-                     timeout: float = 120.0, nodes: int = 3) -> dict:
+def restart_scenario(
+    workdir: str | os.PathLike,
+    train_args: Sequence[str],
+    *,
+    steps_per_phase: int = 3,
+    timeout: float = 120.0,
+    nodes: int = 3,
+) -> dict:
     """Restart level on loopback: ``nodes`` agents -> SIGKILL one (agent and worker) -> the others continue ->
     a new one joins -> ``nodes`` again -> SIGTERM every launcher (a preemption save). Returns what happened.
 
@@ -176,9 +182,21 @@ def restart_scenario(workdir: str | os.PathLike, train_args: Sequence[str], *, s
     out: dict = {"events": []}
 
     def node(i: int):
-        return h.start(f"node{i}", ["-m", "functitan.cli", "train", "--nproc=1", f"--nnodes={nodes - 1}:{nodes}",
-                                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={name}", "--max-restarts=20",
-                                    "--local-addr=127.0.0.1", *train_args])
+        return h.start(
+            f"node{i}",
+            [
+                "-m",
+                "functitan.cli",
+                "train",
+                "--nproc=1",
+                f"--nnodes={nodes - 1}:{nodes}",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id={name}",
+                "--max-restarts=20",
+                "--local-addr=127.0.0.1",
+                *train_args,
+            ],
+        )
 
     def event(what: str) -> None:
         out["events"].append((what, time.time(), _last_step(metrics)))
@@ -188,18 +206,25 @@ def restart_scenario(workdir: str | os.PathLike, train_args: Sequence[str], *, s
         h.wait_until("the store", lambda: "rendezvous store on" in h.log("store"), timeout)
         for i in range(nodes):
             node(i)
-        h.wait_until(f"{steps_per_phase} steps on {nodes} nodes",
-                     lambda: _last_step(metrics, nodes) >= steps_per_phase, timeout)
+        h.wait_until(
+            f"{steps_per_phase} steps on {nodes} nodes", lambda: _last_step(metrics, nodes) >= steps_per_phase, timeout
+        )
         event("kill")
         h.kill(f"node{nodes - 1}")
         n_before = len(read_metrics(metrics))
-        h.wait_until(f"{steps_per_phase} steps on {nodes - 1} nodes",
-                     lambda: _last_step(metrics, nodes - 1, n_before) >= out["events"][-1][2] + steps_per_phase, timeout)
+        h.wait_until(
+            f"{steps_per_phase} steps on {nodes - 1} nodes",
+            lambda: _last_step(metrics, nodes - 1, n_before) >= out["events"][-1][2] + steps_per_phase,
+            timeout,
+        )
         event("join")
         node(nodes)
         n_before = len(read_metrics(metrics))
-        h.wait_until(f"{steps_per_phase} steps on {nodes} nodes again",
-                     lambda: _last_step(metrics, nodes, n_before) >= out["events"][-1][2] + steps_per_phase, timeout)
+        h.wait_until(
+            f"{steps_per_phase} steps on {nodes} nodes again",
+            lambda: _last_step(metrics, nodes, n_before) >= out["events"][-1][2] + steps_per_phase,
+            timeout,
+        )
         event("stop")
         for i in [*range(nodes - 1), nodes]:
             h.kill(f"node{i}", signal.SIGTERM)
@@ -215,8 +240,15 @@ def restart_scenario(workdir: str | os.PathLike, train_args: Sequence[str], *, s
     return out
 
 
-def live_scenario(workdir: str | os.PathLike, train_args: Sequence[str], *, steps_per_phase: int = 3,
-                  timeout: float = 120.0, replicas: int = 3, heartbeat_timeout_ms: int = 1000) -> dict:
+def live_scenario(
+    workdir: str | os.PathLike,
+    train_args: Sequence[str],
+    *,
+    steps_per_phase: int = 3,
+    timeout: float = 120.0,
+    replicas: int = 3,
+    heartbeat_timeout_ms: int = 1000,
+) -> dict:
     """Live level on loopback: a torchft lighthouse and ``replicas`` one-process replica groups -> SIGKILL one ->
     the others keep stepping -> a new one joins and heals from a peer -> ``replicas`` again -> SIGTERM all.
 
@@ -233,14 +265,30 @@ def live_scenario(workdir: str | os.PathLike, train_args: Sequence[str], *, step
     out: dict = {"events": []}
 
     def group(i: int):
-        return h.start(f"replica{i}", ["-m", "functitan.cli", "train", "--elastic.live=true",
-                                       f"--elastic.lighthouse=http://127.0.0.1:{port}", f"--elastic.replica_id=r{i}",
-                                       "--elastic.advertise_host=127.0.0.1", f"--elastic.min_replicas={replicas // 2 + 1}",
-                                       f"--metrics.run_name={name}-r{i}", *args])
+        return h.start(
+            f"replica{i}",
+            [
+                "-m",
+                "functitan.cli",
+                "train",
+                "--elastic.live=true",
+                f"--elastic.lighthouse=http://127.0.0.1:{port}",
+                f"--elastic.replica_id=r{i}",
+                "--elastic.advertise_host=127.0.0.1",
+                f"--elastic.min_replicas={replicas // 2 + 1}",
+                f"--metrics.run_name={name}-r{i}",
+                *args,
+            ],
+        )
 
     def last(i: int, replicas_seen: int | None = None, after: int = 0) -> int:
-        return _last_step(metrics[i], None, after) if replicas_seen is None else max(
-            (r["step"] for r in read_metrics(metrics[i])[after:] if r.get("replicas") == replicas_seen), default=0)
+        return (
+            _last_step(metrics[i], None, after)
+            if replicas_seen is None
+            else max(
+                (r["step"] for r in read_metrics(metrics[i])[after:] if r.get("replicas") == replicas_seen), default=0
+            )
+        )
 
     def event(what: str, i: int) -> None:
         out["events"].append((what, time.time(), last(i)))
@@ -248,21 +296,39 @@ def live_scenario(workdir: str | os.PathLike, train_args: Sequence[str], *, step
     try:
         lighthouse = Path(sys.executable).with_name("torchft_lighthouse")  # installed beside python by torchft
         # a majority: two quorums without a common member cannot both commit the same step (split brain)
-        h.start("lighthouse", [str(lighthouse), f"--min_replicas={replicas // 2 + 1}", f"--bind=127.0.0.1:{port}", "--quorum_tick_ms=50",
-                               "--join_timeout_ms=500", f"--heartbeat_timeout_ms={heartbeat_timeout_ms}"], python=False)
+        h.start(
+            "lighthouse",
+            [
+                str(lighthouse),
+                f"--min_replicas={replicas // 2 + 1}",
+                f"--bind=127.0.0.1:{port}",
+                "--quorum_tick_ms=50",
+                "--join_timeout_ms=500",
+                f"--heartbeat_timeout_ms={heartbeat_timeout_ms}",
+            ],
+            python=False,
+        )
         for i in range(replicas):
             group(i)
-        h.wait_until(f"{steps_per_phase} steps with {replicas} groups", lambda: last(0, replicas) >= steps_per_phase, timeout)
+        h.wait_until(
+            f"{steps_per_phase} steps with {replicas} groups", lambda: last(0, replicas) >= steps_per_phase, timeout
+        )
         event("kill", 0)
         h.kill(f"replica{replicas - 1}")
         n0 = len(read_metrics(metrics[0]))
-        h.wait_until(f"{steps_per_phase} steps with {replicas - 1} groups",
-                     lambda: last(0, replicas - 1, n0) >= out["events"][-1][2] + steps_per_phase, timeout)
+        h.wait_until(
+            f"{steps_per_phase} steps with {replicas - 1} groups",
+            lambda: last(0, replicas - 1, n0) >= out["events"][-1][2] + steps_per_phase,
+            timeout,
+        )
         event("join", 0)
         group(replicas)
         n0 = len(read_metrics(metrics[0]))
-        h.wait_until(f"{steps_per_phase} steps with {replicas} groups again",
-                     lambda: last(0, replicas, n0) >= out["events"][-1][2] + steps_per_phase, timeout)
+        h.wait_until(
+            f"{steps_per_phase} steps with {replicas} groups again",
+            lambda: last(0, replicas, n0) >= out["events"][-1][2] + steps_per_phase,
+            timeout,
+        )
         event("stop", 0)
         alive_groups = [*range(replicas - 1), replicas]
         for i in alive_groups:
@@ -279,8 +345,15 @@ def live_scenario(workdir: str | os.PathLike, train_args: Sequence[str], *, step
     return out
 
 
-def plain_restart_scenario(workdir: str | os.PathLike, train_args: Sequence[str], *, steps_before: int = 3,
-                           steps_after: int = 2, timeout: float = 120.0, nproc: int = 3) -> dict:
+def plain_restart_scenario(
+    workdir: str | os.PathLike,
+    train_args: Sequence[str],
+    *,
+    steps_before: int = 3,
+    steps_after: int = 2,
+    timeout: float = 120.0,
+    nproc: int = 3,
+) -> dict:
     """The baseline: ``functitan train --nproc N --max-restarts 3`` (torchrun, one fixed world size); SIGKILL one
     worker; torchrun restarts all of them from the newest checkpoint. Then SIGTERM."""
     workdir = Path(workdir)
@@ -298,8 +371,11 @@ def plain_restart_scenario(workdir: str | os.PathLike, train_args: Sequence[str]
         out["events"].append(("kill", time.time(), _last_step(metrics)))
         os.kill(workers[-1], signal.SIGKILL)
         n_before = len(read_metrics(metrics))
-        h.wait_until(f"{steps_after} steps after the restart",
-                     lambda: _last_step(metrics, None, n_before) >= out["events"][-1][2] + steps_after, timeout)
+        h.wait_until(
+            f"{steps_after} steps after the restart",
+            lambda: _last_step(metrics, None, n_before) >= out["events"][-1][2] + steps_after,
+            timeout,
+        )
         out["events"].append(("stop", time.time(), _last_step(metrics)))
         h.kill("job", signal.SIGTERM)
         h.wait_until("the job to exit", lambda: h.procs["job"].poll() is not None, timeout=60)

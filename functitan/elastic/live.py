@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..step import make_train_step
-from ._preempt import Preempted, Preemption
 from ..train_state import TrainState
+from ._preempt import Preempted, Preemption
 
 __all__ = ["LiveStepper", "share"]
 
@@ -64,8 +64,17 @@ class LiveStepper:
         device: where the batches go.
     """
 
-    def __init__(self, cfg: Any, loss_grad: Any, optimizer: Any, *, max_norm: float, on_nonfinite: str,
-                 loader: Any, device: torch.device):
+    def __init__(
+        self,
+        cfg: Any,
+        loss_grad: Any,
+        optimizer: Any,
+        *,
+        max_norm: float,
+        on_nonfinite: str,
+        loader: Any,
+        device: torch.device,
+    ):
         try:
             import torchft
         except ImportError:
@@ -74,15 +83,21 @@ class LiveStepper:
         self.group_rank = dist.get_rank() if dist.is_initialized() else 0
         self.group_size = dist.get_world_size() if dist.is_initialized() else 1
         if ecfg.microbatch_size < 1:
-            raise ValueError("elastic.live=true needs elastic.microbatch_size >= 1: the sequences per microbatch per rank, "
-                             "the unit that replica groups share out at every step")
+            raise ValueError(
+                "elastic.live=true needs elastic.microbatch_size >= 1: the sequences per microbatch per rank, "
+                "the unit that replica groups share out at every step"
+            )
         unit = ecfg.microbatch_size * self.group_size
         if tcfg.batch_size % unit:
-            raise ValueError(f"training.batch_size={tcfg.batch_size} must be a multiple of elastic.microbatch_size="
-                             f"{ecfg.microbatch_size} x {self.group_size} ranks per replica group = {unit}")
+            raise ValueError(
+                f"training.batch_size={tcfg.batch_size} must be a multiple of elastic.microbatch_size="
+                f"{ecfg.microbatch_size} x {self.group_size} ranks per replica group = {unit}"
+            )
         if not ecfg.lighthouse:
-            raise ValueError("elastic.live=true needs elastic.lighthouse=http://HOST:PORT (start `torchft_lighthouse "
-                             "--min_replicas 1 --bind HOST:PORT`)")
+            raise ValueError(
+                "elastic.live=true needs elastic.lighthouse=http://HOST:PORT (start `torchft_lighthouse "
+                "--min_replicas 1 --bind HOST:PORT`)"
+            )
         self.units, self.unit, self.global_batch = tcfg.batch_size // unit, unit, tcfg.batch_size
         self.loader, self.device, self.loss_grad = loader, device, loss_grad
         self.mb_loader = copy.copy(loader)  # shares the token cache; reads one microbatch of one rank
@@ -98,20 +113,33 @@ class LiveStepper:
             store_addr, store_port = "127.0.0.1", self._store.port
         host = ecfg.advertise_host or socket.gethostname()
         self.manager = torchft.Manager(
-            pg=torchft.ProcessGroupGloo(timeout=timeout), min_replica_size=ecfg.min_replicas,
-            load_state_dict=self._load, state_dict=self._state_dict, use_async_quorum=False,
-            replica_id=ecfg.replica_id or f"{host}-{os.getpid()}", store_addr=store_addr, store_port=store_port,
-            rank=self.group_rank, world_size=self.group_size, lighthouse_addr=ecfg.lighthouse, hostname=host,
-            timeout=timeout, quorum_timeout=timedelta(seconds=ecfg.quorum_timeout_s),
+            pg=torchft.ProcessGroupGloo(timeout=timeout),
+            min_replica_size=ecfg.min_replicas,
+            load_state_dict=self._load,
+            state_dict=self._state_dict,
+            use_async_quorum=False,
+            replica_id=ecfg.replica_id or f"{host}-{os.getpid()}",
+            store_addr=store_addr,
+            store_port=store_port,
+            rank=self.group_rank,
+            world_size=self.group_size,
+            lighthouse_addr=ecfg.lighthouse,
+            hostname=host,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=ecfg.quorum_timeout_s),
         )
 
     # -- the state a peer sends or receives --------------------------------------------------------------
 
     def _state_dict(self) -> dict[str, Any]:
         s = self.state
-        return {"step": s.step, "data_state": dict(s.data_state), "rng": s.rng,
-                "params": optree.tree_map(_local, s.params, none_is_leaf=True),
-                "opt_state": optree.tree_map(_local, s.opt_state, none_is_leaf=True)}
+        return {
+            "step": s.step,
+            "data_state": dict(s.data_state),
+            "rng": s.rng,
+            "params": optree.tree_map(_local, s.params, none_is_leaf=True),
+            "opt_state": optree.tree_map(_local, s.opt_state, none_is_leaf=True),
+        }
 
     def _load(self, sd: dict[str, Any]) -> None:
         def into(mine: Any, theirs: Any) -> Any:
@@ -124,8 +152,9 @@ class LiveStepper:
         with torch.no_grad():
             params = optree.tree_map(into, s.params, sd["params"], none_is_leaf=True)
             opt_state = optree.tree_map(into, s.opt_state, sd["opt_state"], none_is_leaf=True)
-        self.state = s._replace(step=int(sd["step"]), data_state=dict(sd["data_state"]), rng=sd["rng"],
-                                params=params, opt_state=opt_state)
+        self.state = s._replace(
+            step=int(sd["step"]), data_state=dict(sd["data_state"]), rng=sd["rng"], params=params, opt_state=opt_state
+        )
 
     # -- one step ----------------------------------------------------------------------------------------
 
@@ -148,13 +177,18 @@ class LiveStepper:
         out, offset = [], 0
         for g in leaves:
             n = _local(g).numel()
-            local = flat[offset:offset + n].view_as(_local(g)).to(_local(g).dtype)
-            out.append(DTensor.from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride())
-                       if isinstance(g, DTensor) else local)
+            local = flat[offset : offset + n].view_as(_local(g)).to(_local(g).dtype)
+            out.append(
+                DTensor.from_local(local, g.device_mesh, g.placements, shape=g.shape, stride=g.stride())
+                if isinstance(g, DTensor)
+                else local
+            )
             offset += n
         return flat[-1], optree.tree_unflatten(treedef, out)
 
-    def advance(self, state: TrainState, preemption: Preemption) -> tuple[TrainState, dict[str, Any], dict[str, int]] | None:
+    def advance(
+        self, state: TrainState, preemption: Preemption
+    ) -> tuple[TrainState, dict[str, Any], dict[str, int]] | None:
         """Run the next global step until a quorum commits it; returns the new state, metrics and its data position.
 
         None when a stop signal arrives while waiting for a quorum (the peers may be gone for good).
@@ -173,8 +207,10 @@ class LiveStepper:
             n, rank = self.manager.num_participants(), self.manager.participating_rank()
             position = state.data_state
             seq = position["seq"] + self.group_rank * self.mb_loader.batch_size
-            batches = [self.mb_loader.next({"epoch": position["epoch"], "seq": seq + u * self.unit})[0]
-                       for u in (share(self.units, n, rank) if rank is not None else ())]
+            batches = [
+                self.mb_loader.next({"epoch": position["epoch"], "seq": seq + u * self.unit})[0]
+                for u in (share(self.units, n, rank) if rank is not None else ())
+            ]
             _, after = self.loader.next(position)  # the position one global batch later
             new, out = self.train_step(state._replace(data_state=after), batches)
             if self.manager.should_commit():

@@ -51,8 +51,14 @@ def transformer_flops_per_token(
       ...                             n_embedding_params=200)
       17088
     """
-    for name, value in (("n_params", n_params), ("n_layers", n_layers), ("n_heads", n_heads),
-                        ("head_dim", head_dim), ("seq_len", seq_len), ("n_embedding_params", n_embedding_params)):
+    for name, value in (
+        ("n_params", n_params),
+        ("n_layers", n_layers),
+        ("n_heads", n_heads),
+        ("head_dim", head_dim),
+        ("seq_len", seq_len),
+        ("n_embedding_params", n_embedding_params),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"transformer_flops_per_token: {name} must be a non-negative int, got {value!r}")
     if n_embedding_params > n_params:

@@ -103,8 +103,14 @@ class Meter:
         """The window's throughput metrics (see ``throughput``); starts a new window."""
         if self._steps == 0:
             raise ValueError("Meter.flush: no step was recorded since the last flush; call update() first")
-        out = throughput(wall_s=self._wall_s, data_s=self._data_s, tokens=self._tokens,
-                         world_size=self.world_size, flops_per_token=self.flops_per_token, peak=self.peak,
-                         steps=self._steps)
+        out = throughput(
+            wall_s=self._wall_s,
+            data_s=self._data_s,
+            tokens=self._tokens,
+            world_size=self.world_size,
+            flops_per_token=self.flops_per_token,
+            peak=self.peak,
+            steps=self._steps,
+        )
         self._reset()
         return out

@@ -40,8 +40,15 @@ class _Entry(NamedTuple):
     tflops: dict[str, float]  # dense TFLOP/s by "bf16" | "fp16" | "tf32" | "fp32"
 
 
-def _e(pattern: str, name: str, sms: int | None, bf16: float | None, fp16: float | None,
-       tf32: float | None, fp32: float | None) -> _Entry:
+def _e(
+    pattern: str,
+    name: str,
+    sms: int | None,
+    bf16: float | None,
+    fp16: float | None,
+    tf32: float | None,
+    fp32: float | None,
+) -> _Entry:
     tflops = {k: v for k, v in (("bf16", bf16), ("fp16", fp16), ("tf32", tf32), ("fp32", fp32)) if v is not None}
     return _Entry(pattern, name, sms, tflops)
 
@@ -52,41 +59,50 @@ def _e(pattern: str, name: str, sms: int | None, bf16: float | None, fp16: float
 # (A100 before A10, L40S before L40 before L4, H100 NVL/PCIe before H100).
 _TABLE: tuple[_Entry, ...] = (
     #  pattern                     name           SMs   bf16     fp16     tf32    fp32
-    _e(r"\bB200\b",                "B200",        None, 2250.0,  2250.0,  1100.0, None),
-    _e(r"\bGH200\b",               "GH200",       132,  989.4,   989.4,   494.7,  67.0),
-    _e(r"\bH200 NVL\b",            "H200 NVL",    132,  835.5,   835.5,   417.5,  60.0),
-    _e(r"\bH200\b",                "H200",        132,  989.4,   989.4,   494.7,  67.0),
-    _e(r"\bH100 NVL\b",            "H100 NVL",    132,  835.5,   835.5,   417.5,  60.0),
-    _e(r"\bH100 PCIe\b",           "H100 PCIe",   114,  756.5,   756.5,   378.0,  51.0),
-    _e(r"\bH100\b",                "H100 SXM",    132,  989.4,   989.4,   494.7,  67.0),
-    _e(r"\bH800 PCIe\b",           "H800 PCIe",   114,  756.5,   756.5,   378.0,  51.0),
-    _e(r"\bH800\b",                "H800 SXM",    132,  989.4,   989.4,   494.7,  67.0),
-    _e(r"\bH20\b",                 "H20",         78,   148.0,   148.0,   74.0,   44.0),
-    _e(r"\bA100\b",                "A100",        108,  312.0,   312.0,   156.0,  19.5),
-    _e(r"\bA800\b",                "A800",        108,  312.0,   312.0,   156.0,  19.5),
+    _e(r"\bB200\b", "B200", None, 2250.0, 2250.0, 1100.0, None),
+    _e(r"\bGH200\b", "GH200", 132, 989.4, 989.4, 494.7, 67.0),
+    _e(r"\bH200 NVL\b", "H200 NVL", 132, 835.5, 835.5, 417.5, 60.0),
+    _e(r"\bH200\b", "H200", 132, 989.4, 989.4, 494.7, 67.0),
+    _e(r"\bH100 NVL\b", "H100 NVL", 132, 835.5, 835.5, 417.5, 60.0),
+    _e(r"\bH100 PCIe\b", "H100 PCIe", 114, 756.5, 756.5, 378.0, 51.0),
+    _e(r"\bH100\b", "H100 SXM", 132, 989.4, 989.4, 494.7, 67.0),
+    _e(r"\bH800 PCIe\b", "H800 PCIe", 114, 756.5, 756.5, 378.0, 51.0),
+    _e(r"\bH800\b", "H800 SXM", 132, 989.4, 989.4, 494.7, 67.0),
+    _e(r"\bH20\b", "H20", 78, 148.0, 148.0, 74.0, 44.0),
+    _e(r"\bA100\b", "A100", 108, 312.0, 312.0, 156.0, 19.5),
+    _e(r"\bA800\b", "A800", 108, 312.0, 312.0, 156.0, 19.5),
     # NVIDIA publishes no A10G datasheet (it is AWS's variant of the A10): these are the A10's numbers.
-    _e(r"\bA10G\b",                "A10G(A10 datasheet)", None, 125.0, 125.0, 62.5, 31.2),
-    _e(r"\bA10\b",                 "A10",         72,   125.0,   125.0,   62.5,   31.2),
-    _e(r"\bA30\b",                 "A30",         56,   165.0,   165.0,   82.0,   10.3),
-    _e(r"\bA40\b",                 "A40",         84,   149.7,   149.7,   74.8,   37.4),
-    _e(r"\bL40S\b",                "L40S",        142,  362.05,  362.05,  183.0,  91.6),
-    _e(r"\bL40\b",                 "L40",         142,  181.05,  181.05,  90.5,   90.5),
-    _e(r"\bL4\b",                  "L4",          58,   121.0,   121.0,   60.0,   30.3),
+    _e(r"\bA10G\b", "A10G(A10 datasheet)", None, 125.0, 125.0, 62.5, 31.2),
+    _e(r"\bA10\b", "A10", 72, 125.0, 125.0, 62.5, 31.2),
+    _e(r"\bA30\b", "A30", 56, 165.0, 165.0, 82.0, 10.3),
+    _e(r"\bA40\b", "A40", 84, 149.7, 149.7, 74.8, 37.4),
+    _e(r"\bL40S\b", "L40S", 142, 362.05, 362.05, 183.0, 91.6),
+    _e(r"\bL40\b", "L40", 142, 181.05, 181.05, 90.5, 90.5),
+    _e(r"\bL4\b", "L4", 58, 121.0, 121.0, 60.0, 30.3),
     # Volta and Turing have fp16 tensor cores but no bf16 and no tf32: bf16 is absent, fp32 is plain fp32.
-    _e(r"\bV100S\b",               "V100S PCIe",  80,   None,    130.0,   None,   16.4),
-    _e(r"\bV100-PCIE\b",           "V100 PCIe",   80,   None,    112.0,   None,   14.0),
-    _e(r"\bV100\b",                "V100 SXM2",   80,   None,    125.0,   None,   15.7),
-    _e(r"\bT4\b",                  "T4",          40,   None,    65.0,    None,   8.1),
+    _e(r"\bV100S\b", "V100S PCIe", 80, None, 130.0, None, 16.4),
+    _e(r"\bV100-PCIE\b", "V100 PCIe", 80, None, 112.0, None, 14.0),
+    _e(r"\bV100\b", "V100 SXM2", 80, None, 125.0, None, 15.7),
+    _e(r"\bT4\b", "T4", 40, None, 65.0, None, 8.1),
     # AMD Instinct: "SMs" are compute units; fp32 is the FP32 matrix peak.
-    _e(r"\bMI325X\b",              "MI325X",      304,  1307.4,  1307.4,  653.7,  163.4),
-    _e(r"\bMI300X\b",              "MI300X",      304,  1307.4,  1307.4,  653.7,  163.4),
-    _e(r"\bMI300A\b",              "MI300A",      228,  980.6,   980.6,   490.3,  122.6),
+    _e(r"\bMI325X\b", "MI325X", 304, 1307.4, 1307.4, 653.7, 163.4),
+    _e(r"\bMI300X\b", "MI300X", 304, 1307.4, 1307.4, 653.7, 163.4),
+    _e(r"\bMI300A\b", "MI300A", 228, 980.6, 980.6, 490.3, 122.6),
 )
 
 _DTYPE_KEYS = {
-    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-    "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "tf32": "tf32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "tf32": "tf32",
 }
 
 
@@ -137,7 +153,7 @@ def _best_mm_seconds(a: torch.Tensor, b: torch.Tensor, budget_s: float) -> float
     return best
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_calibrated(dtype: torch.dtype, threads: int, rounds: int = 3) -> float:
     """Best square-matmul FLOP/s of this CPU in ``dtype`` (cached per process, dtype and thread count).
 

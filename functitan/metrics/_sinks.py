@@ -11,7 +11,8 @@ import os
 import shutil
 import sys
 import time
-from typing import Callable, Iterable, Mapping, Protocol, TextIO
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol, TextIO
 
 __all__ = ["Sink", "ConsoleSink", "JsonlSink", "TensorBoardSink", "MultiSink", "make_sinks"]
 
@@ -41,6 +42,7 @@ def _scalar(key: str, value) -> float | int | None:
 
 
 # --- console -------------------------------------------------------------------------------------------
+
 
 def _si(x: float) -> str:
     for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -82,8 +84,7 @@ class ConsoleSink:
       clock: seconds, monotonic; for tests.
     """
 
-    def __init__(self, total_steps: int, *, stream: TextIO | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, total_steps: int, *, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
         if total_steps < 1:
             raise ValueError(f"ConsoleSink: total_steps must be >= 1, got {total_steps}")
         self.total_steps = total_steps
@@ -136,6 +137,7 @@ class ConsoleSink:
 
 
 # --- files ---------------------------------------------------------------------------------------------
+
 
 class JsonlSink:
     """One JSON object per write, ``{"step": ..., "time": <unix s>, **metrics}``, flushed at once.
@@ -191,6 +193,7 @@ class TensorBoardSink:
 
 # --- composition ---------------------------------------------------------------------------------------
 
+
 class MultiSink:
     """Writes to every sink in order; ``close`` closes them all even if one fails (then re-raises)."""
 
@@ -211,7 +214,7 @@ class MultiSink:
         if error is not None:
             raise error
 
-    def __enter__(self) -> "MultiSink":
+    def __enter__(self) -> MultiSink:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -227,8 +230,10 @@ def make_sinks(run_dir: str | os.PathLike, total_steps: int, *, rank: int) -> Mu
     if rank != 0:
         return MultiSink(())
     run_dir = os.fspath(run_dir)
-    return MultiSink((
-        ConsoleSink(total_steps),
-        JsonlSink(os.path.join(run_dir, "metrics.jsonl")),
-        TensorBoardSink(os.path.join(run_dir, "tb")),
-    ))
+    return MultiSink(
+        (
+            ConsoleSink(total_steps),
+            JsonlSink(os.path.join(run_dir, "metrics.jsonl")),
+            TensorBoardSink(os.path.join(run_dir, "tb")),
+        )
+    )

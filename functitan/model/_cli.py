@@ -1,13 +1,13 @@
 """``functitan gradcheck``: a model's gradients under each parallel layout against one process.
 
-    functitan gradcheck --model.name=path/to/my_model.py --model.flavor=tiny --layouts=fsdp,tp,tp_sp,hsdp
+functitan gradcheck --model.name=path/to/my_model.py --model.flavor=tiny --layouts=fsdp,tp,tp_sp,hsdp
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from ._gradcheck import GRADCHECK_LAYOUTS, gradcheck
 
@@ -16,12 +16,14 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="functitan gradcheck",
         description="Compare one step's loss and gradients under parallel layouts (gloo processes on this machine) "
-                    "with one process; list every parameter that differs. Keep the model tiny.",
-        epilog="example: functitan gradcheck --model.name=models.gpt2 --model.flavor=debug --layouts=fsdp,tp_sp")
+        "with one process; list every parameter that differs. Keep the model tiny.",
+        epilog="example: functitan gradcheck --model.name=models.gpt2 --model.flavor=debug --layouts=fsdp,tp_sp",
+    )
     parser.add_argument("--model.name", dest="name", default="llama", help="as for functitan train (default llama)")
     parser.add_argument("--model.flavor", dest="flavor", default="debug")
-    parser.add_argument("--layouts", default="fsdp,hsdp,tp,tp_sp",
-                        help=f"comma-separated, from {','.join(GRADCHECK_LAYOUTS)}")
+    parser.add_argument(
+        "--layouts", default="fsdp,hsdp,tp,tp_sp", help=f"comma-separated, from {','.join(GRADCHECK_LAYOUTS)}"
+    )
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=16)
     ns, rest = parser.parse_known_args(list(argv))
@@ -32,8 +34,14 @@ def main(argv: Sequence[str]) -> int:
             parser.error(f"unexpected argument {arg!r}; model fields look like --model.<field>=value")
         overrides[key.removeprefix("model.")] = value
     try:
-        report = gradcheck(ns.name, flavor=ns.flavor, overrides=overrides, layouts=ns.layouts.split(","),
-                           batch=ns.batch, seq_len=ns.seq_len)
+        report = gradcheck(
+            ns.name,
+            flavor=ns.flavor,
+            overrides=overrides,
+            layouts=ns.layouts.split(","),
+            batch=ns.batch,
+            seq_len=ns.seq_len,
+        )
     except ValueError as e:
         print(f"functitan gradcheck: error: {e}", file=sys.stderr)
         return 2

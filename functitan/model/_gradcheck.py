@@ -9,7 +9,8 @@ reports every parameter that differs, so a user can check their own model before
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -60,8 +61,9 @@ def _loss_and_grads(model: Model, cfg: Any, params: Any, batch: Any, layout: Any
     return float(loss), grads
 
 
-def _worker(name: str, flavor: str, overrides: Mapping[str, Any], layouts: Sequence[str], batch: int, seq_len: int,
-            seed: int) -> dict[str, Any]:
+def _worker(
+    name: str, flavor: str, overrides: Mapping[str, Any], layouts: Sequence[str], batch: int, seq_len: int, seed: int
+) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -77,7 +79,9 @@ def _worker(name: str, flavor: str, overrides: Mapping[str, Any], layouts: Seque
         mesh = make_mesh(**degrees, device="cpu")
         layout = Layout(mesh, default_rules(sequence_parallel=sp))
         if model.check_layout is not None:
-            model.check_layout(cfg, tp=degrees.get("tp", 1), seq_len=seq_len, sequence_parallel=layout.sequence_parallel)
+            model.check_layout(
+                cfg, tp=degrees.get("tp", 1), seq_len=seq_len, sequence_parallel=layout.sequence_parallel
+            )
         params = place(init(decl, fold_in(key(seed), "params")), specs(decl), layout.rules, mesh)
         full = _batch(cfg.vocab_size, batch, seq_len, seed)
         b = {k: v.chunk(layout.dp_size)[layout.dp_rank] for k, v in full.items()}

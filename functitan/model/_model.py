@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from torch import Tensor
 
@@ -115,8 +116,10 @@ class Model:
         An unknown flavor or field raises ValueError with the known ones and the nearest match.
         """
         if flavor not in self.configs:
-            raise ValueError(f"model.flavor={flavor!r} is not a {self.name} flavor; choose one of {sorted(self.configs)}"
-                             + _nearest(flavor, list(self.configs)))
+            raise ValueError(
+                f"model.flavor={flavor!r} is not a {self.name} flavor; choose one of {sorted(self.configs)}"
+                + _nearest(flavor, list(self.configs))
+            )
         return self.replace(self.configs[flavor], **overrides)
 
     def replace(self, cfg: Any, **overrides: Any) -> Any:
@@ -126,8 +129,11 @@ class Model:
         values = {}
         for key, value in overrides.items():
             if key not in known:
-                raise ValueError(f"model.{key} is not a field of {self.name}'s config ({self.config_type.__name__})"
-                                 + _nearest(key, sorted(known)) + f"; fields: {sorted(known)}")
+                raise ValueError(
+                    f"model.{key} is not a field of {self.name}'s config ({self.config_type.__name__})"
+                    + _nearest(key, sorted(known))
+                    + f"; fields: {sorted(known)}"
+                )
             values[key] = _convert(f"model.{key}", hints[key], value)
         return dataclasses.replace(cfg, **values)
 
@@ -164,7 +170,9 @@ def config_from_dict(cls: type, d: Mapping[str, Any]) -> Any:
     values = {}
     for k, v in d.items():
         tp = hints[k]
-        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)] or ([tp] if dataclasses.is_dataclass(tp) else [])
+        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)] or (
+            [tp] if dataclasses.is_dataclass(tp) else []
+        )
         if isinstance(v, Mapping) and inner:
             v = config_from_dict(inner[0], v)
         elif isinstance(v, list):

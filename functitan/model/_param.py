@@ -14,8 +14,9 @@ maps onto mesh axes), ``shapes``, ``count`` and meta-device init, and the name c
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -87,8 +88,10 @@ class Param:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         object.__setattr__(self, "names", tuple(self.names))
         if len(self.shape) != len(self.names):
-            raise ValueError(f"Param shape {self.shape} has {len(self.shape)} dims but names {self.names} has "
-                             f"{len(self.names)}; give one logical name per dim")
+            raise ValueError(
+                f"Param shape {self.shape} has {len(self.shape)} dims but names {self.names} has "
+                f"{len(self.names)}; give one logical name per dim"
+            )
         if any(s <= 0 for s in self.shape):
             raise ValueError(f"Param shape {self.shape} (names {self.names}) has a non-positive dim")
         if not all(isinstance(n, str) and n for n in self.names):

@@ -43,13 +43,17 @@ def load_model(name: str | Model) -> Model:
     else:
         plugins = _plugins()
         if where not in plugins:
-            raise ValueError(f"model.name={name!r} is not an installed model; choose one of {sorted(plugins)}, or "
-                             f"give a module ('pkg.mod:MODEL') or a file ('path/to/model.py:MODEL')")
+            raise ValueError(
+                f"model.name={name!r} is not an installed model; choose one of {sorted(plugins)}, or "
+                f"give a module ('pkg.mod:MODEL') or a file ('path/to/model.py:MODEL')"
+            )
         value = plugins[where].load()
         return _check(value, name)
     if not hasattr(module, attr):
-        raise ValueError(f"model.name={name!r}: {module.__name__} has no attribute {attr!r}; define "
-                         f"`{attr} = functitan.model.Model(...)` there or name the attribute after ':'")
+        raise ValueError(
+            f"model.name={name!r}: {module.__name__} has no attribute {attr!r}; define "
+            f"`{attr} = functitan.model.Model(...)` there or name the attribute after ':'"
+        )
     return _check(getattr(module, attr), name)
 
 
@@ -88,5 +92,7 @@ def model_for_architecture(architecture: str) -> tuple[str, Model]:
             known[model.hf.architecture] = name
             if model.hf.architecture == architecture:
                 return name, model
-    raise ValueError(f"no installed model reads Hugging Face architecture {architecture!r}; known: {sorted(known)}. "
-                     f"Name a model with an HFMap for it (--model NAME)")
+    raise ValueError(
+        f"no installed model reads Hugging Face architecture {architecture!r}; known: {sorted(known)}. "
+        f"Name a model with an HFMap for it (--model NAME)"
+    )

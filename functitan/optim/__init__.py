@@ -10,8 +10,16 @@ with ``torch._foreach_*`` and keeps every leaf's placement. Typical use::
     params = optim.apply_updates(params, updates)
 """
 
-from functitan.optim._adafactor import FactoredState, ScaleByLionState, adafactor, lion, scale_by_factored_rms, scale_by_lion
+from functitan.optim._adafactor import (
+    FactoredState,
+    ScaleByLionState,
+    adafactor,
+    lion,
+    scale_by_factored_rms,
+    scale_by_lion,
+)
 from functitan.optim._aliases import adamw, sgd
+from functitan.optim._base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from functitan.optim._combinators import (
     ApplyEvery,
     EmaState,
@@ -27,7 +35,6 @@ from functitan.optim._combinators import (
     multi_transform,
     param_ema,
 )
-from functitan.optim._base import EmptyState, GradientTransformation, apply_updates, chain, identity
 from functitan.optim._norm import global_norm
 from functitan.optim._schedules import Schedule, constant, join_schedules, warmup_cosine, warmup_linear, wsd
 from functitan.optim._transforms import (

@@ -10,18 +10,18 @@ from functitan.optim import _local
 from functitan.optim._base import GradientTransformation, chain
 from functitan.optim._transforms import (
     Mask,
-    Schedule,
     ScaleByAdamState,
     ScaleByScheduleState,
+    Schedule,
     _axpy_,
     adam_moments,
-    decay_indices,
-    step_number,
-    learning_rate_at,
     add_decayed_weights,
+    decay_indices,
     default_decay_mask,
+    learning_rate_at,
     scale_by_adam,
     scale_by_learning_rate,
+    step_number,
     trace,
 )
 
@@ -66,7 +66,11 @@ def adamw(
         p = _local.flatten_like(mu, params, ("optimizer state", "params"))
         # ints eagerly; 0-d tensors under torch.compile (no graph break, no recompilation per step)
         t = step_number(adam.count, 1)
-        lr = learning_rate_at(learning_rate, step_number(sched.count)) if callable(learning_rate) else float(learning_rate)
+        lr = (
+            learning_rate_at(learning_rate, step_number(sched.count))
+            if callable(learning_rate)
+            else float(learning_rate)
+        )
         with torch.no_grad():
             new_mu, new_nu, u = adam_moments(mu, nu, g, b1=b1, b2=b2, eps=eps, t=t)
             torch._foreach_reciprocal_(u)

@@ -17,7 +17,8 @@ tensor([0.9500, 0.9500])
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 

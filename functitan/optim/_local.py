@@ -12,11 +12,13 @@ kernels are loops too; on GPU foreach launches one kernel per op for many leaves
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import optree
 import torch
 from torch import Tensor
+
 from functitan import _dtensor as _dt
 from functitan._dtensor import DTensorSpec
 from functitan.tree import check_same_structure, flatten_with_names

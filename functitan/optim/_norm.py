@@ -62,7 +62,7 @@ def _global_sumsq(flat: Flat) -> Tensor:
         groups.setdefault(key, []).append(local)
     total: Tensor | None = None
     with torch.no_grad():
-        for (mesh, dims, device), locals_ in groups.items():
+        for (mesh, dims, _device), locals_ in groups.items():
             acc = torch.float64 if any(t.dtype == torch.float64 for t in locals_) else torch.float32
             norms = torch._foreach_norm(locals_, 2, dtype=acc)
             sumsq = torch.stack(norms).square().sum()

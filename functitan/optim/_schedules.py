@@ -10,7 +10,8 @@ step 60 and 0.0 at step 110.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -80,7 +81,9 @@ def _warmup_then(
     def schedule(step: Any) -> Any:
         step = _step(step)
         progress = _clamp01((step - warmup_steps) / span)
-        return _where(step < warmup_steps, _warmup(peak, max(warmup_steps, 1), step), final + (peak - final) * shape(progress))
+        return _where(
+            step < warmup_steps, _warmup(peak, max(warmup_steps, 1), step), final + (peak - final) * shape(progress)
+        )
 
     return schedule
 
@@ -132,8 +135,10 @@ def join_schedules(schedules: list[Schedule], boundaries: list[int]) -> Schedule
     ``join_schedules([constant(1.0), lambda s: 1.0 / (1 + s)], [10])``: 1.0 up to step 9, 1.0 at 10, 0.5 at 11.
     """
     if len(boundaries) != len(schedules) - 1 or any(b > c for b, c in zip(boundaries, boundaries[1:])):
-        raise ValueError(f"join_schedules: {len(schedules)} schedules need {len(schedules) - 1} increasing boundaries, "
-                         f"got {boundaries}")
+        raise ValueError(
+            f"join_schedules: {len(schedules)} schedules need {len(schedules) - 1} increasing boundaries, "
+            f"got {boundaries}"
+        )
 
     def schedule(step: Any) -> Any:
         if isinstance(step, Tensor):  # every piece evaluated, the right one selected: no data-dependent branch

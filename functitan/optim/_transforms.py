@@ -9,7 +9,8 @@ Python ints, which then costs no device sync.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -36,8 +37,7 @@ __all__ = [
 ]
 
 Schedule = Callable[[int], float]
-Mask = Union[Callable[[str, Any], bool], Any]  # (name, param) -> bool, or a pytree of bools mirroring params
-
+Mask = Callable[[str, Any], bool] | Any  # (name, param) -> bool, or a pytree of bools mirroring params
 
 
 class ScaleByAdamState(NamedTuple):
@@ -95,7 +95,9 @@ def default_decay_mask(name: str, param: Any) -> bool:
     return param.ndim >= 2
 
 
-def decay_mask_from_specs(specs: Any, *, no_decay_axes: frozenset[str] | set[str] = NO_DECAY_AXES) -> Callable[[str, Any], bool]:
+def decay_mask_from_specs(
+    specs: Any, *, no_decay_axes: frozenset[str] | set[str] = NO_DECAY_AXES
+) -> Callable[[str, Any], bool]:
     """A weight-decay mask read from the params' logical names: decay a param iff it has >= 2 dims and none
     of them is named in ``no_decay_axes`` (by default ``{"vocab"}``: the embedding and output tables).
 
@@ -154,7 +156,9 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
     return GradientTransformation(init, update)
 
 
-def adam_moments(mu: _local.Flat, nu: _local.Flat, g: _local.Flat, *, b1: float, b2: float, eps: float, t: Any) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+def adam_moments(
+    mu: _local.Flat, nu: _local.Flat, g: _local.Flat, *, b1: float, b2: float, eps: float, t: Any
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     """Adam's new moments and denominator ``sqrt(nu / (1 - b2**t)) + eps`` on local shards (call under no_grad).
 
     The arithmetic follows ``torch.optim.AdamW`` (``lerp`` for mu, ``addcmul`` for nu); shared by
@@ -252,8 +256,10 @@ def decay_indices(mask: Mask | None, p: _local.Flat, cache: dict[str, Any]) -> l
     cannot trace through optree, and the compiled step always sees the tree ``init`` saw."""
     if torch.compiler.is_compiling():
         if "last" not in cache:
-            raise ValueError("a weight-decay mask is resolved by this optimizer's init: call opt.init(params) on this "
-                             "optimizer before its first compiled update")
+            raise ValueError(
+                "a weight-decay mask is resolved by this optimizer's init: call opt.init(params) on this "
+                "optimizer before its first compiled update"
+            )
         return cache["last"]
     by_tree = cache.setdefault("by_tree", {})  # keyed by treedef, which only eager code hashes
     if p.treedef not in by_tree:

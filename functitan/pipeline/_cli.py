@@ -1,7 +1,7 @@
 """`functitan pipeline show`: print a schedule's timeline and bubble, optionally draw it to a PNG.
 
-    functitan pipeline show --schedule zb_v --pp 4 --microbatches 8 --costs 1,1,1,0 --out timeline.png
-    functitan pipeline show --csv my_schedule.csv
+functitan pipeline show --schedule zb_v --pp 4 --microbatches 8 --costs 1,1,1,0 --out timeline.png
+functitan pipeline show --csv my_schedule.csv
 """
 
 from __future__ import annotations
@@ -35,11 +35,16 @@ def _costs(text: str) -> Costs:
 
 def _parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(prog="functitan pipeline", description="Pipeline schedules as data.",
-                                     epilog=EXAMPLE, formatter_class=raw)
+    parser = argparse.ArgumentParser(
+        prog="functitan pipeline", description="Pipeline schedules as data.", epilog=EXAMPLE, formatter_class=raw
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    show = sub.add_parser("show", help="print a schedule's timeline and bubble fraction; --out draws a PNG",
-                          epilog=EXAMPLE, formatter_class=raw)
+    show = sub.add_parser(
+        "show",
+        help="print a schedule's timeline and bubble fraction; --out draws a PNG",
+        epilog=EXAMPLE,
+        formatter_class=raw,
+    )
     source = show.add_mutually_exclusive_group(required=True)
     source.add_argument("--schedule", choices=SCHEDULE_NAMES, help="a built-in schedule")
     source.add_argument("--csv", help="a custom schedule (torch's compute-only CSV format, one row per rank)")

@@ -68,7 +68,9 @@ class _Slot(NamedTuple):
     out: Tensor  # the stage output, or the scaled loss on the last stage
 
 
-def pipeline_grad_fn(stages: Stages, *, timeline: list[StepTimeline] | None = None) -> Callable[[Any, Any], tuple[Tensor, Any]]:
+def pipeline_grad_fn(
+    stages: Stages, *, timeline: list[StepTimeline] | None = None
+) -> Callable[[Any, Any], tuple[Tensor, Any]]:
     """A grad_fn ``(params, batch) -> (mean loss, grads)`` running ``stages.schedule`` on this rank.
 
     ``params`` is this rank's tree (`place_stages`), ``batch`` the data-parallel rank's batch, the same
@@ -219,7 +221,7 @@ class _Run:
         else:
             grads = ()
         if params:
-            self._accumulate(s, grads[len(inputs):])
+            self._accumulate(s, grads[len(inputs) :])
         if slot.inp is not None:
             self._send_input_grad(s, mb, grads[0] if grads[0] is not None else torch.zeros_like(slot.inp))
 
@@ -277,5 +279,3 @@ def _device_of(batch: Any) -> torch.device:
         if isinstance(x, Tensor):
             return x.device
     raise TypeError("the pipeline batch holds no tensor; pass e.g. {'inputs': tokens, 'targets': tokens}")
-
-

@@ -168,9 +168,7 @@ def zb_v(pp: int, m: int) -> Schedule:
         while count["W0"] < count["B0"]:
             emit("W0")
         rows.append([a for a in row if a.microbatch < m])
-    return Schedule(
-        name="zb_v", pp=pp, stages_per_rank=2, microbatches=m, stage_to_rank=v_placement(pp), actions=rows
-    )
+    return Schedule(name="zb_v", pp=pp, stages_per_rank=2, microbatches=m, stage_to_rank=v_placement(pp), actions=rows)
 
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"]

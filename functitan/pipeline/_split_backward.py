@@ -18,6 +18,7 @@ nothing is counted twice; its ``dx`` branch is then recomputed inside the group 
 from __future__ import annotations
 
 import collections
+
 import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
@@ -95,7 +96,9 @@ class WeightGrad:
         return out
 
 
-def input_grad(out: Tensor, inp: Tensor, dout: Tensor | None, weights: list[Tensor]) -> tuple[Tensor | None, WeightGrad]:
+def input_grad(
+    out: Tensor, inp: Tensor, dout: Tensor | None, weights: list[Tensor]
+) -> tuple[Tensor | None, WeightGrad]:
     """B: ``d out / d inp`` (with cotangent ``dout``; None for a scalar loss), and the W pass that gives the
     weights' gradients from what B kept. The graph is retained for W; W frees it."""
     rev, leaves = _graph(out.grad_fn)
@@ -128,8 +131,10 @@ def input_grad(out: Tensor, inp: Tensor, dout: Tensor | None, weights: list[Tens
     handles = []
     for joins in (grp[1] for grp in wg.groups):
         for node in joins:
+
             def keep(grad_outputs: tuple[Tensor | None, ...], node: Node = node) -> None:
                 wg.kept[node] = tuple(grad_outputs)
+
             handles.append(node.register_prehook(keep))
     try:
         (dx,) = torch.autograd.grad(out, [inp], dout, retain_graph=True, allow_unused=True)

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from functitan.mesh import AXES
 from functitan.pipeline._schedule import Schedule, split_pairs
-from functitan.sharding import Layout, Rules, is_spec, place
+from functitan.sharding import Rules, is_spec, place
 
 STAGE_AXES = tuple(a for a in AXES if a != "pp")  # the mesh a stage's params and collectives live on
 
@@ -74,7 +74,12 @@ class StageModel:
 
 
 def balance(
-    block_cost: float | Sequence[float], n_blocks: int, n_stages: int, *, first_cost: float = 0.0, last_cost: float = 0.0
+    block_cost: float | Sequence[float],
+    n_blocks: int,
+    n_stages: int,
+    *,
+    first_cost: float = 0.0,
+    last_cost: float = 0.0,
 ) -> tuple[range, ...]:
     """Split blocks ``0..n_blocks-1`` into ``n_stages`` contiguous non-empty runs minimizing the costliest stage.
 
@@ -182,7 +187,9 @@ def stage_rules(rules: Rules) -> Rules:
     return tuple((name, drop(axes)) for name, axes in rules)
 
 
-def make_stages(model: StageModel, schedule: Schedule, mesh: DeviceMesh, *, layers: Sequence[range] | None = None) -> Stages:
+def make_stages(
+    model: StageModel, schedule: Schedule, mesh: DeviceMesh, *, layers: Sequence[range] | None = None
+) -> Stages:
     """Cut ``model`` into ``schedule.num_stages`` stages (balanced by cost unless ``layers`` is given).
 
     Every rank calls it (slicing the mesh may create process groups).
@@ -242,7 +249,9 @@ def _select(tree: dict, stages: Stages, which: Sequence[int]) -> dict:
     for s in sorted(which):
         for k in stages.keys_of(s):
             if k not in tree:
-                raise ValueError(f"stage {s} reads top-level key {k!r}, which the tree lacks; its keys are {sorted(tree)}")
+                raise ValueError(
+                    f"stage {s} reads top-level key {k!r}, which the tree lacks; its keys are {sorted(tree)}"
+                )
             out[k] = tree[k]
     pick = (lambda i: blocks[str(i)]) if isinstance(blocks, dict) else (lambda i: blocks[i])  # rank tree or full
     out[key] = {str(i): pick(i) for s in sorted(which) for i in stages.layers[s]}
@@ -277,7 +286,9 @@ def place_stages(params: dict, specs: dict, rules: Rules, stages: Stages, *, req
 def _select_specs(specs: dict, stages: Stages) -> dict:
     key = stages.model.blocks_key
     if not isinstance(specs.get(key), list) or (specs[key] and is_spec(specs[key])):
-        raise ValueError(f"specs[{key!r}] must be a list with one spec tree per block, got {type(specs.get(key)).__name__}")
+        raise ValueError(
+            f"specs[{key!r}] must be a list with one spec tree per block, got {type(specs.get(key)).__name__}"
+        )
     return rank_tree(specs, stages)
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from ..job_config import JobConfig, ParallelismConfig, TrainingConfig
 from ..mesh import resolve_degrees
@@ -67,12 +68,24 @@ class Candidate:
 def job_config(base: JobConfig, c: Candidate, *, batch_size: int, seq_len: int) -> JobConfig:
     """``base`` with the candidate's layout and the planned batch: the config the trainer runs."""
     par = dataclasses.replace(
-        base.parallelism, dp_replicate=c.dp_replicate, dp_shard=c.dp_shard, tp=c.tp, pp=c.pp,
-        sequence_parallel=c.sequence_parallel, reshard_after_forward=c.reshard_after_forward,
+        base.parallelism,
+        dp_replicate=c.dp_replicate,
+        dp_shard=c.dp_shard,
+        tp=c.tp,
+        pp=c.pp,
+        sequence_parallel=c.sequence_parallel,
+        reshard_after_forward=c.reshard_after_forward,
         pipeline_schedule=c.schedule if c.pp > 1 else base.parallelism.pipeline_schedule,
-        stages_per_rank=c.stages_per_rank if c.schedule == "interleaved_1f1b" else base.parallelism.stages_per_rank)
-    tr = dataclasses.replace(base.training, batch_size=batch_size, seq_len=seq_len, microbatches=c.microbatches,
-                             remat=c.remat, param_dtype=c.param_dtype)
+        stages_per_rank=c.stages_per_rank if c.schedule == "interleaved_1f1b" else base.parallelism.stages_per_rank,
+    )
+    tr = dataclasses.replace(
+        base.training,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        microbatches=c.microbatches,
+        remat=c.remat,
+        param_dtype=c.param_dtype,
+    )
     return dataclasses.replace(base, parallelism=par, training=tr)
 
 
@@ -84,9 +97,18 @@ def _why(e: Exception) -> str:
     return str(e).split("; ")[0]
 
 
-def enumerate_candidates(model: Any, model_cfg: Any, *, world: int, per_node: int, batch_size: int, seq_len: int,
-                         n_blocks: int, param_dtypes: tuple[str, ...] = ("bfloat16",),
-                         max_microbatch_rows: int = 8) -> tuple[list[Candidate], Counter]:
+def enumerate_candidates(
+    model: Any,
+    model_cfg: Any,
+    *,
+    world: int,
+    per_node: int,
+    batch_size: int,
+    seq_len: int,
+    n_blocks: int,
+    param_dtypes: tuple[str, ...] = ("bfloat16",),
+    max_microbatch_rows: int = 8,
+) -> tuple[list[Candidate], Counter]:
     """``(valid candidates, Counter of pruned families by reason)``.
 
     ``n_blocks``: the model's number of pipeline blocks (``Model.stages(...).n_blocks``), 0 when it has none.
@@ -98,7 +120,7 @@ def enumerate_candidates(model: Any, model_cfg: Any, *, world: int, per_node: in
         if tp > per_node:
             pruned[f"tp={tp} > {per_node} devices per node: tensor-parallel collectives would cross nodes"] += 1
             continue
-        for sp in ((True,) if tp > 1 else (True,)):
+        for sp in (True,) if tp > 1 else (True,):
             try:
                 if model.check_layout is not None:
                     model.check_layout(model_cfg, tp=tp, seq_len=seq_len, sequence_parallel=sp and tp > 1)
@@ -106,9 +128,13 @@ def enumerate_candidates(model: Any, model_cfg: Any, *, world: int, per_node: in
                 pruned[f"tp={tp}: {_why(e)}"] += 1
                 continue
             for pp in _divisors(world // tp):
-                out.extend(_with_pp(model, tp, pp, sp, world, batch_size, n_blocks, param_dtypes, max_microbatch_rows, pruned))
+                out.extend(
+                    _with_pp(model, tp, pp, sp, world, batch_size, n_blocks, param_dtypes, max_microbatch_rows, pruned)
+                )
     if any(c.tp > 1 for c in out):
-        pruned["sequence_parallel=false with tp > 1: same collective bytes as SP, more activation memory (dominated)"] += 1
+        pruned[
+            "sequence_parallel=false with tp > 1: same collective bytes as SP, more activation memory (dominated)"
+        ] += 1
     return out, pruned
 
 
@@ -127,8 +153,13 @@ def _with_pp(model, tp, pp, sp, world, batch_size, n_blocks, dtypes, max_rows, p
             shard = dp // rep
             try:
                 resolve_degrees(world, pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp)
-                rows = local_batch(JobConfig(training=TrainingConfig(batch_size=batch_size, microbatches=1),
-                                             parallelism=ParallelismConfig(tp=tp, pp=pp)), dp)[0]
+                rows = local_batch(
+                    JobConfig(
+                        training=TrainingConfig(batch_size=batch_size, microbatches=1),
+                        parallelism=ParallelismConfig(tp=tp, pp=pp),
+                    ),
+                    dp,
+                )[0]
             except ValueError as e:
                 pruned[f"dp={dp}: {_why(e)}"] += 1
                 continue
@@ -141,8 +172,18 @@ def _with_pp(model, tp, pp, sp, world, batch_size, n_blocks, dtypes, max_rows, p
                     if remat == "selective" and sched in SPLIT_BACKWARD and pp > 1:
                         pruned[f"{sched} with remat=selective: selective checkpointing allows one backward pass"] += 1
                         continue
-                    for reshard in ((True, False) if shard > 1 and remat == "none" else (True,)):
+                    for reshard in (True, False) if shard > 1 and remat == "none" else (True,):
                         for dt in dtypes:
-                            yield Candidate(dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, schedule=sched,
-                                            stages_per_rank=v, microbatches=m, remat=remat, sequence_parallel=sp,
-                                            reshard_after_forward=reshard, param_dtype=dt)
+                            yield Candidate(
+                                dp_replicate=rep,
+                                dp_shard=shard,
+                                tp=tp,
+                                pp=pp,
+                                schedule=sched,
+                                stages_per_rank=v,
+                                microbatches=m,
+                                remat=remat,
+                                sequence_parallel=sp,
+                                reshard_after_forward=reshard,
+                                param_dtype=dt,
+                            )

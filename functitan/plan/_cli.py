@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -22,15 +21,22 @@ layout, and recommend the fastest that fits. Model fields: --model.<field>=value
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="functitan plan", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="functitan plan",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  functitan plan --model.flavor llama3_8b --nodes 8 --device h100 --out plan.toml\n"
-               "  functitan train --config plan.toml")
-    p.add_argument("--model.name", dest="model_name", default=None, help="a model plugin, module or file (default llama)")
+        "  functitan train --config plan.toml",
+    )
+    p.add_argument(
+        "--model.name", dest="model_name", default=None, help="a model plugin, module or file (default llama)"
+    )
     p.add_argument("--model.flavor", dest="flavor", default=None, help="a flavor of the model (default debug)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node")
     p.add_argument("--device", default="h100", help=f"one of {sorted(DEVICES)}")
-    p.add_argument("--global-batch-tokens", type=int, default=None, help="tokens per step (default: 8 sequences per device)")
+    p.add_argument(
+        "--global-batch-tokens", type=int, default=None, help="tokens per step (default: 8 sequences per device)"
+    )
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default 8192; 256 on cpu)")
     p.add_argument("--top", type=int, default=4, help="how many fitting candidates to trace and show")
     p.add_argument("--calibrate", action="store_true", help="measure this machine's matmul FLOP/s and gloo collectives")
@@ -44,7 +50,7 @@ def _model_overrides(rest: list[str]) -> tuple[dict, list[str]]:
     out, unknown = {}, []
     for a in rest:
         if a.startswith("--model.") and "=" in a:
-            k, v = a[len("--model."):].split("=", 1)
+            k, v = a[len("--model.") :].split("=", 1)
             out[k] = v
         else:
             unknown.append(a)
@@ -70,8 +76,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # tracing is single-threaded Python: one core
         try:
-            result = plan(model_name=args.model_name, flavor=args.flavor, overrides=overrides, cluster=cluster,
-                          global_batch_tokens=tokens, seq_len=seq, top=args.top)
+            result = plan(
+                model_name=args.model_name,
+                flavor=args.flavor,
+                overrides=overrides,
+                cluster=cluster,
+                global_batch_tokens=tokens,
+                seq_len=seq,
+                top=args.top,
+            )
         finally:
             torch.set_num_threads(threads)
     except ValueError as e:
@@ -89,16 +102,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         result, measured = measure(result, steps=args.measure, world=cluster.world)
         print("re-ranked by measured step time on this machine:")
-        for r in result.rows[:len(measured)]:
+        for r in result.rows[: len(measured)]:
             print(f"  {r.cand.label():<44} predicted {r.time.total:.4g} s, measured {measured[r.cand.label()]:.4g} s")
     print(f"planned in {result.seconds:.1f} s ({result.cpu_seconds:.1f} s CPU)")
     if args.out:
         write_toml(result.cfg, args.out)
-        print(f"wrote {args.out}: functitan train --config {args.out}" +
-              (f" --nproc {cluster.world}" if cluster.world > 1 else ""))
+        print(
+            f"wrote {args.out}: functitan train --config {args.out}"
+            + (f" --nproc {cluster.world}" if cluster.world > 1 else "")
+        )
     if args.png:
         render_png(result, args.png)
         print(f"wrote {args.png}")
     return 0
+
+
 def _recommended(result):
     return result.cfg

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from .. import pipeline
 from ..job_config import build_schedule
 from ._candidates import Candidate
 from ._devices import Cluster
-from ._predict import job_config_par
 
 __all__ = ["pipe_stats", "Time", "step_time", "analytic_memory", "analytic_comm", "axis_degree", "spans_nodes"]
 
@@ -66,7 +65,7 @@ def spans_nodes(c: Candidate, axes: tuple[str, ...], per_node: int) -> bool:
     return top >= per_node
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pipe_stats(pp: int, schedule: str, v: int, m: int) -> tuple[float, tuple[int, ...]]:
     """``(bubble fraction, microbatches in flight per rank)`` of a schedule, from functitan's simulator with
     equal F, B and W costs. Past ``2 * stages`` microbatches a schedule is in steady state (its warm-up and
@@ -99,7 +98,9 @@ def _collective_s(kind: str, nbytes: float, count: float, n: int, bw: float, alp
     return factor * (count * alpha * (n - 1) + nbytes * (n - 1) / n / bw)
 
 
-def step_time(c: Candidate, cluster: Cluster, comm: dict, *, flops_per_token: float, tokens: int, n_blocks: int) -> Time:
+def step_time(
+    c: Candidate, cluster: Cluster, comm: dict, *, flops_per_token: float, tokens: int, n_blocks: int
+) -> Time:
     dev = cluster.device
     flops = flops_per_token * tokens / cluster.world * (4 / 3 if c.remat == "full" else 1.0)
     compute = flops / (dev.peak(c.param_dtype) * dev.efficiency)
@@ -122,8 +123,15 @@ def step_time(c: Candidate, cluster: Cluster, comm: dict, *, flops_per_token: fl
     # FSDP prefetch: the next block's all-gather runs under this block's compute; the first one is exposed
     exposed += max(gather - compute, gather / max(n_blocks + 1, 2))
     total = busy + exposed
-    return Time(total=total, compute=compute, bubble=b, comm_exposed=exposed, by_axis=by_axis,
-                tokens_per_s=tokens / total, mfu=flops_per_token * tokens / (total * cluster.world * dev.peak(c.param_dtype)))
+    return Time(
+        total=total,
+        compute=compute,
+        bubble=b,
+        comm_exposed=exposed,
+        by_axis=by_axis,
+        tokens_per_s=tokens / total,
+        mfu=flops_per_token * tokens / (total * cluster.world * dev.peak(c.param_dtype)),
+    )
 
 
 class ModelDims(NamedTuple):
@@ -136,8 +144,9 @@ class ModelDims(NamedTuple):
     n_blocks: int
 
 
-def analytic_memory(c: Candidate, d: ModelDims, *, seq_len: int, batch_size: int, blocks: int,
-                    first: bool = True, last: bool = True) -> dict[str, float]:
+def analytic_memory(
+    c: Candidate, d: ModelDims, *, seq_len: int, batch_size: int, blocks: int, first: bool = True, last: bool = True
+) -> dict[str, float]:
     """Bytes per rank by formula (module docstring); ``blocks`` on this rank."""
     cb = _BYTES[c.param_dtype]
     tops = (0.5 if first else 0) + (0.5 if last else 0)
@@ -145,8 +154,15 @@ def analytic_memory(c: Candidate, d: ModelDims, *, seq_len: int, batch_size: int
     mbs = batch_size // c.dp // c.microbatches
     tok = mbs * seq_len
     sp = c.tp
-    per_block = {"none": cb * (6 * d.h + 4 * d.kv + 4 * d.f), "selective": cb * (4 * d.h + 2 * d.kv + 2 * d.f),
-                 "full": cb * d.h}[c.remat] * tok / sp
+    per_block = (
+        {
+            "none": cb * (6 * d.h + 4 * d.kv + 4 * d.f),
+            "selective": cb * (4 * d.h + 2 * d.kv + 2 * d.f),
+            "full": cb * d.h,
+        }[c.remat]
+        * tok
+        / sp
+    )
     stage_blocks = blocks / max(c.stages_per_rank, 1) if c.pp > 1 else blocks
     acts = per_block * (blocks if c.pp == 1 else stage_blocks * in_flight(c))
     if c.remat == "full":
@@ -157,8 +173,13 @@ def analytic_memory(c: Candidate, d: ModelDims, *, seq_len: int, batch_size: int
         gathered = cb * (held * d.block_params + tops * d.top_params) / c.tp
     else:
         gathered = 2 * cb * d.block_params / c.tp if cb < 4 else 0.0
-    out = {"params": 4 * p_rank, "grads": 4 * p_rank, "opt_state": 8 * p_rank, "buffers": gathered,
-           "activations": acts + logits}
+    out = {
+        "params": 4 * p_rank,
+        "grads": 4 * p_rank,
+        "opt_state": 8 * p_rank,
+        "buffers": gathered,
+        "activations": acts + logits,
+    }
     out["total"] = sum(out.values())
     return out
 
@@ -171,15 +192,19 @@ def analytic_comm(c: Candidate, d: ModelDims, *, seq_len: int, batch_size: int, 
     out: dict = {}
     if c.dp_shard > 1:
         regather = 2 if (c.reshard_after_forward or c.remat != "none") else 1
-        out[("dp_shard",)] = {"all_gather": [regather * p_stage * cb * m, regather * (blocks + 1) * m],
-                              "reduce_scatter": [4 * p_stage * m, (blocks + 1) * m]}
+        out[("dp_shard",)] = {
+            "all_gather": [regather * p_stage * cb * m, regather * (blocks + 1) * m],
+            "reduce_scatter": [4 * p_stage * m, (blocks + 1) * m],
+        }
     if c.dp_replicate > 1:
         out[("dp_replicate",)] = {"all_reduce": [4 * p_stage / c.dp_shard * m, 9 * (blocks + 1) * m]}
     if c.tp > 1:
         act = mbs * seq_len * d.h * cb
         per = 4 + (2 if c.remat == "full" else 0)
-        out[("tp",)] = {"all_gather": [per * act * blocks * m, per * blocks * m],
-                        "reduce_scatter": [per * act * blocks * m, per * blocks * m]}
+        out[("tp",)] = {
+            "all_gather": [per * act * blocks * m, per * blocks * m],
+            "reduce_scatter": [per * act * blocks * m, per * blocks * m],
+        }
     if c.pp > 1:
         act = mbs * seq_len * d.h * cb / c.tp
         out[("pp",)] = {"p2p": [4 * act * m * c.stages_per_rank, 4 * m * c.stages_per_rank]}

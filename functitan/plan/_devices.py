@@ -50,11 +50,20 @@ class Device:
 def _gpu(key: str, table_name: str, mem_gib: float, intra_gbs: float, inter_gbs: float) -> Device:
     bf16 = _table_lookup(table_name, "bf16", None).value
     tf32 = _table_lookup(table_name, "tf32", None).value
-    return Device(name=key, memory=mem_gib * _GIB, peak_bf16=bf16, peak_fp32=tf32, efficiency=0.45,
-                  intra_bw=intra_gbs * 1e9, intra_alpha=5e-6, inter_bw=inter_gbs * 1e9, inter_alpha=10e-6,
-                  reserve=6 * _GIB,
-                  source=f"{table_name} datasheet peak; {mem_gib} GiB; NVLink {intra_gbs:g} GB/s and IB "
-                         f"{inter_gbs:g} GB/s per GPU; 5/10 us latency; 45% of peak achievable; 6 GiB reserved")
+    return Device(
+        name=key,
+        memory=mem_gib * _GIB,
+        peak_bf16=bf16,
+        peak_fp32=tf32,
+        efficiency=0.45,
+        intra_bw=intra_gbs * 1e9,
+        intra_alpha=5e-6,
+        inter_bw=inter_gbs * 1e9,
+        inter_alpha=10e-6,
+        reserve=6 * _GIB,
+        source=f"{table_name} datasheet peak; {mem_gib} GiB; NVLink {intra_gbs:g} GB/s and IB "
+        f"{inter_gbs:g} GB/s per GPU; 5/10 us latency; 45% of peak achievable; 6 GiB reserved",
+    )
 
 
 def matmul_rate(n: int = 512, budget_s: float = 0.3) -> float:
@@ -75,10 +84,20 @@ def _cpu() -> Device:
     except (ValueError, OSError, AttributeError):
         total = 16 * (1 << 30)
     fp32 = matmul_rate()
-    return Device(name="cpu", memory=float(total), peak_bf16=fp32 / 8, peak_fp32=fp32, efficiency=0.6,
-                  intra_bw=1e9, intra_alpha=100e-6, inter_bw=0.1e9, inter_alpha=500e-6, reserve=0.0,
-                  source="this machine: host memory; fp32 matmul rate measured (bf16 = fp32 / 8 without AMX); "
-                         "gloo loopback 1 GB/s, 100 us per ring step (--calibrate measures them); 60% achievable")
+    return Device(
+        name="cpu",
+        memory=float(total),
+        peak_bf16=fp32 / 8,
+        peak_fp32=fp32,
+        efficiency=0.6,
+        intra_bw=1e9,
+        intra_alpha=100e-6,
+        inter_bw=0.1e9,
+        inter_alpha=500e-6,
+        reserve=0.0,
+        source="this machine: host memory; fp32 matmul rate measured (bf16 = fp32 / 8 without AMX); "
+        "gloo loopback 1 GB/s, 100 us per ring step (--calibrate measures them); 60% achievable",
+    )
 
 
 # name -> factory (the CPU entry measures the matmul rate, so it is built on demand)
@@ -147,8 +166,15 @@ def calibrate(dev: Device, *, processes: int = 2) -> Device:
     alpha = t_small / ring
     bw = max(2 * (processes - 1) / processes * (sizes[1] - sizes[0]) / max(t_big - t_small, 1e-9), 1e6)
     cpu = dev.name == "cpu"
-    return replace(dev, peak_fp32=fp32 if cpu else dev.peak_fp32, peak_bf16=fp32 / 8 if cpu else dev.peak_bf16,
-                   efficiency=1.0 if cpu else dev.efficiency, intra_bw=bw, intra_alpha=alpha,
-                   inter_bw=bw if cpu else min(bw, dev.inter_bw), inter_alpha=alpha,
-                   source=f"calibrated here with {processes} processes: fp32 matmul {fp32 / 1e9:.2f} GFLOP/s per "
-                          f"process; gloo all-reduce {bw / 1e9:.3f} GB/s, {alpha * 1e6:.0f} us per ring step")
+    return replace(
+        dev,
+        peak_fp32=fp32 if cpu else dev.peak_fp32,
+        peak_bf16=fp32 / 8 if cpu else dev.peak_bf16,
+        efficiency=1.0 if cpu else dev.efficiency,
+        intra_bw=bw,
+        intra_alpha=alpha,
+        inter_bw=bw if cpu else min(bw, dev.inter_bw),
+        inter_alpha=alpha,
+        source=f"calibrated here with {processes} processes: fp32 matmul {fp32 / 1e9:.2f} GFLOP/s per "
+        f"process; gloo all-reduce {bw / 1e9:.3f} GB/s, {alpha * 1e6:.0f} us per ring step",
+    )

@@ -19,8 +19,11 @@ __all__ = ["measure", "measured_step_time"]
 def measured_step_time(cfg: Any, world: int, steps: int, workdir: str | Path, timeout: float = 900) -> float:
     """Median step time (s) of ``steps`` steps of ``cfg`` on ``world`` local processes (the first step excluded)."""
     workdir = Path(workdir)
-    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, steps=steps, device="cpu", threads=1),
-                              metrics=dataclasses.replace(cfg.metrics, log_every=1, run_dir=str(workdir), run_name="run"))
+    cfg = dataclasses.replace(
+        cfg,
+        training=dataclasses.replace(cfg.training, steps=steps, device="cpu", threads=1),
+        metrics=dataclasses.replace(cfg.metrics, log_every=1, run_dir=str(workdir), run_name="run"),
+    )
     path = workdir / "plan.toml"
     write_toml(cfg, path)
     cmd = [sys.executable, "-m", "functitan.train", "--config", str(path)]

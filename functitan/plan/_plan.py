@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from collections import Counter
 from typing import Any, NamedTuple
@@ -16,7 +15,7 @@ from ..tree import flatten_with_names
 from ._candidates import Candidate, enumerate_candidates, job_config
 from ._cost import ModelDims, Time, analytic_comm, analytic_memory, step_time
 from ._devices import Cluster
-from ._predict import ModelShape, Prediction, job_config_par, model_shape, predict
+from ._predict import ModelShape, model_shape, predict
 
 __all__ = ["Row", "Plan", "plan", "PlanError"]
 
@@ -58,20 +57,27 @@ def model_dims(model: Any, model_cfg: Any, shape: ModelShape) -> ModelDims:
     block = count(decl[key][0], exclude=None) if key else 0
     total = count(decl)
     n = max(shape.n_blocks, 1)
-    return ModelDims(h=sizes.get("embed", 0), kv=sizes.get("kv_heads", sizes.get("heads", 0)), f=sizes.get("mlp", 0),
-                     vocab=sizes.get("vocab", 0), block_params=block, top_params=total - block * shape.n_blocks,
-                     n_blocks=n)
+    return ModelDims(
+        h=sizes.get("embed", 0),
+        kv=sizes.get("kv_heads", sizes.get("heads", 0)),
+        f=sizes.get("mlp", 0),
+        vocab=sizes.get("vocab", 0),
+        block_params=block,
+        top_params=total - block * shape.n_blocks,
+        n_blocks=n,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rank_blocks(stage_model: Any, pp: int, schedule: str, v: int) -> tuple[int, ...]:
     """Blocks per pipeline rank: the trainer's balance of the model's block costs over the schedule's stages."""
     from ..job_config import ParallelismConfig
 
     sched = build_schedule(ParallelismConfig(pp=pp, pipeline_schedule=schedule, stages_per_rank=v), pp * v)
     sm = stage_model
-    layers = pipeline.balance(sm.block_cost, sm.n_blocks, sched.num_stages, first_cost=sm.first_cost,
-                              last_cost=sm.last_cost)
+    layers = pipeline.balance(
+        sm.block_cost, sm.n_blocks, sched.num_stages, first_cost=sm.first_cost, last_cost=sm.last_cost
+    )
     return tuple(sum(len(layers[s]) for s in sched.stages_of(r)) for r in range(pp))
 
 
@@ -90,38 +96,70 @@ def load(name: str | None, flavor: str | None, overrides: dict) -> tuple[str, An
         raise PlanError(str(e)) from None
 
 
-def plan(*, model_name: str | None, flavor: str | None, overrides: dict, cluster: Cluster, global_batch_tokens: int,
-         seq_len: int, top: int = 4, base: JobConfig | None = None, param_dtypes: tuple[str, ...] | None = None,
-         log=print) -> Plan:
+def plan(
+    *,
+    model_name: str | None,
+    flavor: str | None,
+    overrides: dict,
+    cluster: Cluster,
+    global_batch_tokens: int,
+    seq_len: int,
+    top: int = 4,
+    base: JobConfig | None = None,
+    param_dtypes: tuple[str, ...] | None = None,
+    log=print,
+) -> Plan:
     t0, c0 = time.perf_counter(), time.process_time()
     name, model, model_cfg = load(model_name, flavor, overrides)
     if global_batch_tokens % seq_len or global_batch_tokens < seq_len:
-        raise PlanError(f"--global-batch-tokens={global_batch_tokens} is not a multiple of --seq-len={seq_len}; use "
-                        f"{max(global_batch_tokens // seq_len, 1) * seq_len}")
+        raise PlanError(
+            f"--global-batch-tokens={global_batch_tokens} is not a multiple of --seq-len={seq_len}; use "
+            f"{max(global_batch_tokens // seq_len, 1) * seq_len}"
+        )
     batch_size = global_batch_tokens // seq_len
     shape = model_shape(model, model_cfg, seq_len)
     dims = model_dims(model, model_cfg, shape)
     dev = cluster.device
     dtypes = param_dtypes or (("float32",) if dev.name == "cpu" else ("bfloat16",))
-    cands, pruned = enumerate_candidates(model, model_cfg, world=cluster.world, per_node=cluster.per_node,
-                                         batch_size=batch_size, seq_len=seq_len, n_blocks=shape.n_blocks,
-                                         param_dtypes=dtypes)
+    cands, pruned = enumerate_candidates(
+        model,
+        model_cfg,
+        world=cluster.world,
+        per_node=cluster.per_node,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        n_blocks=shape.n_blocks,
+        param_dtypes=dtypes,
+    )
     if not cands:
         why = "; ".join(r for r, _ in pruned.most_common(3))
         ok = _nearest_world(model, model_cfg, cluster, batch_size, seq_len, shape, dtypes)
-        raise PlanError(f"no layout uses all {cluster.world} devices ({cluster.nodes} x {cluster.per_node}): {why}"
-                        + (f"; a world size that works: {ok}" if ok else ""))
+        raise PlanError(
+            f"no layout uses all {cluster.world} devices ({cluster.nodes} x {cluster.per_node}): {why}"
+            + (f"; a world size that works: {ok}" if ok else "")
+        )
     base = base or JobConfig()
-    base = dataclasses.replace(base, model=ModelConfig(name=name, flavor=flavor or "debug",
-                                                       overrides={**{k: getattr(model_cfg, k) for k in overrides},
-                                                                  "vocab_size": model_cfg.vocab_size}))
+    base = dataclasses.replace(
+        base,
+        model=ModelConfig(
+            name=name,
+            flavor=flavor or "debug",
+            overrides={**{k: getattr(model_cfg, k) for k in overrides}, "vocab_size": model_cfg.vocab_size},
+        ),
+    )
     fpt = model.flops_per_token(model_cfg, seq_len)
     screen = []
     for c in cands:
         blocks = worst_blocks(shape, c)
         mem = analytic_memory(c, dims, seq_len=seq_len, batch_size=batch_size, blocks=blocks)
-        t = step_time(c, cluster, analytic_comm(c, dims, seq_len=seq_len, batch_size=batch_size, blocks=blocks),
-                      flops_per_token=fpt, tokens=global_batch_tokens, n_blocks=blocks)
+        t = step_time(
+            c,
+            cluster,
+            analytic_comm(c, dims, seq_len=seq_len, batch_size=batch_size, blocks=blocks),
+            flops_per_token=fpt,
+            tokens=global_batch_tokens,
+            n_blocks=blocks,
+        )
         screen.append((c, mem, t, blocks))
     fitting = sorted((s for s in screen if s[1]["total"] <= dev.usable * 1.1), key=lambda s: s[2].total)
     rows: list[Row] = []
@@ -133,24 +171,37 @@ def plan(*, model_name: str | None, flavor: str | None, overrides: dict, cluster
             rows.append(row)
     if not any(r.fits for r in rows):  # the formula was optimistic: try the layout that needs the least memory
         smallest = min(screen, key=lambda s: s[1]["total"])
-        row = _traced_row(base, model, model_cfg, shape, smallest[0], smallest[1], cluster, batch_size, seq_len, fpt,
-                          smallest[3], log)
+        row = _traced_row(
+            base, model, model_cfg, shape, smallest[0], smallest[1], cluster, batch_size, seq_len, fpt, smallest[3], log
+        )
         if row is not None and row.fits:
             rows.append(row)
     if not any(r.fits for r in rows):
         need = (row.peak if row else smallest[1]["total"]) + dev.reserve
-        raise PlanError(f"no layout fits in {dev.memory / _GIB:.1f} GiB per device ({dev.name}); the smallest needs "
-                        f"{need / _GIB:.1f} GiB ({smallest[0].label()}, {dev.reserve / _GIB:.0f} GiB reserve "
-                        f"included): use devices with that much memory, more devices, or a smaller batch")
+        raise PlanError(
+            f"no layout fits in {dev.memory / _GIB:.1f} GiB per device ({dev.name}); the smallest needs "
+            f"{need / _GIB:.1f} GiB ({smallest[0].label()}, {dev.reserve / _GIB:.0f} GiB reserve "
+            f"included): use devices with that much memory, more devices, or a smaller batch"
+        )
     rows.sort(key=lambda r: (not r.fits, r.time.total))
     best = rows[0].cand
     cfg = job_config(base, best, batch_size=batch_size, seq_len=seq_len)
-    assumptions = [f"device {dev.name}: {dev.source}", f"cluster: {cluster.nodes} nodes x {cluster.per_node} devices",
-                   "remat=full recomputes the forward (4/3 of the FLOPs); selective recomputes elementwise ops (no FLOPs)",
-                   "middle pipeline ranks hold no more than the first (only the first and last are traced)"]
-    return Plan(rows=rows, pruned=pruned, screened=len(cands), over_memory=len(screen) - len(fitting), cfg=cfg,
-                assumptions=assumptions, seconds=time.perf_counter() - t0,
-                cpu_seconds=time.process_time() - c0)
+    assumptions = [
+        f"device {dev.name}: {dev.source}",
+        f"cluster: {cluster.nodes} nodes x {cluster.per_node} devices",
+        "remat=full recomputes the forward (4/3 of the FLOPs); selective recomputes elementwise ops (no FLOPs)",
+        "middle pipeline ranks hold no more than the first (only the first and last are traced)",
+    ]
+    return Plan(
+        rows=rows,
+        pruned=pruned,
+        screened=len(cands),
+        over_memory=len(screen) - len(fitting),
+        cfg=cfg,
+        assumptions=assumptions,
+        seconds=time.perf_counter() - t0,
+        cpu_seconds=time.process_time() - c0,
+    )
 
 
 def _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks, log) -> Row | None:
@@ -162,8 +213,13 @@ def _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_
     t = step_time(c, cluster, p.comm, flops_per_token=fpt, tokens=batch_size * seq_len, n_blocks=p.blocks)
     rest = p.peak - p.params - p.grads - p.opt_state
     buffers = min(mem["buffers"], max(rest, 0.0))
-    parts = {"params": p.params, "grads": p.grads, "opt_state": p.opt_state, "buffers": buffers,
-             "activations": rest - buffers}
+    parts = {
+        "params": p.params,
+        "grads": p.grads,
+        "opt_state": p.opt_state,
+        "buffers": buffers,
+        "activations": rest - buffers,
+    }
     return Row(cand=c, peak=p.peak, parts=parts, analytic=mem, time=t, fits=p.peak <= cluster.device.usable)
 
 
@@ -171,8 +227,16 @@ def _nearest_world(model, model_cfg, cluster, batch_size, seq_len, shape, dtypes
     for w in sorted(range(max(cluster.world - 64, 1), cluster.world + 65), key=lambda w: (abs(w - cluster.world), w)):
         if w == cluster.world:
             continue
-        cands, _ = enumerate_candidates(model, model_cfg, world=w, per_node=cluster.per_node, batch_size=batch_size,
-                                        seq_len=seq_len, n_blocks=shape.n_blocks, param_dtypes=dtypes)
+        cands, _ = enumerate_candidates(
+            model,
+            model_cfg,
+            world=w,
+            per_node=cluster.per_node,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            n_blocks=shape.n_blocks,
+            param_dtypes=dtypes,
+        )
         if cands:
             return w
     return None

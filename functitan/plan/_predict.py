@@ -17,13 +17,10 @@ schedule simulator's ``peak_activations``): four small traces per rank instead o
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import torch
 
-from .. import pipeline
-from ..job_config import build_schedule
 from ..sharding import Layout
 from ._candidates import Candidate, job_config
 from ._trace import trace_rank
@@ -94,12 +91,19 @@ def rank_blocks(shape: ModelShape, cand: Candidate, microbatches: int) -> dict[i
 def job_config_par(cand: Candidate):
     from ..job_config import ParallelismConfig
 
-    return ParallelismConfig(dp_replicate=cand.dp_replicate, dp_shard=cand.dp_shard, tp=cand.tp, pp=cand.pp,
-                             pipeline_schedule=cand.schedule, stages_per_rank=cand.stages_per_rank)
+    return ParallelismConfig(
+        dp_replicate=cand.dp_replicate,
+        dp_shard=cand.dp_shard,
+        tp=cand.tp,
+        pp=cand.pp,
+        pipeline_schedule=cand.schedule,
+        stages_per_rank=cand.stages_per_rank,
+    )
 
 
-def predict(base_cfg: Any, model: Any, model_cfg: Any, shape: ModelShape, cand: Candidate, *, batch_size: int,
-            seq_len: int) -> Prediction:
+def predict(
+    base_cfg: Any, model: Any, model_cfg: Any, shape: ModelShape, cand: Candidate, *, batch_size: int, seq_len: int
+) -> Prediction:
     """Trace ``cand`` (one or two ranks, two block counts) and extrapolate to the model's real size."""
     world, m = cand.world, cand.microbatches
     if shape.field is None:  # no block structure known: trace the whole model
@@ -113,8 +117,10 @@ def predict(base_cfg: Any, model: Any, model_cfg: Any, shape: ModelShape, cand: 
         cfg = job_config(base_cfg, traced, batch_size=batch_size // m * m_traced, seq_len=seq_len)
         # two and three blocks: from two on, FSDP's prefetch holds the next block's gather (one block has none)
         a = min(2, real[0])
-        t1, t2 = (trace_rank(cfg, model, dataclasses.replace(model_cfg, **{shape.field: n}), world=world, rank=0)
-                  for n in (a, a + 1))
+        t1, t2 = (
+            trace_rank(cfg, model, dataclasses.replace(model_cfg, **{shape.field: n}), world=world, rank=0)
+            for n in (a, a + 1)
+        )
         return _combine(t1, t2, real[0] - a + 1, 0, m / m_traced)
     stages = cand.pp * cand.stages_per_rank
     from ._cost import pipe_stats
@@ -125,8 +131,9 @@ def predict(base_cfg: Any, model: Any, model_cfg: Any, shape: ModelShape, cand: 
         rank = pp_rank * (world // cand.pp)
         grid = {}  # (blocks per stage, microbatches) -> trace
         for mt in (1, 2):
-            cfg = job_config(base_cfg, dataclasses.replace(cand, microbatches=mt), batch_size=batch_size // m * mt,
-                             seq_len=seq_len)
+            cfg = job_config(
+                base_cfg, dataclasses.replace(cand, microbatches=mt), batch_size=batch_size // m * mt, seq_len=seq_len
+            )
             for per_stage in (1, 2):
                 layers = tuple(range(s * per_stage, (s + 1) * per_stage) for s in range(stages))
                 mcfg = dataclasses.replace(model_cfg, **{shape.field: stages * per_stage})
@@ -151,6 +158,11 @@ def _combine(t1, t2, k: float, rank: int, comm_scale: float, blocks: int | None 
     # them, so it bounds the extrapolated peak from below when the peak's location moves with k
     peak = max(_lerp(t1.peak, t2.peak, k), _lerp(t1.after_forward, t2.after_forward, k))
     return Prediction(
-        peak=peak, params=_lerp(t1.params, t2.params, k),
-        opt_state=_lerp(t1.opt_state, t2.opt_state, k), grads=_lerp(t1.grads, t2.grads, k), rank=rank,
-        comm=_lerp_comm(t1.comm, t2.comm, k, comm_scale), blocks=int(round(k)) if blocks is None else blocks)
+        peak=peak,
+        params=_lerp(t1.params, t2.params, k),
+        opt_state=_lerp(t1.opt_state, t2.opt_state, k),
+        grads=_lerp(t1.grads, t2.grads, k),
+        rank=rank,
+        comm=_lerp_comm(t1.comm, t2.comm, k, comm_scale),
+        blocks=int(round(k)) if blocks is None else blocks,
+    )

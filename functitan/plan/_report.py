@@ -14,20 +14,31 @@ _GIB = float(1 << 30)
 
 
 def table(plan: Any, usable: float) -> str:
-    head = (f"{'#':>2}  {'layout':<44} {'peak GiB':>9} {'formula':>8} {'fits':>4} {'step s':>9} {'tok/s':>10} "
-            f"{'MFU':>5} {'bubble':>6} {'comm':>5}")
+    head = (
+        f"{'#':>2}  {'layout':<44} {'peak GiB':>9} {'formula':>8} {'fits':>4} {'step s':>9} {'tok/s':>10} "
+        f"{'MFU':>5} {'bubble':>6} {'comm':>5}"
+    )
     lines = [head, "-" * len(head)]
     for i, r in enumerate(plan.rows, 1):
         a = r.analytic["total"]
         flag = "!" if abs(a - r.peak) > 0.1 * r.peak else " "
-        lines.append(f"{i:>2}  {r.cand.label():<44} {r.peak / _GIB:>9.2f} {a / _GIB:>7.2f}{flag} "
-                     f"{'yes' if r.fits else 'NO':>4} {r.time.total:>9.4g} {r.time.tokens_per_s:>10.4g} "
-                     f"{100 * r.time.mfu:>4.1f}% {100 * r.time.bubble:>5.1f}% {100 * r.time.comm_exposed / r.time.total:>4.0f}%")
-    lines.append(f"peak: traced per-rank peak (worst rank); formula: the analytic estimate, '!' where it differs by "
-                 f"> 10%; fits: peak <= {usable / _GIB:.1f} GiB usable")
+        lines.append(
+            f"{i:>2}  {r.cand.label():<44} {r.peak / _GIB:>9.2f} {a / _GIB:>7.2f}{flag} "
+            f"{'yes' if r.fits else 'NO':>4} {r.time.total:>9.4g} {r.time.tokens_per_s:>10.4g} "
+            f"{100 * r.time.mfu:>4.1f}% {100 * r.time.bubble:>5.1f}% {100 * r.time.comm_exposed / r.time.total:>4.0f}%"
+        )
+    lines.append(
+        f"peak: traced per-rank peak (worst rank); formula: the analytic estimate, '!' where it differs by "
+        f"> 10%; fits: peak <= {usable / _GIB:.1f} GiB usable"
+    )
     best = plan.rows[0]
-    lines.append("recommended: " + best.cand.label() + "  (parts, GiB: " +
-                 ", ".join(f"{k} {v / _GIB:.2f}" for k, v in best.parts.items()) + ")")
+    lines.append(
+        "recommended: "
+        + best.cand.label()
+        + "  (parts, GiB: "
+        + ", ".join(f"{k} {v / _GIB:.2f}" for k, v in best.parts.items())
+        + ")"
+    )
     return "\n".join(lines)
 
 
@@ -49,8 +60,11 @@ def write_toml(cfg: JobConfig, path: str | Path) -> None:
         for k, v in values.items():
             if section == "model" and k == "overrides":
                 keys.update({f: x for f, x in v.items() if not isinstance(x, (dict, list, tuple)) and x is not None})
-            elif (v != default[section].get(k) or section in ("training", "parallelism")) and v is not None \
-                    and not isinstance(v, (dict, list, tuple)):
+            elif (
+                (v != default[section].get(k) or section in ("training", "parallelism"))
+                and v is not None
+                and not isinstance(v, (dict, list, tuple))
+            ):
                 keys[k] = v
         if keys:
             out.append(f"[{section}]")
@@ -77,9 +91,11 @@ def render_png(plan: Any, path: str | Path, top: int = 6) -> None:
     ax1.legend(fontsize=7)
     ax1.invert_yaxis()
     left = [0.0] * len(rows)
-    for name, get in (("compute", lambda r: r.time.compute),
-                      ("bubble", lambda r: r.time.compute * r.time.bubble / max(1 - r.time.bubble, 1e-9)),
-                      ("exposed comm", lambda r: r.time.comm_exposed)):
+    for name, get in (
+        ("compute", lambda r: r.time.compute),
+        ("bubble", lambda r: r.time.compute * r.time.bubble / max(1 - r.time.bubble, 1e-9)),
+        ("exposed comm", lambda r: r.time.comm_exposed),
+    ):
         vals = [get(r) for r in rows]
         ax2.barh(labels, vals, left=left, label=name)
         left = [a + b for a, b in zip(left, vals)]

@@ -14,8 +14,6 @@ first step runs before the measured one (lazy state is created on it).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import warnings
 from collections import defaultdict
 from typing import Any, NamedTuple
@@ -25,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..mesh import AXES, make_mesh
+from ..mesh import make_mesh
 from ..model import Param
 from ..train import local_batch, make_layout, make_step, place_model
 from ..train_state import TrainState
@@ -35,10 +33,19 @@ __all__ = ["RankTrace", "trace_rank", "fake_world", "build_step", "step_peak", "
 COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "p2p")
 
 _C10D_KIND = {
-    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-    "all_gather_into_tensor": "all_gather", "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter", "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
-    "all_reduce": "all_reduce", "send": "p2p", "recv_": "p2p", "broadcast_": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "send": "p2p",
+    "recv_": "p2p",
+    "broadcast_": "all_reduce",
 }
 
 
@@ -123,10 +130,17 @@ class _CommCounter(TorchDispatchMode):
                 gname = next((a for a in args if isinstance(a, str)), None)
                 group = dist.distributed_c10d._resolve_process_group(gname) if gname else None
             if group is not None and tensors:
-                payload = {"all_gather": tensors[0], "reduce_scatter": tensors[-1] if name == "reduce_scatter_tensor" else
-                           (tensors[1] if len(tensors) > 1 else tensors[0])}.get(kind)
-                nbytes = (payload.numel() * payload.element_size() if payload is not None
-                          else sum(t.numel() * t.element_size() for t in tensors))
+                payload = {
+                    "all_gather": tensors[0],
+                    "reduce_scatter": tensors[-1]
+                    if name == "reduce_scatter_tensor"
+                    else (tensors[1] if len(tensors) > 1 else tensors[0]),
+                }.get(kind)
+                nbytes = (
+                    payload.numel() * payload.element_size()
+                    if payload is not None
+                    else sum(t.numel() * t.element_size() for t in tensors)
+                )
                 rec = self.comm[self._axes_of(group)][kind]
                 rec[0] += nbytes
                 rec[1] += 1
@@ -139,8 +153,10 @@ def fake_world(world_size: int, rank: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError("the planner traces with its own fake process group; call it outside torch.distributed "
-                           "(this process already has a process group)")
+        raise RuntimeError(
+            "the planner traces with its own fake process group; call it outside torch.distributed "
+            "(this process already has a process group)"
+        )
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         yield
@@ -158,19 +174,28 @@ def _full_params(decl: Any, fake: bool, seed: int) -> Any:
 
 
 def build_step(cfg, model, model_cfg, mesh, *, fake: bool, stage_layers=None):
-    """``(state, train_step, batch)`` of this rank, built by the trainer's own functions.
-
-    """
+    """``(state, train_step, batch)`` of this rank, built by the trainer's own functions."""
     layout, rules = make_layout(cfg, mesh)
     rows, microbatches = local_batch(cfg, layout.dp_size)
-    params, grad_fn, norm_across, _ = place_model(cfg, model, model_cfg,
-                                                  _full_params(model.params(model_cfg), fake, cfg.training.seed),
-                                                  mesh, layout, rules, microbatches=microbatches, stage_layers=stage_layers)
+    params, grad_fn, norm_across, _ = place_model(
+        cfg,
+        model,
+        model_cfg,
+        _full_params(model.params(model_cfg), fake, cfg.training.seed),
+        mesh,
+        layout,
+        rules,
+        microbatches=microbatches,
+        stage_layers=stage_layers,
+    )
     optimizer, train_step = make_step(cfg, model, model_cfg, grad_fn, norm_across)
     state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=None, rng=0)
     g = torch.Generator().manual_seed(cfg.training.seed)
-    tokens = torch.randint(0, model_cfg.vocab_size, (rows, cfg.training.seq_len + 1), generator=g) if not fake else \
-        torch.zeros(rows, cfg.training.seq_len + 1, dtype=torch.long)
+    tokens = (
+        torch.randint(0, model_cfg.vocab_size, (rows, cfg.training.seq_len + 1), generator=g)
+        if not fake
+        else torch.zeros(rows, cfg.training.seq_len + 1, dtype=torch.long)
+    )
     return state, train_step, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
@@ -208,8 +233,9 @@ def trace_rank(cfg, model, model_cfg, *, world: int, rank: int, stage_layers=Non
             params, opt = _nbytes(state.params), _nbytes(state.opt_state)
             after = _after_forward(cfg, model, model_cfg, mesh, state, batch) if par.pp == 1 else 0
     comm = {axes: {k: list(v) for k, v in kinds.items()} for axes, kinds in counter.comm.items()}
-    return RankTrace(peak=peak, params=params, opt_state=opt, grads=params_grad_bytes(state.params), comm=comm,
-                     after_forward=after)
+    return RankTrace(
+        peak=peak, params=params, opt_state=opt, grads=params_grad_bytes(state.params), comm=comm, after_forward=after
+    )
 
 
 def _after_forward(cfg, model, model_cfg, mesh, state, batch) -> int:

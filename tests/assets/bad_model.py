@@ -26,9 +26,11 @@ class Config:
 
 
 def params(cfg: Config) -> dict:
-    return {"embed": Param((cfg.vocab_size, cfg.dim), ("vocab", "embed")),
-            "w_in": Param((cfg.hidden, cfg.dim), ("mlp", "embed")),
-            "w_out": Param((cfg.dim, cfg.hidden), ("embed", "mlp"))}
+    return {
+        "embed": Param((cfg.vocab_size, cfg.dim), ("vocab", "embed")),
+        "w_in": Param((cfg.hidden, cfg.dim), ("mlp", "embed")),
+        "w_out": Param((cfg.dim, cfg.hidden), ("embed", "mlp")),
+    }
 
 
 def apply(params: dict, tokens: torch.Tensor, cfg: Config, layout: Layout = Layout()) -> torch.Tensor:
@@ -43,5 +45,11 @@ def loss(params: dict, batch: dict, cfg: Config, layout: Layout = Layout()) -> t
     return layout.cross_entropy(apply(params, batch["inputs"], cfg, layout), batch["targets"], cfg.vocab_size)
 
 
-MODEL = Model(name="bad", configs={"debug": Config()}, params=params, loss=loss, apply=apply,
-              flops_per_token=lambda cfg, seq_len: 6.0 * count(params(cfg)))
+MODEL = Model(
+    name="bad",
+    configs={"debug": Config()},
+    params=params,
+    loss=loss,
+    apply=apply,
+    flops_per_token=lambda cfg, seq_len: 6.0 * count(params(cfg)),
+)

@@ -42,10 +42,12 @@ def params(c: Cfg) -> dict:
         "out": Param((d, 4 * d), ("embed", "mlp"), normal(0.2)),
         "out_bias": Param((d,), ("embed",), normal(0.2)),
     }
-    return {"wte": Param((c.vocab_size, d), ("vocab", "embed"), normal(0.2)),
-            "wpe": Param((c.max_seq, d), ("pos", "embed"), normal(0.2)),
-            "layers": [layer() for _ in range(c.n_layers)],
-            "ln_f": {"weight": Param((d,), ("embed",), ones()), "bias": Param((d,), ("embed",), normal(0.2))}}
+    return {
+        "wte": Param((c.vocab_size, d), ("vocab", "embed"), normal(0.2)),
+        "wpe": Param((c.max_seq, d), ("pos", "embed"), normal(0.2)),
+        "layers": [layer() for _ in range(c.n_layers)],
+        "ln_f": {"weight": Param((d,), ("embed",), ones()), "bias": Param((d,), ("embed",), normal(0.2))},
+    }
 
 
 def _ln(x, p, layout):
@@ -82,7 +84,19 @@ def loss(params: dict, batch: dict, c: Cfg, layout: Layout = Layout()) -> torch.
     return layout.cross_entropy(apply(params, batch["inputs"], c, layout), batch["targets"], c.vocab_size)
 
 
-MODEL = Model(name="tiny_gpt", configs={"debug": Cfg(), "raw": Cfg(raw_scale=True)}, params=params, loss=loss, apply=apply,
-              flops_per_token=lambda c, s: 6.0 * 12 * c.n_layers * c.dim**2)
-BAD = Model(name="tiny_gpt_bad", configs={"debug": Cfg(wrong_name=True)}, params=params, loss=loss, apply=apply,
-            flops_per_token=lambda c, s: 6.0 * 12 * c.n_layers * c.dim**2)
+MODEL = Model(
+    name="tiny_gpt",
+    configs={"debug": Cfg(), "raw": Cfg(raw_scale=True)},
+    params=params,
+    loss=loss,
+    apply=apply,
+    flops_per_token=lambda c, s: 6.0 * 12 * c.n_layers * c.dim**2,
+)
+BAD = Model(
+    name="tiny_gpt_bad",
+    configs={"debug": Cfg(wrong_name=True)},
+    params=params,
+    loss=loss,
+    apply=apply,
+    flops_per_token=lambda c, s: 6.0 * 12 * c.n_layers * c.dim**2,
+)
