@@ -21,18 +21,18 @@ import torch.distributed as dist
 
 from . import metrics as M
 from . import optim, pipeline
-from .checkpoint import CheckpointManager, is_hf_dir, load_hf, recorded_model_config, restore_params, write_model_config
-from .config import ConfigError, parse_config, to_dict
+from ._model_setup import check_model, init_model
+from .checkpoint import CheckpointManager, is_hf_dir, restore_params, write_model_config
+from .config import parse_config, to_dict
 from .data import build_loader
 from .elastic import Preemption, launch, parse_launch_args, report_stopped, split_batch
 from .errors import pop_debug, user_errors_exit
 from .hostmem import keep_freed_memory
 from .job_config import JobConfig, build_optimizer, build_schedule, learning_rate_schedule
 from .mesh import make_mesh
-from .model import Model, check_names, config_from_dict, config_to_dict, load_model
-from .model import init as init_params
+from .model import Model, config_to_dict
 from .model import specs as model_specs
-from .random import fold_in, key
+from .random import key
 from .sharding import Layout, default_rules, place
 from .step import make_train_step
 from .train_state import TrainState
@@ -41,9 +41,6 @@ from .transforms import accumulate, value_and_grad
 __all__ = ["main", "run", "EXIT_REJOIN", "make_layout", "place_model", "make_step", "local_batch"]
 
 EXIT_REJOIN = 3  # elastic: a peer left after a checkpoint; torchrun restarts this worker into the new group
-
-
-DEFAULT_MODEL = "llama"
 
 
 def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
@@ -68,8 +65,8 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
 
     # 2. model and init: identical on every rank and mesh (or weights from load_path)
     rng = key(tcfg.seed)
-    name, model, model_cfg, full_params = _init_model(cfg, model, rng, vocab=loader.tokenizer.vocab_size, device=device)
-    _check_model(
+    name, model, model_cfg, full_params = init_model(cfg, model, rng, vocab=loader.tokenizer.vocab_size, device=device)
+    check_model(
         model, model_cfg, tp=par.tp, pp=par.pp, seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel
     )
 
@@ -179,72 +176,6 @@ def make_step(cfg: JobConfig, model: Model, model_cfg: Any, grad_fn: Any, norm_a
         norm_across=norm_across,
         on_nonfinite=cfg.training.on_nonfinite,
     )
-
-
-def _init_model(
-    cfg: JobConfig, model: Model | None, rng: int, *, vocab: int, device: torch.device
-) -> tuple[str, Model, Any, Any]:
-    """``(model name, Model, model config, full params)``.
-
-    The config comes from an HF directory at ``checkpoint.load_path``, else from the model recorded beside a
-    functitan ``load_path`` (flags that contradict it are an error naming both values), else from ``[model]``.
-    """
-    mcfg, load_path = cfg.model, cfg.checkpoint.load_path
-    recorded = recorded_model_config(load_path) if load_path and not is_hf_dir(load_path) else None
-    name = mcfg.name or (recorded[0] if recorded else DEFAULT_MODEL)
-    model = model or load_model(name)
-    if load_path and is_hf_dir(load_path):
-        model_cfg, params = load_hf(load_path, model, device=device, dtype=torch.float32)
-        return name, model, _with_overrides(model, model_cfg, mcfg, f"the Hugging Face model in {load_path}"), params
-    if recorded is not None:
-        if mcfg.name is not None and mcfg.name != recorded[0]:
-            raise ConfigError(
-                f"model.name={mcfg.name!r} conflicts with the checkpoint's model {recorded[0]!r} "
-                f"(recorded beside {load_path}); drop --model.name or choose another checkpoint.load_path"
-            )
-        model_cfg = config_from_dict(model.config_type, recorded[1])
-        if mcfg.flavor is not None:
-            flagged = model.config(mcfg.flavor, **{**dict(mcfg.overrides), "vocab_size": model_cfg.vocab_size})
-            _no_conflict(flagged, model_cfg, f"the checkpoint's model (recorded beside {load_path})")
-        model_cfg = _with_overrides(model, model_cfg, mcfg, f"the checkpoint's model (recorded beside {load_path})")
-    else:
-        model_cfg = model.config(mcfg.flavor or "debug", **{"vocab_size": vocab, **dict(mcfg.overrides)})
-    if model_cfg.vocab_size < vocab:
-        raise ValueError(
-            f"the model's vocab_size {model_cfg.vocab_size} is smaller than the tokenizer's {vocab}; "
-            f"set data.tokenizer to the model's tokenizer"
-        )
-    return name, model, model_cfg, init_params(model.params(model_cfg), fold_in(rng, "params"), device=device)
-
-
-def _with_overrides(model: Model, base: Any, mcfg: Any, what: str) -> Any:
-    """``base``, checked against every ``--model.<field>`` flag: a flag that differs from it is a ConfigError."""
-    _no_conflict(model.replace(base, **dict(mcfg.overrides)), base, what)
-    return base
-
-
-def _no_conflict(flagged: Any, recorded: Any, what: str) -> None:
-    diff = [
-        f"{f.name}={getattr(flagged, f.name)!r} vs {getattr(recorded, f.name)!r}"
-        for f in dataclasses.fields(recorded)
-        if getattr(flagged, f.name) != getattr(recorded, f.name)
-    ]
-    if diff:
-        raise ConfigError(
-            f"[model] flags conflict with {what}: {'; '.join(diff)} (flag vs checkpoint); drop the "
-            f"[model] flags to train the checkpoint's model, or drop checkpoint.load_path"
-        )
-
-
-def _check_model(model: Model, model_cfg: Any, *, tp: int, pp: int, seq_len: int, sequence_parallel: bool) -> None:
-    """Before any collective: the model can take this layout, and its contractions name params as declared."""
-    if pp > 1 and model.stages is None:
-        raise ValueError(
-            f"parallelism.pp={pp}: model {model.name!r} declares no pipeline stages (Model.stages); use pp=1"
-        )
-    if model.check_layout is not None:
-        model.check_layout(model_cfg, tp=tp, seq_len=seq_len, sequence_parallel=sequence_parallel)
-    check_names(model, model_cfg)
 
 
 @contextlib.contextmanager
