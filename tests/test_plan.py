@@ -34,6 +34,15 @@ LAYOUTS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    # earlier tests may leave this process's one-rank group (make_mesh() in-process); the planner needs its own
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _base() -> JobConfig:
     return JobConfig(model=ModelConfig(name="llama", flavor="debug", overrides=TINY))
 

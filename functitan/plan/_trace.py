@@ -155,7 +155,8 @@ def fake_world(world_size: int, rank: int):
     if dist.is_initialized():
         raise RuntimeError(
             "the planner traces with its own fake process group; call it outside torch.distributed "
-            "(this process already has a process group)"
+            "(this process already has a process group: call torch.distributed.destroy_process_group() first, or "
+            "run `functitan plan` in its own process)"
         )
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
