@@ -322,3 +322,10 @@ def test_transforms_on_the_local_tensors_of_an_fsdp_layout():
     _, want = value_and_grad(_loss)(params, {"inputs": both[0], "targets": both[1]})
     for a, r in zip(tree_leaves(res[0]["grads"]), tree_leaves(want)):
         torch.testing.assert_close(a, r, atol=1e-6, rtol=1e-5)
+
+
+def test_every_remat_name_has_one_policy():
+    # the config's Literal (RematName) and the policy table are one list of names
+    from functitan import _remat
+
+    assert set(_remat._BY_NAME) == set(_remat.REMAT_POLICIES) == {"none", "full", "selective", "offload"}
