@@ -6,8 +6,10 @@ whole train step fits one GPU), in bf16 compute with fp32 master weights and fp3
 - step time and MFU of functitan's train step (``make_train_step(value_and_grad(llama.loss), adamw)`` on a
   one-rank mesh, ``Layout(param_dtype=bf16, reduce_dtype=fp32)``) against the same model as a torch
   ``nn.Module`` (``benchmarks.torch_llama``) with ``fully_shard`` on a one-GPU mesh
-  (``MixedPrecisionPolicy(bf16, fp32)``) and ``torch.optim.AdamW(foreach=True)``: alternating steps after
-  warm-up, medians, the ratio, and MFU against the device table's bf16 peak (``functitan.metrics.peak_flops``);
+  (``MixedPrecisionPolicy(bf16, fp32)``) and ``torch.optim.AdamW`` both ways, ``foreach=True`` (its default,
+  the reported ``ratio``) and ``fused=True`` (``ratio_vs_torch_fused_adamw``; functitan's trainer donates its
+  state, so its adamw runs the same fused kernel in place): alternating steps after warm-up, medians, and
+  MFU against the device table's bf16 peak (``functitan.metrics.peak_flops``) and a measured 8192^3 GEMM;
 - pinned-memory async checkpoint staging: how long ``functitan.checkpoint.Checkpointer.save`` blocks the
   loop (GPU -> pinned host copies) and how long the whole save takes, for the params + AdamW state;
 - CUDA memory metrics per side: peak allocated / reserved, allocation retries, OOMs
@@ -26,9 +28,11 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shutil
 import statistics
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,7 +100,8 @@ def functitan_side(
     params = place(full, llama.specs(cfg), layout.rules, mesh)
     opt = optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
     box = [TrainState(step=0, params=params, opt_state=opt.init(params), data_state=None, rng=key(0))]
-    step = make_train_step(value_and_grad(functools.partial(llama.loss, cfg=cfg, layout=layout)), opt)
+    # donate: the trainer's step (adamw updates the buffers in place in one fused pass)
+    step = make_train_step(value_and_grad(functools.partial(llama.loss, cfg=cfg, layout=layout)), opt, donate=True)
 
     def run() -> float:
         box[0], out = step(box[0], batch)
@@ -105,7 +110,9 @@ def functitan_side(
     return run, lambda: {"params": box[0].params, "opt_state": box[0].opt_state}
 
 
-def torch_side(cfg: llama.LlamaConfig, full: Any, batch: dict, device: torch.device) -> Callable[[], float]:
+def torch_side(
+    cfg: llama.LlamaConfig, full: Any, batch: dict, device: torch.device, *, fused: bool = False
+) -> Callable[[], float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -123,7 +130,7 @@ def torch_side(cfg: llama.LlamaConfig, full: Any, batch: dict, device: torch.dev
         lr=LR,
         betas=(B1, B2),
         eps=EPS,
-        foreach=True,
+        **({"fused": True} if fused else {"foreach": True}),
     )
     params = [p for ps in groups.values() for p in ps]
 
@@ -156,7 +163,7 @@ def _alternate(
 
 
 def check_shape(
-    name: str, device: torch.device, *, steps: int, warmup: int, dry: bool, ckpt_dir: str
+    name: str, device: torch.device, *, steps: int, warmup: int, dry: bool, ckpt_dir: str, profile_dir: str | None
 ) -> dict[str, Any]:
     cfg, batch_size, seq = _config(name, dry)
     full = llama.init(cfg, fold_in(key(0), "params"), device=device)
@@ -191,23 +198,80 @@ def check_shape(
     _sync(device)
     mem_f = _memory(device)
     fn_t = torch_side(cfg, full, batch, device)
-    del full
     _reset_memory(device)
     fn_t()
     _sync(device)
     mem_t = _memory(device)
-    times = _alternate({"functitan": fn_f, "torch": fn_t}, steps, warmup, device)
+    fn_tf = torch_side(cfg, full, batch, device, fused=True)
+    del full
+    fn_tf()
+    sides = {"functitan": fn_f, "torch": fn_t, "torch_fused": fn_tf}
+    times = _alternate(sides, steps, warmup, device)
+    if profile_dir:
+        out["profile"] = _guarded(functools.partial(_profile, sides, device, profile_dir, name))
     med = {k: statistics.median(v) for k, v in times.items()}
     tokens_per_step = batch_size * seq
     out["median_step_s"] = med
     out["step_s"] = times
-    out["ratio"] = med["functitan"] / med["torch"]
+    out["ratio"] = med["functitan"] / med["torch"]  # vs torch.optim.AdamW's default (foreach)
+    out["ratio_vs_torch_fused_adamw"] = med["functitan"] / med["torch_fused"]
     out["per_step_ratios"] = [a / b for a, b in zip(times["functitan"], times["torch"])]
     out["mfu"] = {k: (fpt * tokens_per_step / v / peak.value if peak.value else None) for k, v in med.items()}
     out["tflops"] = {k: fpt * tokens_per_step / v / 1e12 for k, v in med.items()}
     out["memory"] = {"functitan": mem_f, "torch": mem_t}
-    out["checkpoint"] = _checkpoint_staging(state_of(), device, ckpt_dir, repeats=2 if dry else 3)
+    del fn_t, fn_tf, sides
+    _reset_memory(device)
+    out["checkpoint"] = _guarded(lambda: _checkpoint_staging(state_of(), device, ckpt_dir, repeats=2))
     return out
+
+
+def _profile(fns: dict[str, Callable[[], Any]], device: torch.device, out_dir: str, name: str) -> dict[str, Any]:
+    """Operator tables of 3 steps per side (device time and host time): where the two steps differ."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    files = {}
+    for side, fn in fns.items():
+        _sync(device)
+        with profile(activities=acts) as prof:
+            for _ in range(3):
+                fn()
+            _sync(device)
+        ka = prof.key_averages()
+        path = Path(out_dir) / f"profile_{name}_{side}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            ka.table(sort_by=sort, row_limit=45, max_name_column_width=70)
+            + "\n\nby host time\n"
+            + ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+        )
+        files[side] = str(path)
+    return {"tables": files}
+
+
+def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run one part of the check; a failure is recorded (with its traceback) instead of losing the others."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - a device run is one shot: keep every result that was measured
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+
+
+def gemm_peak(device: torch.device, *, n: int, repeats: int = 10) -> dict[str, Any]:
+    """Measured bf16 matmul rate (n x n x n, after warm-up): the ceiling MFU is also reported against."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    rates = []
+    for r in range(3 + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        if r >= 3:
+            rates.append(2 * n**3 / (time.perf_counter() - t0))
+    return {"n": n, "median_flops": statistics.median(rates), "min_flops": min(rates), "max_flops": max(rates)}
 
 
 def _checkpoint_staging(tree: Any, device: torch.device, ckpt_dir: str, *, repeats: int) -> dict[str, Any]:
@@ -224,15 +288,17 @@ def _checkpoint_staging(tree: Any, device: torch.device, ckpt_dir: str, *, repea
             blocked.append(time.perf_counter() - t0)
             handle.wait()
             total.append(time.perf_counter() - t0)
+            shutil.rmtree(os.path.join(ckpt_dir, f"step_{i}"), ignore_errors=True)  # the device disk is small
     return {
         "bytes": nbytes,
         "blocked_s": blocked,
         "total_s": total,
-        "median_blocked_s": statistics.median(blocked),
+        "first_blocked_s": blocked[0],  # allocates (and pins) the staging buffers
+        "reuse_blocked_s": min(blocked[1:]),  # what every later save costs the loop
         "median_total_s": statistics.median(total),
-        "staging_gb_per_s": nbytes / statistics.median(blocked) / 1e9,
+        "first_staging_gb_per_s": nbytes / blocked[0] / 1e9,
         "pinned": device.type == "cuda",
-        "note": "the first save allocates the pinned buffers; later saves reuse them",
+        "note": "device -> pinned copies are queued on the compute stream: a reused save blocks only to enqueue them",
     }
 
 
@@ -244,6 +310,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per side (default 3; dry run 1)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip the remaining shapes past this many seconds")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, metavar="DIR", help="also write per-side operator tables to DIR")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     dry = a.dry_run
@@ -259,28 +326,49 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "shapes": {},
         "skipped": [],
     }
+    path = a.out or str(RESULTS / ("gpu_check_dry_run.json" if dry else "gpu_check.json"))
+    out["gemm_peak"] = _guarded(lambda: gemm_peak(device, n=256 if dry else 8192))
     with tempfile.TemporaryDirectory(prefix="functitan_gpu_check_") as tmp:
         for name in a.shapes.split(","):
             if time.perf_counter() - t_start > a.budget_s:
                 out["skipped"].append(name)
                 continue
             t0 = time.perf_counter()
-            out["shapes"][name] = r = check_shape(
-                name, device, steps=steps, warmup=warmup, dry=dry, ckpt_dir=os.path.join(tmp, name)
+            run = functools.partial(
+                check_shape,
+                name,
+                device,
+                steps=steps,
+                warmup=warmup,
+                dry=dry,
+                ckpt_dir=os.path.join(tmp, name),
+                profile_dir=a.profile,
             )
+            out["shapes"][name] = r = _guarded(run)
             r["wall_s"] = time.perf_counter() - t0
-            mfu = r["mfu"]["functitan"]
-            print(
-                f"{name}: functitan {r['median_step_s']['functitan'] * 1e3:.1f} ms, torch {r['median_step_s']['torch'] * 1e3:.1f} ms, "
-                f"ratio {r['ratio']:.3f}, MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'}; checkpoint blocks "
-                f"{r['checkpoint']['median_blocked_s'] * 1e3:.1f} ms of {r['checkpoint']['median_total_s'] * 1e3:.1f} ms",
-                flush=True,
-            )
+            _common.write_json(path, out)  # what was measured so far survives a later failure or the time limit
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if "error" in r:
+                continue
+            measured = out["gemm_peak"].get("median_flops")
+            if measured:
+                r["mfu_vs_measured_gemm"] = {
+                    k: r["flops_per_token"] * r["config"]["batch"] * r["config"]["seq"] / v / measured
+                    for k, v in r["median_step_s"].items()
+                }
+            mfu = r["mfu"]["functitan"]
+            print(
+                f"{name}: functitan {r['median_step_s']['functitan'] * 1e3:.1f} ms, torch {r['median_step_s']['torch'] * 1e3:.1f} ms "
+                f"(fused AdamW {r['median_step_s']['torch_fused'] * 1e3:.1f} ms), ratio {r['ratio']:.3f} "
+                f"({r['ratio_vs_torch_fused_adamw']:.3f}), MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'}; checkpoint blocks "
+                f"{r['checkpoint'].get('first_blocked_s', float('nan')) * 1e3:.1f} ms (first), "
+                f"{r['checkpoint'].get('reuse_blocked_s', float('nan')) * 1e3:.1f} ms (reused) of "
+                f"{r['checkpoint'].get('median_total_s', float('nan')) * 1e3:.1f} ms",
+                flush=True,
+            )
     out["wall_s"] = time.perf_counter() - t_start
     out["environment"] = _common.environment(torch.get_num_threads(), device)
-    path = a.out or str(RESULTS / ("gpu_check_dry_run.json" if dry else "gpu_check.json"))
     print(f"wrote {_common.write_json(path, out)} ({out['wall_s']:.0f} s)")
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -7,6 +7,7 @@ grad_fn(params, batch)          # accumulate(value_and_grad(loss_fn), microbatch
   -> clip_to_norm               # with that same norm
   -> optimizer.update           # functional: new opt_state
   -> apply_updates              # functional: new params
+                                # (donate=True: optimizer.update_in_place, one fused pass, same buffers)
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def make_train_step(
     norm_across: dist.ProcessGroup | None = None,
     on_nonfinite: str = "stop",
     compile: bool | str = False,
+    donate: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, float]]]:
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
@@ -78,6 +80,10 @@ def make_train_step(
         compile: ``torch.compile`` the whole step (forward, backward, norm, clipping, optimizer update) as one
             graph, as ``jax.jit`` would: see ``_compiled_step``. A string names the backend (``"aot_eager"``
             traces forward and backward without generating code: quick to build, for tests).
+        donate: the step owns the state it is given, as with ``jax.jit(step, donate_argnums=0)``: params and
+            optimizer state are updated in place where the optimizer has a fused in-place path
+            (``optimizer.update_in_place``: adamw), and the state passed in must not be read afterwards.
+            The trainer donates; the default keeps every input valid.
 
     ``metrics`` holds ``loss`` (mean over data-parallel ranks), ``grad_norm`` (of the full gradient, before
     clipping) and ``skipped``.
@@ -90,6 +96,8 @@ def make_train_step(
         return _compiled_step(
             grad_fn, optimizer, max_norm=max_norm, norm_across=norm_across, on_nonfinite=on_nonfinite, backend=backend
         )
+
+    in_place = optimizer.update_in_place if donate else None
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, float]]:
         loss, grads = grad_fn(state.params, batch)
@@ -105,8 +113,12 @@ def make_train_step(
             return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": 1}
         if max_norm > 0:
             grads = optim.clip_to_norm(grads, gnorm, max_norm)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optim.apply_updates(state.params, updates)
+        done = in_place(grads, state.opt_state, state.params) if in_place else None
+        if done is None:
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optim.apply_updates(state.params, updates)
+        else:
+            params, opt_state = done
         nxt = state._replace(
             step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step)
         )

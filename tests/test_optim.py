@@ -399,3 +399,93 @@ def test_fused_adamw_equals_its_chain_of_transforms():
     for k in params:
         torch.testing.assert_close(pf[k], pc[k], atol=1e-14, rtol=1e-12)
     assert int(sf[0].count) == int(sc[0].count) == 5 and int(sf[2].count) == 5
+
+
+# --------------------------------------------------------------------------------------------------------
+# adamw's in-place path (make_train_step(donate=True)): torch's fused kernel on the same buffers
+
+
+def _run_in_place(opt, steps, dtype=torch.float64):
+    params = _init_params(dtype)
+    state = opt.init(params)
+    for step in range(steps):
+        leaves, treedef = optree.tree_flatten(params)
+        grads = treedef.unflatten(torch.autograd.grad(_loss(params, *_batch(step)), leaves))
+        done = opt.update_in_place(grads, state, params)
+        assert done is not None
+        new_params, state = done
+        assert all(a is b for a, b in zip(optree.tree_leaves(new_params), leaves))  # the same buffers
+        params = new_params
+    return params, state
+
+
+def test_adamw_in_place_equals_torch_fused_adamw_and_the_functional_update():
+    peak, wd = 1e-2, 0.1
+    schedule = optim.warmup_cosine(peak, warmup_steps=3, total_steps=12, final=1e-3)
+    make = lambda: optim.adamw(schedule, b1=0.9, b2=0.95, eps=1e-8, weight_decay=wd)  # noqa: E731
+    in_place, state = _run_in_place(make(), 12)
+    functional, fstate = _run_functional(make(), 12)
+
+    def make_opt(named):
+        decay = [p for n, p in named if optim.default_decay_mask(n, p)]
+        no_decay = [p for n, p in named if not optim.default_decay_mask(n, p)]
+        groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=peak, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+    expected = _run_torch(
+        make_opt, 12, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s) / peak)
+    )
+    start = dict(_named(_init_params()))
+    fun = dict(_named(functional))
+    for name, leaf in _named(in_place):
+        torch.testing.assert_close(leaf, expected[name].detach(), rtol=0, atol=1e-15)  # the same kernel
+        torch.testing.assert_close(leaf, fun[name], rtol=0, atol=1e-12)  # the same arithmetic, other rounding
+        assert (leaf - start[name]).abs().max() > 1e-3, name
+        assert leaf.requires_grad and leaf.is_leaf
+    assert int(state[0].count) == int(state[2].count) == 12 == int(fstate[0].count)
+    torch.testing.assert_close(state[0].nu, fstate[0].nu, rtol=0, atol=1e-15)
+
+
+def test_adamw_in_place_declines_what_the_fused_kernel_cannot_take():
+    opt = optim.adamw(1e-2)
+    params = {"w": torch.ones(3, 2, dtype=torch.bfloat16)}
+    state = opt.init(params)
+    grads = {"w": torch.ones(3, 2)}  # fp32 grads of bf16 params: the functional path casts them
+    assert opt.update_in_place(grads, state, params) is None
+    assert optim.chain(optim.scale(1.0)).update_in_place is None  # a chain is always functional
+
+
+def _in_place_fsdp_worker(grads_per_step, params):
+    fsdp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    layout = {
+        "w": (fsdp, [Shard(0)]),
+        "uneven": (fsdp, [Shard(0)]),
+        "tiny": (fsdp, [Shard(0)]),
+        "rep": (fsdp, [Replicate()]),
+    }
+    out = []
+    for donate in (False, True):
+        p = {k: v.clone().requires_grad_() for k, v in _shard_tree(params, layout).items()}
+        opt = optim.adamw(1e-2, weight_decay=0.1, mask=None)
+        state = opt.init(p)
+        for g in grads_per_step:
+            g = _shard_tree(g, layout)
+            if donate:
+                p, state = opt.update_in_place(g, state, p)
+            else:
+                u, state = opt.update(g, state, p)
+                p = optim.apply_updates(p, u)
+        out.append({k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().numpy() for k, v in p.items()})
+        assert all(isinstance(p[k], DTensor) and p[k].placements == tuple(layout[k][1]) for k in layout)
+    return out
+
+
+def test_adamw_in_place_on_fsdp_shards_equals_the_functional_update():
+    grads = [_full_tree(s, _SHAPES_2) for s in range(3)]
+    params = _full_tree(10, _SHAPES_2)
+    for functional, in_place in run_distributed(_in_place_fsdp_worker, 2, grads, params, timeout=120):
+        for k in _SHAPES_2:
+            assert abs(functional[k] - params[k].numpy()).max() > 1e-3, k
+            torch.testing.assert_close(
+                torch.from_numpy(in_place[k]), torch.from_numpy(functional[k]), rtol=0, atol=1e-12
+            )

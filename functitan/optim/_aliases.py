@@ -83,13 +83,70 @@ def adamw(
         new_sched = ScaleByScheduleState(count=sched.count + 1) if isinstance(sched, ScaleByScheduleState) else sched
         return _local.unflatten(g, u), (new_adam, empty, new_sched)
 
+    def update_in_place(grads: Any, state: Any, params: Any) -> tuple[Any, Any] | None:
+        # torch's fused AdamW kernel: one pass reads p, g, mu, nu and writes p, mu, nu (the functional update
+        # above makes ~25 passes over memory: 13 ms vs 1.4 ms for 1.4M params on 2 CPU cores; on an H200,
+        # 42 vs ~10 ms per step for an 8B-shaped model). Same arithmetic as ``update`` + ``apply_updates``:
+        # the decay multiplies p by (1 - lr * wd) before Adam's step, which is adding -lr * wd * p to it.
+        adam, empty, sched = state
+        mu = _local.flatten(adam.mu, "state.mu")
+        nu = _local.flatten_like(mu, adam.nu, ("state.mu", "state.nu"))
+        g = _local.flatten_like(mu, grads, ("optimizer state", "grads"))
+        p = _local.flatten_like(mu, params, ("optimizer state", "params"))
+        if not _fusable(p.locals, g.locals, mu.locals, nu.locals):
+            return None
+        t = step_number(adam.count, 1)
+        lr = (
+            learning_rate_at(learning_rate, step_number(sched.count))
+            if callable(learning_rate)
+            else float(learning_rate)
+        )
+        decayed = set(decay_indices(mask, p, mask_cache)) if weight_decay else set()
+        with torch.no_grad():
+            steps = [torch.full((), float(t), device=p.locals[0].device)] * len(p.locals)  # read, not written
+            for wd, keep in ((weight_decay, True), (0.0, False)):
+                idx = [i for i in range(len(p.locals)) if (i in decayed) == keep]
+                if idx:
+                    torch._fused_adamw_(
+                        [p.locals[i] for i in idx],
+                        [g.locals[i] for i in idx],
+                        [mu.locals[i] for i in idx],
+                        [nu.locals[i] for i in idx],
+                        [],
+                        [steps[i] for i in idx],
+                        lr=lr,
+                        beta1=b1,
+                        beta2=b2,
+                        weight_decay=wd,
+                        eps=eps,
+                        amsgrad=False,
+                        maximize=False,
+                    )
+        new_sched = ScaleByScheduleState(count=sched.count + 1) if isinstance(sched, ScaleByScheduleState) else sched
+        return params, (ScaleByAdamState(adam.count + 1, adam.mu, adam.nu), empty, new_sched)
+
     def init(params: Any) -> Any:
         if weight_decay:
             decay_indices(mask, _local.flatten(params, "params"), mask_cache)  # a bad mask fails here
         return composed.init(params)
 
     mask_cache: dict[str, Any] = {}
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, update_in_place)
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _fusable(*groups: list[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW kernel takes these local tensors: one device (CPU or CUDA), and p, g,
+    mu and nu of one float dtype per leaf (fp32 grads of bf16 params go the functional way)."""
+    ps = groups[0]
+    if not ps or ps[0].device.type not in ("cpu", "cuda"):
+        return False
+    dev = ps[0].device
+    return all(
+        x.device == dev and x.dtype == leaf[0].dtype and x.dtype in _FUSED_DTYPES for leaf in zip(*groups) for x in leaf
+    )
 
 
 def sgd(learning_rate: float | Schedule, *, momentum: float = 0.0, nesterov: bool = False) -> GradientTransformation:

@@ -28,13 +28,23 @@ __all__ = ["GradientTransformation", "EmptyState", "chain", "identity", "apply_u
 
 InitFn = Callable[[Any], Any]
 UpdateFn = Callable[..., tuple[Any, Any]]  # (grads, state, params=None) -> (updates, state)
+# (grads, state, params) -> (params, state) with the same buffers updated in place, or None where it can't
+InPlaceFn = Callable[[Any, Any, Any], "tuple[Any, Any] | None"]
 
 
 class GradientTransformation(NamedTuple):
-    """An optimizer as two pure functions; see the module docstring."""
+    """An optimizer as two pure functions; see the module docstring.
+
+    ``update_in_place`` is an optional third path for a caller that owns the params and the state and will
+    not read the old ones again (``make_train_step(donate=True)``, as ``jax.jit``'s ``donate_argnums``):
+    ``update_in_place(grads, state, params) -> (params, state)`` applies the update to the same buffers in
+    one fused pass, or returns None where it cannot (then the caller runs ``update`` and ``apply_updates``).
+    Its result equals theirs up to rounding. Combinators do not carry it: a chain is always functional.
+    """
 
     init: InitFn
     update: UpdateFn
+    update_in_place: InPlaceFn | None = None
 
 
 class EmptyState(NamedTuple):

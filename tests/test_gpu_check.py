@@ -1,0 +1,30 @@
+"""The GPU check runs once per lent GPU (15 minutes of device time): its CPU dry run keeps it working."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run_measures_every_part(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", "--out", str(out), "--profile", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["dry_run"] and set(result["shapes"]) == {"1b", "8b"} and not result["skipped"]
+    assert result["gemm_peak"]["median_flops"] > 0
+    for name, shape in result["shapes"].items():
+        assert "error" not in shape and "error" not in shape["checkpoint"], name
+        assert set(shape["median_step_s"]) == {"functitan", "torch", "torch_fused"}
+        assert 0.2 < shape["ratio"] < 5 and 0.2 < shape["ratio_vs_torch_fused_adamw"] < 5
+        assert shape["checkpoint"]["bytes"] > 0 and shape["checkpoint"]["reuse_blocked_s"] >= 0
+        assert (tmp_path / f"profile_{name}_functitan.txt").read_text().count("aten::mm") >= 1
