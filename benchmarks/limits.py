@@ -84,7 +84,9 @@ def _layout_worker(case: str, compute_only: bool, steps: int, warmup: int) -> fl
         layout = Layout(mesh, default_rules())
         placed = place(full, llama.specs(cfg), layout.rules, mesh)
         box = [TrainState(step=0, params=placed, opt_state=opt.init(placed), data_state=None, rng=key(0))]
-        train_step = make_train_step(value_and_grad(functools.partial(llama.loss, cfg=cfg, layout=layout)), opt)
+        train_step = make_train_step(  # donate=True, as the trainer
+            value_and_grad(functools.partial(llama.loss, cfg=cfg, layout=layout)), opt, donate=True
+        )
 
         def step() -> None:
             box[0], _ = train_step(box[0], batch)

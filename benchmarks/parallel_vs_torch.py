@@ -106,7 +106,10 @@ def functitan_side(case: str, s: Setup, cfg: llama.LlamaConfig, full: Any, batch
     params = place(full, llama.specs(cfg), rules, mesh)
     optimizer = optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
     box = [TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=None, rng=key(0))]
-    train_step = make_train_step(value_and_grad(functools.partial(llama.loss, cfg=cfg, layout=layout)), optimizer)
+    # donate=True as the trainer: adamw updates the local shards in place (torch's fused kernel)
+    train_step = make_train_step(
+        value_and_grad(functools.partial(llama.loss, cfg=cfg, layout=layout)), optimizer, donate=True
+    )
 
     def step() -> list[float]:
         box[0], out = train_step(box[0], batches[box[0].step % len(batches)])

@@ -4,7 +4,8 @@ Three steps on the same model, data, optimizer and threads, in one process, time
 
 - ``functitan_dtensor``: the step exactly as ``functitan.train`` builds it: params placed as DTensors on a
   one-rank mesh from ``make_mesh()``, ``make_train_step(accumulate(value_and_grad(partial(llama.loss, cfg=...,
-  layout=Layout(mesh))), 1), build_optimizer(...))`` (AdamW chained after global-norm clipping, warmup-cosine).
+  layout=Layout(mesh))), 1), build_optimizer(...), max_norm=..., donate=True)`` (AdamW after global-norm
+  clipping, warmup-cosine; the donated state lets adamw run torch's fused kernel in place).
 - ``functitan_plain``: the same with plain tensors and ``Layout()``: the difference to the first is the
   DTensor bookkeeping alone.
 - ``torch``: ``benchmarks.torch_llama.Llama`` with ``torch.optim.AdamW`` (decay / no-decay param groups as
@@ -100,11 +101,17 @@ def functitan_variant(s: Setup, *, mesh: Any) -> Variant:
     optimizer = build_optimizer(s.opt_cfg, s.total_steps)
     box = [TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=None, rng=rng)]
     grad_fn = accumulate(value_and_grad(functools.partial(llama.loss, cfg=s.cfg, layout=layout)), 1)
-    optimizer = optim.GradientTransformation(optimizer.init, _tagged("optimizer.update", optimizer.update, s.tag))
-    train_step = make_train_step(_tagged("grad_fn", grad_fn, s.tag), optimizer, max_norm=s.opt_cfg.max_norm)
+    in_place = optimizer.update_in_place and _tagged("optimizer.update", optimizer.update_in_place, s.tag)
+    optimizer = optimizer._replace(
+        update=_tagged("optimizer.update", optimizer.update, s.tag), update_in_place=in_place
+    )
+    # donate=True: the trainer's step (adamw updates the buffers in place, in torch's fused kernel)
+    train_step = make_train_step(
+        _tagged("grad_fn", grad_fn, s.tag), optimizer, max_norm=s.opt_cfg.max_norm, donate=True
+    )
     last: list[Any] = [None]
     # the same step with the gradients of the last grad() handed in: everything but forward and backward
-    update_step = make_train_step(lambda params, batch: last[0], optimizer, max_norm=s.opt_cfg.max_norm)
+    update_step = make_train_step(lambda params, batch: last[0], optimizer, max_norm=s.opt_cfg.max_norm, donate=True)
 
     def step() -> list[float]:
         box[0], out = train_step(box[0], s.batches[box[0].step % len(s.batches)])

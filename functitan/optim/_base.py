@@ -4,7 +4,8 @@ An optimizer is ``GradientTransformation(init, update)``: ``init(params) -> stat
 ``update(grads, state, params=None) -> (updates, new_state)``. ``apply_updates(params, updates)`` adds the
 updates and returns new params. State is a NamedTuple of pytrees mirroring params (and a 0-d int64 step
 counter where a transform counts steps), so it checkpoints like params. Nothing is modified in place: every
-call returns new tensors, and the inputs stay valid.
+call returns new tensors, and the inputs stay valid. The one exception is opt-in: ``update_in_place`` (adamw
+has one) for a step that owns its state, ``make_train_step(donate=True)``, which the trainer uses.
 
 >>> from functitan.optim import scale
 >>> opt = chain(scale(0.5), scale(-0.1))          # updates = -0.05 * grads
