@@ -13,7 +13,9 @@ whole train step fits one GPU), in bf16 compute with fp32 master weights and fp3
 - pinned-memory async checkpoint staging: how long ``functitan.checkpoint.Checkpointer.save`` blocks the
   loop (GPU -> pinned host copies) and how long the whole save takes, for the params + AdamW state;
 - CUDA memory metrics per side: peak allocated / reserved, allocation retries, OOMs
-  (``torch.cuda.memory_stats``).
+  (``torch.cuda.memory_stats``);
+- the trainer end to end (``functitan train --config configs/debug.toml`` on this device, a checkpoint half
+  way, a second run resumed from it): tokens/s, MFU and how far the resumed losses are from the full run's.
 
 Installs nothing; run through ``benchmarks/gpu_check.sh`` (a time limit of 8 minutes) or directly::
 
@@ -27,9 +29,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -250,6 +255,53 @@ def _profile(fns: dict[str, Callable[[], Any]], device: torch.device, out_dir: s
     return {"tables": files}
 
 
+def trainer_check(work_dir: str, *, steps: int, device: str) -> dict[str, Any]:
+    """The trainer as a user types it, on this device: ``functitan train --config configs/debug.toml`` for
+    ``steps`` steps with a checkpoint half way, then a second run resumed from that checkpoint alone. Reports
+    loss, tokens/s and MFU from ``metrics.jsonl`` and how far the resumed run's losses are from the
+    uninterrupted run's (0.0: bit-exact)."""
+    half = steps // 2
+    base = [
+        sys.executable,
+        "-m",
+        "functitan.train",
+        "--config",
+        str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml"),
+        "--model.name=models.llama",  # a module path: the checkout need not be pip-installed
+        f"--training.steps={steps}",
+        f"--training.device={device}",
+        "--metrics.log_every=1",
+        f"--metrics.run_dir={work_dir}",
+        "--checkpoint.enable=true",
+        f"--checkpoint.interval={half}",
+    ]
+    out: dict[str, Any] = {"steps": steps, "resumed_at": half}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for name in ("full", "resumed"):
+        if name == "resumed":  # only the half-way checkpoint of the full run: the resumed run starts there
+            src = Path(work_dir) / "full" / "checkpoints" / str(half)
+            shutil.copytree(src, Path(work_dir) / name / "checkpoints" / str(half))
+        t0 = time.perf_counter()
+        proc = subprocess.run([*base, f"--metrics.run_name={name}"], capture_output=True, text=True, timeout=300)
+        out[f"{name}_wall_s"] = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"functitan train ({name}) exited {proc.returncode}: {proc.stderr[-3000:]}")
+        lines = (Path(work_dir) / name / "metrics.jsonl").read_text().splitlines()
+        runs[name] = [r for r in map(json.loads, lines) if "loss" in r]
+    full, resumed = ({r["step"]: r for r in runs[k]} for k in ("full", "resumed"))
+    later = [full[k] for k in sorted(full) if k > 2]  # after the first steps' warm-up
+    out.update(
+        first_loss=full[1]["loss"],
+        last_loss=full[steps]["loss"],
+        resumed_steps=sorted(resumed),
+        resume_max_abs_loss_diff=max(abs(resumed[k]["loss"] - full[k]["loss"]) for k in resumed),
+        median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in later),
+        median_mfu_percent=statistics.median(r["mfu"] for r in later),
+        peak_memory={k: v for k, v in full[steps].items() if k.startswith("mem_")},
+    )
+    return out
+
+
 def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Run one part of the check; a failure is recorded (with its traceback) instead of losing the others."""
     try:
@@ -310,6 +362,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per side (default 3; dry run 1)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip the remaining shapes past this many seconds")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-trainer", action="store_true", help="skip the end-to-end trainer run and resume")
     ap.add_argument("--profile", default=None, metavar="DIR", help="also write per-side operator tables to DIR")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -367,6 +420,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{r['checkpoint'].get('median_total_s', float('nan')) * 1e3:.1f} ms",
                 flush=True,
             )
+        if not a.no_trainer:
+            out["trainer"] = _guarded(
+                functools.partial(
+                    trainer_check, os.path.join(tmp, "trainer"), steps=4 if dry else 60, device=device.type
+                )
+            )
+            tr = out["trainer"]
+            if "error" not in tr:
+                print(
+                    f"trainer: loss {tr['first_loss']:.3f} -> {tr['last_loss']:.3f} in {tr['steps']} steps, "
+                    f"{tr['median_tokens_per_s']:.0f} tok/s; resumed at {tr['resumed_at']}: max |loss diff| "
+                    f"{tr['resume_max_abs_loss_diff']:.2e}",
+                    flush=True,
+                )
     out["wall_s"] = time.perf_counter() - t_start
     out["environment"] = _common.environment(torch.get_num_threads(), device)
     print(f"wrote {_common.write_json(path, out)} ({out['wall_s']:.0f} s)")

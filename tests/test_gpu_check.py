@@ -28,3 +28,6 @@ def test_gpu_check_dry_run_measures_every_part(tmp_path):
         assert 0.2 < shape["ratio"] < 5 and 0.2 < shape["ratio_vs_torch_fused_adamw"] < 5
         assert shape["checkpoint"]["bytes"] > 0 and shape["checkpoint"]["reuse_blocked_s"] >= 0
         assert (tmp_path / f"profile_{name}_functitan.txt").read_text().count("aten::mm") >= 1
+    trainer = result["trainer"]  # the CLI as typed, then a run resumed from its half-way checkpoint
+    assert trainer["resumed_steps"] == [3, 4] and trainer["resume_max_abs_loss_diff"] == 0.0
+    assert trainer["last_loss"] < trainer["first_loss"]
