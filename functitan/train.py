@@ -29,7 +29,7 @@ from .elastic import Preemption, launch, parse_launch_args, report_stopped, spli
 from .errors import pop_debug, user_errors_exit
 from .hostmem import keep_freed_memory
 from .job_config import JobConfig, build_optimizer, build_schedule, learning_rate_schedule
-from .mesh import make_mesh
+from .mesh import make_mesh, resolve_degrees
 from .model import Model, config_to_dict
 from .model import specs as model_specs
 from .random import key
@@ -48,6 +48,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
 
     ``model``: the Model value to train (default: the one ``cfg.model.name`` resolves to).
     """
+    _check_degrees_and_batch(cfg)
     device = _init_process(cfg.training)
     par, tcfg = cfg.parallelism, cfg.training
     # 1. mesh: every layout is a choice of degrees; pipeline stages compute on the mesh without pp
@@ -338,6 +339,15 @@ def _init_process(tcfg: Any) -> torch.device:
     if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo")
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+
+
+def _check_degrees_and_batch(cfg: JobConfig) -> None:
+    """The errors that need only the world size, raised before any process group forms: a rank that failed
+    after joining would take the store down under peers still rendezvousing (they would print tracebacks)."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    par = cfg.parallelism
+    degrees = resolve_degrees(world, pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp)
+    local_batch(cfg, degrees["dp_replicate"] * degrees["dp_shard"])
 
 
 def local_batch(cfg: JobConfig, dp_size: int) -> tuple[int, int]:
