@@ -112,7 +112,7 @@ def make_train_step(
             nxt = state._replace(step=state.step + 1, rng=fold_in(state.rng, state.step))
             return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": 1}
         if max_norm > 0:
-            grads = optim.clip_to_norm(grads, gnorm, max_norm)
+            grads = optim.clip_to_norm(grads, gnorm, max_norm, in_place=donate)  # the step owns its grads
         done = in_place(grads, state.opt_state, state.params) if in_place else None
         if done is None:
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

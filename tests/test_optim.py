@@ -489,3 +489,15 @@ def test_adamw_in_place_on_fsdp_shards_equals_the_functional_update():
             torch.testing.assert_close(
                 torch.from_numpy(in_place[k]), torch.from_numpy(functional[k]), rtol=0, atol=1e-12
             )
+
+
+def test_clip_to_norm_in_place_scales_the_given_buffers():
+    grads = {"w": torch.full((2, 3), 2.0, dtype=torch.float64), "b": torch.full((3,), 2.0, dtype=torch.float64)}
+    norm = optim.global_norm(grads)  # 2 * 3 = 6
+    expected = optim.clip_to_norm(grads, norm, 3.0)
+    buffers = {k: v.data_ptr() for k, v in grads.items()}
+    out = optim.clip_to_norm(grads, norm, 3.0, in_place=True)
+    assert out is grads and {k: v.data_ptr() for k, v in out.items()} == buffers
+    for k in grads:
+        torch.testing.assert_close(out[k], expected[k], rtol=0, atol=0)
+        assert float(out[k].flatten()[0]) == 1.0  # halved: max_norm 3 over norm 6

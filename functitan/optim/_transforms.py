@@ -303,9 +303,10 @@ def add_decayed_weights(weight_decay: float, *, mask: Mask | None = None) -> Gra
     return GradientTransformation(init, update)
 
 
-def clip_to_norm(tree: Any, norm: Tensor, max_norm: float) -> Any:
+def clip_to_norm(tree: Any, norm: Tensor, max_norm: float, *, in_place: bool = False) -> Any:
     """Scale every leaf by ``min(1, max_norm / norm)``, given the tree's global norm (computed once, e.g. by
-    the train step, which also reports it). Foreach over local shards; placements are kept."""
+    the train step, which also reports it). Foreach over local shards; placements are kept. ``in_place``
+    scales the given buffers (a step that owns its gradients) instead of allocating new ones."""
     u = _local.flatten(tree, "updates")
     if not u.locals:
         return tree
@@ -316,10 +317,13 @@ def clip_to_norm(tree: Any, norm: Tensor, max_norm: float) -> Any:
             by_device.setdefault(t.device, []).append(i)
         out: list[Tensor] = [None] * len(u.locals)  # type: ignore[list-item]
         for device, idx in by_device.items():
-            scaled = torch._foreach_mul([u.locals[i] for i in idx], factor.to(device))
-            for i, t in zip(idx, scaled):
+            group = [u.locals[i] for i in idx]
+            if in_place:
+                torch._foreach_mul_(group, factor.to(device))
+                continue
+            for i, t in zip(idx, torch._foreach_mul(group, factor.to(device))):
                 out[i] = t
-        return _local.unflatten(u, out)
+        return tree if in_place else _local.unflatten(u, out)
 
 
 def clip_by_global_norm(max_norm: float, *, across: Any = None) -> GradientTransformation:
