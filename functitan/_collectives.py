@@ -184,15 +184,26 @@ class PendingGather(NamedTuple):
 
 
 def _pack(shards, dims, fulls, n: int, compute_dtype) -> tuple[Tensor, list]:
-    pieces, layout = [], []
-    for x, dim, full in zip(shards, dims, fulls):
-        if compute_dtype is not None:
-            x = x.to(compute_dtype)
-        c = -(-full // n)
-        moved = _pad_to(x.movedim(dim, 0), c)
-        layout.append((c, tuple(moved.shape[1:])))
-        pieces.append(moved.reshape(-1))
-    return torch.cat(pieces), layout
+    """This rank's shards in one flat buffer, each padded to ``c = ceil(full / n)`` rows along its ``dim``
+    (moved first), written in one pass: the cast, the move and the padding fold into one ``copy_`` each."""
+    moved = [x.movedim(dim, 0) for x, dim in zip(shards, dims)]
+    layout = [(-(-full // n), tuple(m.shape[1:])) for m, full in zip(moved, fulls)]
+    dtype = compute_dtype or _common_dtype(shards)
+    flat = torch.empty(sum(c * math.prod(rest) for c, rest in layout), dtype=dtype, device=shards[0].device)
+    off = 0
+    for m, (c, rest) in zip(moved, layout):
+        dst = flat[off : off + c * math.prod(rest)].view(c, *rest)
+        dst[: m.shape[0]].copy_(m)
+        dst[m.shape[0] :].zero_()
+        off += dst.numel()
+    return flat, layout
+
+
+def _common_dtype(tensors) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
 
 
 def start_bucket_gather(shards, dims, fulls, group: dist.ProcessGroup, *, compute_dtype=None) -> PendingGather:
@@ -235,18 +246,20 @@ class _BucketGather(torch.autograd.Function):
     def backward(ctx, *grads):
         n = dist.get_world_size(ctx.group)
         rank = dist.get_rank(ctx.group)
-        pieces = []
-        for g, (c, _rest), dim in zip(grads, ctx.layout, ctx.dims):
-            if ctx.reduce_dtype is not None:
-                g = g.to(ctx.reduce_dtype)
-            moved = _pad_to(g.movedim(dim, 0), n * c)
-            pieces.append(moved.reshape(n, -1))
-        flat = torch.cat(pieces, dim=1)
+        # one pass: each gradient (moved, padded, cast to reduce_dtype) lands in its rank-major slot, so
+        # rank i's chunk of every param is contiguous in row i: (world, bucket numel per rank)
+        total = sum(c * math.prod(rest) for c, rest in ctx.layout)
+        flat = grads[0].new_empty((n, total), dtype=ctx.reduce_dtype or _common_dtype(grads))
+        off = 0
+        for g, (c, rest), dim in zip(grads, ctx.layout, ctx.dims):
+            size = c * math.prod(rest)
+            moved = _pad_to(g.movedim(dim, 0), n * c)  # a view unless the param's rows don't split evenly
+            flat[:, off : off + size].unflatten(1, (c, *rest)).copy_(moved.unflatten(0, (n, c)))
+            off += size
+        out = flat.new_empty(total)
+        dist.reduce_scatter_single(out, flat.view(-1), op=dist.ReduceOp.SUM, group=ctx.group)
         if ctx.scale != 1.0:
-            flat = flat * ctx.scale
-        flat = flat.contiguous()
-        out = flat.new_empty(flat.shape[1])
-        dist.reduce_scatter_single(out, flat.reshape(-1), op=dist.ReduceOp.SUM, group=ctx.group)
+            out.mul_(ctx.scale)  # the mean: scaled after the sum, on 1/world of the bytes
         results, off = [], 0
         for (c, rest), dim, full, dtype in zip(ctx.layout, ctx.dims, ctx.fulls, ctx.in_dtypes):
             size = c * math.prod(rest)
