@@ -246,20 +246,18 @@ class _BucketGather(torch.autograd.Function):
     def backward(ctx, *grads):
         n = dist.get_world_size(ctx.group)
         rank = dist.get_rank(ctx.group)
-        # one pass: each gradient (moved, padded, cast to reduce_dtype) lands in its rank-major slot, so
-        # rank i's chunk of every param is contiguous in row i: (world, bucket numel per rank)
-        total = sum(c * math.prod(rest) for c, rest in ctx.layout)
-        flat = grads[0].new_empty((n, total), dtype=ctx.reduce_dtype or _common_dtype(grads))
-        off = 0
-        for g, (c, rest), dim in zip(grads, ctx.layout, ctx.dims):
-            size = c * math.prod(rest)
-            moved = _pad_to(g.movedim(dim, 0), n * c)  # a view unless the param's rows don't split evenly
-            flat[:, off : off + size].unflatten(1, (c, *rest)).copy_(moved.unflatten(0, (n, c)))
-            off += size
-        out = flat.new_empty(total)
-        dist.reduce_scatter_single(out, flat.view(-1), op=dist.ReduceOp.SUM, group=ctx.group)
+        pieces = []
+        for g, (c, _rest), dim in zip(grads, ctx.layout, ctx.dims):
+            if ctx.reduce_dtype is not None:
+                g = g.to(ctx.reduce_dtype)
+            moved = _pad_to(g.movedim(dim, 0), n * c)
+            pieces.append(moved.reshape(n, -1))
+        flat = torch.cat(pieces, dim=1)
         if ctx.scale != 1.0:
-            out.mul_(ctx.scale)  # the mean: scaled after the sum, on 1/world of the bytes
+            flat = flat * ctx.scale
+        flat = flat.contiguous()
+        out = flat.new_empty(flat.shape[1])
+        dist.reduce_scatter_single(out, flat.reshape(-1), op=dist.ReduceOp.SUM, group=ctx.group)
         results, off = [], 0
         for (c, rest), dim, full, dtype in zip(ctx.layout, ctx.dims, ctx.fulls, ctx.in_dtypes):
             size = c * math.prod(rest)
