@@ -25,7 +25,7 @@ def test_gpu_check_dry_run_measures_every_part(tmp_path):
     for name, shape in result["shapes"].items():
         assert "error" not in shape and "error" not in shape["checkpoint"], name
         assert set(shape["median_step_s"]) == {"functitan", "torch", "torch_fused"}
-        assert 0.2 < shape["ratio"] < 5 and 0.2 < shape["ratio_vs_torch_fused_adamw"] < 5
+        assert shape["ratio"] > 0 and shape["ratio_vs_torch_fused_adamw"] > 0  # tiny CPU shapes: no target
         assert shape["checkpoint"]["bytes"] > 0 and shape["checkpoint"]["reuse_blocked_s"] >= 0
         assert (tmp_path / f"profile_{name}_functitan.txt").read_text().count("aten::mm") >= 1
     trainer = result["trainer"]  # the CLI as typed, then a run resumed from its half-way checkpoint
