@@ -227,8 +227,8 @@ class Layout:
     def prefetch(self, tree: Any) -> dict[Any, Any]:
         """Start the FSDP all-gathers of ``tree`` (the next block's params) now, asynchronously, so they
         overlap this block's compute; pass the result to ``params(tree, pending=...)``."""
-        if not (self._fsdp and torch.is_grad_enabled()):
-            return {}
+        if not (self._fsdp and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            return {}  # compiled: the compiler schedules the collectives (an async handle breaks the graph)
         started = {}
         with torch.no_grad():
             _, _, buckets = self._buckets(tree)
@@ -261,7 +261,7 @@ class Layout:
             return p, [], cast
         mesh = p.device_mesh
         names = mesh.mesh_dim_names or ()
-        local = _ToLocal.apply(p)
+        local = p.to_local() if torch.compiler.is_compiling() else _ToLocal.apply(p)
         reduce_dtype = self.reduce_dtype if cast else None
         if self.sequence_parallel and "tp" in names:
             ti = names.index("tp")
@@ -329,7 +329,11 @@ class Layout:
         if not torch.is_grad_enabled():
             return run(params, *args), None
         if not policy.checkpoints:
-            regather = _Regather(self, params) if self.reshard_after_forward and self._fsdp else None
+            regather = (
+                _Regather(self, params)
+                if self.reshard_after_forward and self._fsdp and not torch.compiler.is_compiling()
+                else None
+            )
             hooks = (
                 torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack)
                 if regather

@@ -78,7 +78,7 @@ def _in_functorch() -> bool:
     dynamo traces (a compiled whole step): dynamo traces torch.func.grad_and_value into the graph, but breaks
     the graph at torch.autograd.grad."""
     if torch.compiler.is_compiling():
-        return True
+        return not torch._dynamo.config.trace_autograd_ops
     return peek_interpreter_stack() is not None
 
 
