@@ -102,7 +102,13 @@ def _fsdp_run():
             states[c], m = step(states[c], _fsdp_batch(i, rank))
             losses[c].append((m["loss"], m["grad_norm"]))
     full = {c: [x.full_tensor() for x in tree_leaves(s.params)] for c, s in states.items()}
-    return explained.graph_count, explained.graph_break_count, [str(r.reason)[:300] for r in explained.break_reasons], losses, full
+    return (
+        explained.graph_count,
+        explained.graph_break_count,
+        [str(r.reason)[:300] for r in explained.break_reasons],
+        losses,
+        full,
+    )
 
 
 def test_compiled_fsdp_step_has_no_graph_breaks_and_trains_like_eager_and_one_process():
