@@ -7,7 +7,7 @@ import torch
 
 from functitan import optim
 from functitan.random import key
-from functitan.step import _set_requires_grad, make_train_step
+from functitan.step import make_train_step
 from functitan.train_state import TrainState
 from functitan.transforms import value_and_grad
 from functitan.tree import tree_leaves
@@ -37,8 +37,7 @@ def _step(compile, opt=None):
 def test_the_whole_step_is_one_graph_without_breaks():
     opt, step = _step("aot_eager")
     state = _state(opt)
-    _set_requires_grad(state.params, False)
-    explained = torch._dynamo.explain(step.update)(state.params, state.opt_state, _batch(0))
+    explained = step.explain(state.params, state.opt_state, _batch(0))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
@@ -81,6 +80,7 @@ def _fsdp_opt():
 
 def _fsdp_run():
     import torch.distributed as dist
+    from torch._dynamo.utils import counters
 
     from functitan.mesh import make_mesh
     from functitan.sharding import Layout, default_rules, place
@@ -97,14 +97,14 @@ def _fsdp_run():
     explained = steps["aot_eager"].explain(states["aot_eager"].params, states["aot_eager"].opt_state, _fsdp_batch(0, 0))
     losses = {c: [] for c in steps}
     rank = dist.get_rank()
+    counters.clear()
     for i in range(FSDP_STEPS):
         for c, step in steps.items():
             states[c], m = step(states[c], _fsdp_batch(i, rank))
             losses[c].append((m["loss"], m["grad_norm"]))
     full = {c: [x.full_tensor() for x in tree_leaves(s.params)] for c, s in states.items()}
     return (
-        explained.graph_count,
-        explained.graph_break_count,
+        (explained.graph_count, explained.graph_break_count, counters["stats"]["unique_graphs"]),
         [str(r.reason)[:300] for r in explained.break_reasons],
         losses,
         full,
@@ -121,8 +121,8 @@ def test_compiled_fsdp_step_has_no_graph_breaks_and_trains_like_eager_and_one_pr
     for i in range(FSDP_STEPS):
         ref, m = eager(ref, _fsdp_batch(i))
         ref_losses.append((m["loss"], m["grad_norm"]))
-    for rank, (graphs, breaks, reasons, losses, full) in enumerate(run_distributed(_fsdp_run, 2)):
-        assert (graphs, breaks) == (1, 0), (rank, reasons)
+    for rank, (graphs, reasons, losses, full) in enumerate(run_distributed(_fsdp_run, 2)):
+        assert graphs == (1, 0, 1), (rank, reasons)  # one graph, no break; compiled once for all steps
         for c in (False, "aot_eager"):
             torch.testing.assert_close(losses[c], ref_losses, atol=1e-5, rtol=1e-5, msg=lambda m, c=c: f"{c}: {m}")
             for x, y in zip(full[c], tree_leaves(ref.params)):
