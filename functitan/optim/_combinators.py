@@ -7,7 +7,7 @@ fast path inside ``masked`` or ``multi_transform``, and DTensor leaves keep thei
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -49,7 +49,7 @@ def _zero_count() -> Tensor:
 # (optax's ``lax.cond``), so the compiled step has no graph break and is not recompiled per step.
 
 
-def _where(cond: Tensor, a: list[Tensor], b: list[Tensor]) -> list[Tensor]:
+def _where(cond: Tensor, a: Sequence[Tensor], b: Sequence[Tensor]) -> list[Tensor]:
     return [torch.where(cond.to(x.device), x, y) for x, y in zip(a, b)]
 
 
@@ -63,7 +63,7 @@ def _where_tree(cond: Tensor, a: Any, b: Any) -> Any:
 def _lerp(a: list[Tensor], b: list[Tensor], w: Any) -> list[Tensor]:
     """``a + w * (b - a)``: foreach for a number ``w``, per leaf for a 0-d tensor (foreach_lerp takes numbers)."""
     if not isinstance(w, Tensor):
-        return torch._foreach_lerp(a, b, w)
+        return list(torch._foreach_lerp(a, b, w))
     return [torch.lerp(x, y, w.to(x.device, x.dtype)) for x, y in zip(a, b)]
 
 
@@ -253,7 +253,7 @@ def apply_every(k: int = 1) -> GradientTransformation:
                 summed = _where(first, u.locals, torch._foreach_add(acc.locals, u.locals))
                 out = _where(emit, summed, [torch.zeros_like(t) for t in u.locals])
                 return _local.unflatten(u, out), ApplyEvery(state.count + 1, _local.unflatten(acc, summed))
-            summed = [t.clone() for t in u.locals] if first else torch._foreach_add(acc.locals, u.locals)
+            summed = [t.clone() for t in u.locals] if first else list(torch._foreach_add(acc.locals, u.locals))
             out = [t.clone() for t in summed] if emit else [torch.zeros_like(t) for t in u.locals]
         return _local.unflatten(u, out), ApplyEvery(state.count + 1, _local.unflatten(acc, summed))
 
@@ -359,6 +359,7 @@ def param_ema(decay: float, *, warmup: bool = False) -> ParamEma:
         e = _local.flatten(state.ema, "state.ema")
         p = _local.flatten_like(e, params, ("state.ema", "params"))
         t = step_number(state.count)
+        d: Any
         if not warmup:
             d = decay
         elif isinstance(t, Tensor):

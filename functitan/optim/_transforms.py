@@ -19,6 +19,7 @@ from torch import Tensor
 from functitan.optim import _local
 from functitan.optim._base import EmptyState, GradientTransformation
 from functitan.optim._norm import global_norm
+from functitan.optim._schedules import Schedule
 from functitan.tree import flatten_with_names, map_with_names
 
 __all__ = [
@@ -36,12 +37,11 @@ __all__ = [
     "clip_by_global_norm",
 ]
 
-Schedule = Callable[[int], float]
 Mask = Callable[[str, Any], bool] | Any  # (name, param) -> bool, or a pytree of bools mirroring params
 
 
 class ScaleByAdamState(NamedTuple):
-    count: Tensor  # () int64 on the CPU: updates applied so far
+    count: Tensor  # type: ignore[assignment]  # () int64 on the CPU: updates applied so far
     mu: Any  # first moment, mirrors params
     nu: Any  # second moment, mirrors params
 
@@ -51,7 +51,7 @@ class TraceState(NamedTuple):
 
 
 class ScaleByScheduleState(NamedTuple):
-    count: Tensor  # () int64 on the CPU: the step the schedule is read at next
+    count: Tensor  # type: ignore[assignment]  # () int64 on the CPU: the step the schedule is read at next
 
 
 def _zero_count() -> Tensor:
@@ -179,10 +179,10 @@ def adam_moments(
     ``scale_by_adam`` and the fused ``adamw``.
     """
     gl = [x if x.dtype == m.dtype else x.to(m.dtype) for x, m in zip(g.locals, mu.locals)]
-    new_mu = torch._foreach_lerp(mu.locals, gl, 1 - b1)
-    new_nu = torch._foreach_mul(nu.locals, b2)
+    new_mu = list(torch._foreach_lerp(mu.locals, gl, 1 - b1))
+    new_nu = list(torch._foreach_mul(nu.locals, b2))
     torch._foreach_addcmul_(new_nu, gl, gl, value=1 - b2)
-    denom = torch._foreach_sqrt(new_nu)
+    denom = list(torch._foreach_sqrt(new_nu))
     torch._foreach_div_(denom, (1 - b2**t) ** 0.5)  # t: an int, or a tensor under torch.compile
     torch._foreach_add_(denom, eps)
     return new_mu, new_nu, denom
