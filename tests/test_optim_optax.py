@@ -241,6 +241,7 @@ def test_every_new_optimizer_keeps_fsdp_placements_and_matches_one_process():
 SCHED = optim.warmup_cosine(1e-2, 2, 10)
 COMPILED = {
     "lion": lambda: optim.lion(SCHED, weight_decay=0.1),
+    "adafactor": lambda: optim.adafactor(1e-2, min_dim_size_to_factor=2),
     "ema": lambda: optim.chain(optim.ema(0.9), optim.scale_by_learning_rate(0.1)),
     "apply_every": lambda: optim.chain(optim.sgd(0.1), optim.apply_every(2)),
     "multi_steps": lambda: optim.multi_steps(optim.adamw(SCHED), 2),
