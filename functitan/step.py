@@ -142,6 +142,9 @@ def _compiled_step(
     Unlike the eager step, the update is computed before the finiteness is known: "stop" raises afterwards
     (the new state is dropped), "skip" keeps the old state (``torch.where`` on every leaf, inside the graph).
     Step counters stay 0-d tensors inside the graph (``optim.step_number``), so the graph is reused every step.
+    DTensor params (FSDP, DDP) trace too: the collectives become functional collectives in the graph (see
+    docs/parallelism.md, "Compiling the whole step"); ``train_step.explain(params, opt_state, batch)`` reports
+    the graphs and breaks of exactly what is compiled.
     """
     skip = on_nonfinite == "skip"
 
