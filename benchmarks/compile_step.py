@@ -11,7 +11,9 @@ and threads, in one process, timed in alternating rounds (``_common.interleaved`
   ``opt.step`` (PyTorch's recipe for a compiled nn.Module step; clipping stays eager).
 
 Each of ``--runs`` runs builds fresh steps, compiles them (not timed), times ``--steps`` alternating rounds and
-reports medians; the JSON holds every run's ratios and their median::
+reports medians; the JSON holds every run's ratios and their median, and ``graph_breaks``: what
+``torch._dynamo.explain`` reports for functitan's compiled step on one process and on each of 2 gloo processes
+under FSDP (``dp_shard=2``, same model and optimizer; ``--no-fsdp`` skips that)::
 
     python -m benchmarks.compile_step --runs 3 --steps 10 --batch 4 --seq 128
 """
@@ -89,6 +91,46 @@ def torch_step(cfg: llama.LlamaConfig, batches: list[Any], compile: bool) -> Cal
     return run
 
 
+def _explain(cfg: llama.LlamaConfig, batch: Any, layout: Any = None) -> dict[str, Any]:
+    """Graphs and graph breaks of functitan's compiled step (explain traces; nothing is timed)."""
+    from functitan.sharding import Layout, place
+
+    layout = layout or Layout()
+    params = llama.init(cfg, fold_in(key(0), "params"))
+    if layout.mesh is not None:
+        params = place(params, llama.specs(cfg), layout.rules, layout.mesh)
+    opt = optim.adamw(_schedule(), b1=0.9, b2=0.95, weight_decay=0.1)
+    loss = functools.partial(llama.loss, cfg=cfg, layout=layout)
+    step = make_train_step(value_and_grad(loss), opt, max_norm=1.0, compile=True)
+    ex = step.explain(params, opt.init(params), batch)
+    return {
+        "graph_count": ex.graph_count,
+        "graph_break_count": ex.graph_break_count,
+        "break_reasons": [str(r.reason).split("\n")[0] for r in ex.break_reasons],
+    }
+
+
+def _explain_fsdp(cfg: llama.LlamaConfig, batch: Any) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from functitan.mesh import make_mesh
+    from functitan.sharding import Layout
+
+    rank = dist.get_rank()
+    half = {k: v[rank * len(v) // 2 : (rank + 1) * len(v) // 2] for k, v in batch.items()}
+    return _explain(cfg, half, Layout(make_mesh(dp_shard=2)))
+
+
+def graph_breaks(cfg: llama.LlamaConfig, batch: Any, fsdp: bool) -> dict[str, Any]:
+    from functitan.testing import run_distributed
+
+    torch._dynamo.reset()
+    out = {"one_process": _explain(cfg, batch)}
+    if fsdp:
+        out["fsdp2"] = run_distributed(_explain_fsdp, 2, cfg, batch, timeout=1200)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3)
@@ -97,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-fsdp", action="store_true", help="skip the FSDP 2 graph-break count (2 processes)")
     ap.add_argument("--out", default=str(RESULTS / "compile_step.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -135,9 +178,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         print(f"run {r + 1}/{args.runs}:", {k: round(v, 3) for k, v in runs[-1]["ratios"].items()}, flush=True)
     ratios = {k: statistics.median(run["ratios"][k] for run in runs) for k in runs[0]["ratios"]}
+    breaks = graph_breaks(cfg, batches[0], fsdp=not args.no_fsdp)
+    print(
+        "graph breaks:",
+        {
+            k: v["graph_break_count"] if isinstance(v, dict) else [r["graph_break_count"] for r in v]
+            for k, v in breaks.items()
+        },
+    )
     result = {
         "what": "train step time ratios (wall clock, median per run, median over runs); < 1: the first is faster",
         "ratios": ratios,
+        "graph_breaks": breaks,
         "per_run": runs,
         "config": vars(args) | {"model": "debug", "dim": cfg.dim, "n_layers": cfg.n_layers},
         "environment": _common.environment(args.threads, device),

@@ -44,6 +44,11 @@ __all__ = [
 ]
 
 
+def _gathering() -> contextvars.Token[bool] | None:
+    # dynamo cannot trace a ContextVar; a compiled step has no remat policy to tell
+    return None if torch.compiler.is_compiling() else GATHERING.set(True)
+
+
 def chunk_sizes(full: int, n: int) -> list[int]:
     """Sizes of ``torch.chunk(range(full), n)`` padded with zeros to ``n`` entries (DTensor's Shard split)."""
     c = -(-full // n) if full else 0
@@ -86,13 +91,14 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, full, group, reduce, compute_dtype, reduce_dtype):
         ctx.dim, ctx.group, ctx.scale, ctx.reduce_dtype = dim, group, _scale(reduce, group), reduce_dtype
-        token = GATHERING.set(True)
+        token = _gathering()
         try:
             if compute_dtype is not None:  # mixed precision: cast the shard, then gather (half the bytes)
                 x = x.to(compute_dtype)
             return _gather(x, dim, full, group)
         finally:
-            GATHERING.reset(token)
+            if token is not None:
+                GATHERING.reset(token)
 
     @staticmethod
     def backward(ctx, g):
@@ -220,7 +226,7 @@ class _BucketGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, group, dims, fulls, compute_dtype, reduce_dtype, scale, pending, *shards):
-        token = GATHERING.set(True)
+        token = _gathering()
         try:
             n = dist.get_world_size(group)
             ctx.group, ctx.dims, ctx.fulls, ctx.reduce_dtype, ctx.scale = group, dims, fulls, reduce_dtype, scale
@@ -240,7 +246,8 @@ class _BucketGather(torch.autograd.Function):
                 off += size
             return tuple(results)
         finally:
-            GATHERING.reset(token)
+            if token is not None:
+                GATHERING.reset(token)
 
     @staticmethod
     def backward(ctx, *grads):

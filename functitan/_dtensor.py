@@ -14,9 +14,10 @@ clipping, the pipeline executor and checkpoint staging therefore compute on ``lo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor
+from torch.compiler import is_compiling
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,12 +27,30 @@ __all__ = ["DTensor", "DTensorSpec", "local", "spec", "wrap", "CountDTensorOps"]
 
 def local(x: Tensor) -> Tensor:
     """This rank's shard of ``x`` (``x`` itself for a plain tensor); no autograd edge, no dispatch."""
-    return x._local_tensor if type(x) is DTensor else x
+    if type(x) is not DTensor:
+        return x
+    if is_compiling():  # dynamo traces to_local (a view in the graph), not the attribute read
+        return x.to_local()
+    return x._local_tensor
+
+
+class TracedSpec(NamedTuple):
+    """What ``spec`` gives while dynamo traces: the fields of a DTensorSpec that ``wrap`` and the layout checks
+    read, from public attributes (dynamo cannot hold a DTensorSpec object)."""
+
+    mesh: Any
+    placements: tuple[Any, ...]
+    shape: Any
+    stride: tuple[int, ...]
 
 
 def spec(x: Tensor) -> DTensorSpec | None:
-    """The DTensor spec of ``x`` (None for a plain tensor)."""
-    return x._spec if type(x) is DTensor else None
+    """The DTensor spec of ``x`` (None for a plain tensor); a ``TracedSpec`` under ``torch.compile``."""
+    if type(x) is not DTensor:
+        return None
+    if is_compiling():
+        return TracedSpec(x.device_mesh, x.placements, x.shape, x.stride())  # type: ignore[return-value]
+    return x._spec
 
 
 def wrap(t: Tensor, s: DTensorSpec | None, requires_grad: bool = False) -> Tensor:
@@ -42,6 +61,9 @@ def wrap(t: Tensor, s: DTensorSpec | None, requires_grad: bool = False) -> Tenso
     """
     if s is None:
         return t.requires_grad_(requires_grad) if requires_grad else t
+    if is_compiling():  # dynamo traces from_local (nothing at run time), not DTensor.__new__
+        out = DTensor.from_local(t, s.mesh, s.placements, run_check=False, shape=s.shape, stride=s.stride)
+        return out.requires_grad_(requires_grad) if requires_grad else out
     if s.tensor_meta is not None and s.tensor_meta.dtype != t.dtype:
         s = DTensorSpec(
             s.mesh, s.placements, tensor_meta=TensorMeta(s.tensor_meta.shape, s.tensor_meta.stride, t.dtype)

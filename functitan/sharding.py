@@ -133,16 +133,17 @@ class Layout:
     compile: bool = False
     reshard_after_forward: bool = True
     names: NameTable | None = None
+    # derived in __post_init__ from the (immutable) mesh and rules: not arguments, not compared, not state
+    _tp: TPContext | None = field(default=None, init=False, repr=False, compare=False)
+    _fsdp: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _remat.as_policy(self.remat)  # an unknown spelling fails here
-        tp = None
-        if self.mesh is not None and "tp" in (self.mesh.mesh_dim_names or ()) and self.mesh["tp"].size() > 1:
-            tp = TPContext(self.mesh, self.rules)
-        names = (self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
-        # derived once from the (immutable) mesh and rules; not state
-        object.__setattr__(self, "_tp", tp)
-        object.__setattr__(self, "_fsdp", "dp_shard" in names and self.mesh["dp_shard"].size() > 1)
+        mesh = self.mesh
+        names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+        on = lambda axis: mesh is not None and axis in names and mesh[axis].size() > 1  # noqa: E731
+        object.__setattr__(self, "_tp", TPContext(mesh, self.rules) if on("tp") and mesh is not None else None)
+        object.__setattr__(self, "_fsdp", on("dp_shard"))
 
     @property
     def sequence_parallel(self) -> bool:
@@ -151,20 +152,21 @@ class Layout:
     @property
     def seq_shards(self) -> int:
         """Into how many pieces the residual stream is split along the sequence (tp under sequence parallel)."""
-        return self._tp.size if self.sequence_parallel else 1
+        return self._tp.size if self._tp is not None and self._tp.sequence_parallel else 1
 
     def seq_range(self, seq_len: int) -> tuple[int, int]:
         """``(start, stop)`` of this rank's positions in a sequence of ``seq_len``: its piece of the residual
         stream under sequence parallelism, else the whole sequence. Learned position tables index with it."""
-        if not self.sequence_parallel:
+        tp = self._tp
+        if tp is None or not tp.sequence_parallel:
             return 0, seq_len
-        if seq_len % self._tp.size:
+        if seq_len % tp.size:
             raise ValueError(
-                f"sequence parallelism over tp={self._tp.size} needs the sequence length divisible by "
-                f"{self._tp.size}, got {seq_len}; change training.seq_len or set parallelism.sequence_parallel=false"
+                f"sequence parallelism over tp={tp.size} needs the sequence length divisible by "
+                f"{tp.size}, got {seq_len}; change training.seq_len or set parallelism.sequence_parallel=false"
             )
-        n = seq_len // self._tp.size
-        return self._tp.rank * n, (self._tp.rank + 1) * n
+        n = seq_len // tp.size
+        return tp.rank * n, (tp.rank + 1) * n
 
     def positions(self, seq_len: int, device: torch.device | str = "cpu") -> Tensor:
         """This rank's position ids ``(local_seq,)`` (see ``seq_range``)."""
@@ -227,8 +229,8 @@ class Layout:
     def prefetch(self, tree: Any) -> dict[Any, Any]:
         """Start the FSDP all-gathers of ``tree`` (the next block's params) now, asynchronously, so they
         overlap this block's compute; pass the result to ``params(tree, pending=...)``."""
-        if not (self._fsdp and torch.is_grad_enabled()):
-            return {}
+        if not (self._fsdp and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            return {}  # compiled: the compiler schedules the collectives (an async handle breaks the graph)
         started = {}
         with torch.no_grad():
             _, _, buckets = self._buckets(tree)
@@ -261,7 +263,7 @@ class Layout:
             return p, [], cast
         mesh = p.device_mesh
         names = mesh.mesh_dim_names or ()
-        local = _ToLocal.apply(p)
+        local = p.to_local() if torch.compiler.is_compiling() else _ToLocal.apply(p)
         reduce_dtype = self.reduce_dtype if cast else None
         if self.sequence_parallel and "tp" in names:
             ti = names.index("tp")
@@ -329,7 +331,11 @@ class Layout:
         if not torch.is_grad_enabled():
             return run(params, *args), None
         if not policy.checkpoints:
-            regather = _Regather(self, params) if self.reshard_after_forward and self._fsdp else None
+            regather = (
+                _Regather(self, params)
+                if self.reshard_after_forward and self._fsdp and not torch.compiler.is_compiling()
+                else None
+            )
             hooks = (
                 torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack)
                 if regather
@@ -470,7 +476,7 @@ class _ToLocal(torch.autograd.Function):
         return local.view_as(local)
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> DTensor:
+    def backward(ctx: Any, g: Tensor) -> Tensor:  # a DTensor with the param's spec
         return _dt.wrap(g.contiguous(), ctx.spec)
 
 

@@ -142,6 +142,9 @@ def _compiled_step(
     Unlike the eager step, the update is computed before the finiteness is known: "stop" raises afterwards
     (the new state is dropped), "skip" keeps the old state (``torch.where`` on every leaf, inside the graph).
     Step counters stay 0-d tensors inside the graph (``optim.step_number``), so the graph is reused every step.
+    DTensor params (FSDP, DDP) trace too: the collectives become functional collectives in the graph (see
+    docs/parallelism.md, "Compiling the whole step"); ``train_step.explain(params, opt_state, batch)`` reports
+    the graphs and breaks of exactly what is compiled.
     """
     skip = on_nonfinite == "skip"
 
@@ -161,12 +164,16 @@ def _compiled_step(
         return new_params, new_opt_state, stats
 
     compiled = torch.compile(update, backend=backend)
+    # dynamo traces torch.autograd.grad only when asked: the gradient then stays in the graph on any leaves,
+    # DTensors included (torch.func.grad, the other traceable engine, cannot see DTensor params)
+    config = torch._dynamo.config.patch(trace_autograd_ops=True)
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, float]]:
         # a graph may not return leaves that need grad (dynamo breaks the graph there): the params go in and
         # come out without the flag, which is set again here (in place, on leaves: no copy, no dispatch)
         _set_requires_grad(state.params, False)
-        params, opt_state, stats = compiled(state.params, state.opt_state, batch)
+        with config:
+            params, opt_state, stats = compiled(state.params, state.opt_state, batch)
         _set_requires_grad(params, True)
         loss_v, gnorm_v = stats.tolist()
         finite = math.isfinite(loss_v) and math.isfinite(gnorm_v)
@@ -177,8 +184,18 @@ def _compiled_step(
         )
         return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": int(not finite)}
 
-    train_step.compiled = compiled  # type: ignore[attr-defined]  # for torch._dynamo.explain and benchmarks
+    def explain(params: Any, opt_state: Any, batch: Any) -> Any:
+        """``torch._dynamo.explain`` of the step's graph (its ``graph_break_count`` is 0), as compiled."""
+        _set_requires_grad(params, False)
+        try:
+            with config:
+                return torch._dynamo.explain(update)(params, opt_state, batch)
+        finally:
+            _set_requires_grad(params, True)
+
+    train_step.compiled = compiled  # type: ignore[attr-defined]  # for benchmarks
     train_step.update = update  # type: ignore[attr-defined]
+    train_step.explain = explain  # type: ignore[attr-defined]
     return train_step
 
 

@@ -75,10 +75,11 @@ def _is_diff(x: Any) -> bool:
 
 def _in_functorch() -> bool:
     """True inside a torch.func transform (vmap, grad, jvp, ...), where leaves are functorch wrappers, and while
-    dynamo traces (a compiled whole step): dynamo traces torch.func.grad_and_value into the graph, but breaks
-    the graph at torch.autograd.grad."""
+    dynamo traces without ``trace_autograd_ops``: it then breaks the graph at torch.autograd.grad but traces
+    torch.func.grad_and_value. The compiled train step sets the option (functitan/step.py), so its gradient
+    is autograd.grad in the graph, which also works on DTensor params (torch.func cannot see them)."""
     if torch.compiler.is_compiling():
-        return True
+        return not torch._dynamo.config.trace_autograd_ops
     return peek_interpreter_stack() is not None
 
 

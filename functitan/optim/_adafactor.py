@@ -24,6 +24,7 @@ from functitan.optim._transforms import (
     add_decayed_weights,
     scale,
     scale_by_learning_rate,
+    step_number,
 )
 
 __all__ = ["ScaleByLionState", "FactoredState", "scale_by_lion", "lion", "scale_by_factored_rms", "adafactor"]
@@ -120,7 +121,7 @@ def scale_by_factored_rms(
         return FactoredState(_zero_count(), *(optree.tree_unflatten(treedef, [x[k] for x in parts]) for k in range(3)))
 
     def update(grads: Any, state: FactoredState, params: Any = None) -> tuple[Any, FactoredState]:
-        t = int(state.count) - step_offset + 1
+        t = step_number(state.count, 1 - step_offset)  # an int eagerly, a 0-d tensor under torch.compile
         rho = 1.0 - t ** (-decay_rate)
         leaves, treedef = optree.tree_flatten(grads)
         rows, cols, vs = (treedef.flatten_up_to(x) for x in (state.v_row, state.v_col, state.v))

@@ -19,6 +19,7 @@ from functitan.optim._transforms import (
     decay_indices,
     default_decay_mask,
     learning_rate_at,
+    rate,
     scale_by_adam,
     scale_by_learning_rate,
     step_number,
@@ -69,14 +70,14 @@ def adamw(
         lr = (
             learning_rate_at(learning_rate, step_number(sched.count))
             if callable(learning_rate)
-            else float(learning_rate)
+            else rate(learning_rate)
         )
         with torch.no_grad():
             new_mu, new_nu, u = adam_moments(mu, nu, g, b1=b1, b2=b2, eps=eps, t=t)
             torch._foreach_reciprocal_(u)
             torch._foreach_mul_(u, new_mu)
             torch._foreach_mul_(u, -lr / (1 - b1**t))
-            idx = decay_indices(mask, p, mask_cache) if weight_decay else []
+            idx = decay_indices(mask, p, mask_cache) if isinstance(weight_decay, torch.Tensor) or weight_decay else []
             if idx:
                 _axpy_([u[i] for i in idx], [p.locals[i] for i in idx], -lr * weight_decay)
         new_adam = ScaleByAdamState(adam.count + 1, _local.unflatten(mu, new_mu), _local.unflatten(mu, new_nu))

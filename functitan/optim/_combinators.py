@@ -7,7 +7,7 @@ fast path inside ``masked`` or ``multi_transform``, and DTensor leaves keep thei
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from functitan.optim import _local
 from functitan.optim._base import GradientTransformation
-from functitan.optim._transforms import Mask, _resolve_mask
+from functitan.optim._transforms import Mask, _resolve_mask, learning_rate_at, step_number
 from functitan.tree import flatten_with_names, map_with_names
 
 __all__ = [
@@ -42,6 +42,29 @@ def _leaves(tree: Any) -> tuple[list[Any], Any]:
 
 def _zero_count() -> Tensor:
     return torch.zeros((), dtype=torch.int64)
+
+
+# Counters are 0-d int64 tensors. Eagerly a transform reads them as Python ints (``step_number``) and branches
+# in Python; under torch.compile they stay tensors, both branches are computed and ``torch.where`` picks
+# (optax's ``lax.cond``), so the compiled step has no graph break and is not recompiled per step.
+
+
+def _where(cond: Tensor, a: Sequence[Tensor], b: Sequence[Tensor]) -> list[Tensor]:
+    return [torch.where(cond.to(x.device), x, y) for x, y in zip(a, b)]
+
+
+def _where_tree(cond: Tensor, a: Any, b: Any) -> Any:
+    """``a`` where ``cond`` else ``b``, leaf by leaf (same layout), keeping placements."""
+    fa = _local.flatten(a, "state")
+    fb = _local.flatten_like(fa, b, ("state", "state"))
+    return _local.unflatten(fa, _where(cond, fa.locals, fb.locals))
+
+
+def _lerp(a: list[Tensor], b: list[Tensor], w: Any) -> list[Tensor]:
+    """``a + w * (b - a)``: foreach for a number ``w``, per leaf for a 0-d tensor (foreach_lerp takes numbers)."""
+    if not isinstance(w, Tensor):
+        return list(torch._foreach_lerp(a, b, w))
+    return [torch.lerp(x, y, w.to(x.device, x.dtype)) for x, y in zip(a, b)]
 
 
 # ------------------------------------------------------------------------------------------ masked
@@ -147,12 +170,18 @@ class InjectHyperparamsState(NamedTuple):
     inner_state: Any
 
 
-def inject_hyperparams(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+def inject_hyperparams(
+    factory: Callable[..., GradientTransformation], static_args: str | tuple[str, ...] = ()
+) -> Callable[..., GradientTransformation]:
     """``optax.inject_hyperparams``: the factory's numeric arguments live in the state, so a schedule or a
     controller can change them between steps (``state.hyperparams["learning_rate"]`` is a 0-d tensor).
 
     A schedule argument (a callable ``step -> value``) is evaluated at the state's count each step; a number
-    is stored once and may be overwritten in the state. Other arguments are passed through unchanged.
+    is stored once and may be overwritten in the state. Other arguments, and those named in ``static_args``
+    (numbers that shape the transform, e.g. ``sgd``'s ``momentum``), are passed through unchanged.
+
+    Under ``torch.compile`` the factory receives the hyperparameters as 0-d tensors (as under ``jax.jit``):
+    ``adamw``'s, ``lion``'s and ``sgd``'s learning rate and ``adamw``'s weight decay compute with them.
 
     >>> opt = inject_hyperparams(adamw)(learning_rate=1e-3, weight_decay=0.1)   # doctest: +SKIP
     >>> state.hyperparams["learning_rate"].fill_(5e-4)                          # doctest: +SKIP
@@ -163,12 +192,17 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation]) -> Callab
             raise TypeError(
                 "inject_hyperparams: pass the factory's hyperparameters by keyword, e.g. learning_rate=1e-3"
             )
+        fixed = (static_args,) if isinstance(static_args, str) else tuple(static_args)
         numeric = {
-            k: v for k, v in kwargs.items() if isinstance(v, (int, float)) and not isinstance(v, bool) or callable(v)
+            k: v
+            for k, v in kwargs.items()
+            if k not in fixed and (isinstance(v, (int, float)) and not isinstance(v, bool) or callable(v))
         }
         static = {k: v for k, v in kwargs.items() if k not in numeric}
 
-        def values(count: int, hp: dict[str, Tensor]) -> dict[str, float]:
+        def values(count: Any, hp: dict[str, Tensor]) -> dict[str, Any]:
+            if isinstance(count, Tensor):  # compiling: tensors in, tensors out
+                return {k: learning_rate_at(v, count) if callable(v) else hp[k] for k, v in numeric.items()}
             return {k: (float(numeric[k](count)) if callable(numeric[k]) else float(hp[k])) for k in numeric}
 
         def init(params: Any) -> InjectHyperparamsState:
@@ -181,9 +215,8 @@ def inject_hyperparams(factory: Callable[..., GradientTransformation]) -> Callab
         def update(
             updates: Any, state: InjectHyperparamsState, params: Any = None
         ) -> tuple[Any, InjectHyperparamsState]:
-            count = int(state.count)
-            now = values(count, state.hyperparams)
-            hp = {k: torch.tensor(v, dtype=torch.float64) for k, v in now.items()}
+            now = values(step_number(state.count), state.hyperparams)
+            hp = {k: torch.as_tensor(v, dtype=torch.float64) for k, v in now.items()}
             new, inner = factory(**static, **now).update(updates, state.inner_state, params)
             return new, InjectHyperparamsState(state.count + 1, hp, inner)
 
@@ -212,10 +245,15 @@ def apply_every(k: int = 1) -> GradientTransformation:
     def update(updates: Any, state: ApplyEvery, params: Any = None) -> tuple[Any, ApplyEvery]:
         acc = _local.flatten(state.grad_acc, "state.grad_acc")
         u = _local.flatten_like(acc, updates, ("state.grad_acc", "updates"))
-        first = int(state.count) % k == 0  # the first step of a window starts from zero
-        emit = int(state.count) % k == k - 1
+        n = step_number(state.count)
+        first = n % k == 0  # the first step of a window starts from zero
+        emit = n % k == k - 1
         with torch.no_grad():
-            summed = [t.clone() for t in u.locals] if first else torch._foreach_add(acc.locals, u.locals)
+            if isinstance(n, Tensor):
+                summed = _where(first, u.locals, torch._foreach_add(acc.locals, u.locals))
+                out = _where(emit, summed, [torch.zeros_like(t) for t in u.locals])
+                return _local.unflatten(u, out), ApplyEvery(state.count + 1, _local.unflatten(acc, summed))
+            summed = [t.clone() for t in u.locals] if first else list(torch._foreach_add(acc.locals, u.locals))
             out = [t.clone() for t in summed] if emit else [torch.zeros_like(t) for t in u.locals]
         return _local.unflatten(u, out), ApplyEvery(state.count + 1, _local.unflatten(acc, summed))
 
@@ -244,9 +282,20 @@ def multi_steps(opt: GradientTransformation, every_k: int) -> GradientTransforma
     def update(grads: Any, state: MultiStepsState, params: Any = None) -> tuple[Any, MultiStepsState]:
         acc = _local.flatten(state.acc_grads, "state.acc_grads")
         g = _local.flatten_like(acc, grads, ("state.acc_grads", "grads"))
-        n = int(state.mini_step)
+        n = step_number(state.mini_step)
         with torch.no_grad():  # running mean, as optax: acc + (g - acc) / (n + 1)
-            mean = torch._foreach_lerp(acc.locals, [x.to(a.dtype) for x, a in zip(g.locals, acc.locals)], 1.0 / (n + 1))
+            mean = _lerp(acc.locals, [x.to(a.dtype) for x, a in zip(g.locals, acc.locals)], 1.0 / (n + 1))
+        if isinstance(n, Tensor):  # compiling: the inner update is computed every call and kept on the last
+            emit = n + 1 >= every_k
+            updates, inner = opt.update(_local.unflatten(acc, mean), state.inner_opt_state, params)
+            with torch.no_grad():
+                zeros = _local.unflatten(g, [torch.zeros_like(t) for t in g.locals])
+                return _where_tree(emit, updates, zeros), MultiStepsState(
+                    torch.where(emit, 0, state.mini_step + 1),
+                    state.gradient_step + emit.long(),
+                    _where_tree(emit, inner, state.inner_opt_state),
+                    _local.unflatten(acc, _where(emit, [torch.zeros_like(t) for t in mean], mean)),
+                )
         if n + 1 < every_k:
             zeros = _local.unflatten(g, [torch.zeros_like(t) for t in g.locals])
             return zeros, state._replace(mini_step=state.mini_step + 1, acc_grads=_local.unflatten(acc, mean))
@@ -277,7 +326,7 @@ def ema(decay: float, *, debias: bool = True) -> GradientTransformation:
     def update(updates: Any, state: EmaState, params: Any = None) -> tuple[Any, EmaState]:
         e = _local.flatten(state.ema, "state.ema")
         u = _local.flatten_like(e, updates, ("state.ema", "updates"))
-        t = int(state.count) + 1
+        t = step_number(state.count, 1)
         with torch.no_grad():
             new = torch._foreach_lerp(e.locals, [x.to(a.dtype) for x, a in zip(u.locals, e.locals)], 1 - decay)
             out = torch._foreach_div(new, 1 - decay**t) if debias and decay < 1 else [x.clone() for x in new]
@@ -309,10 +358,16 @@ def param_ema(decay: float, *, warmup: bool = False) -> ParamEma:
     def update(params: Any, state: EmaState) -> EmaState:
         e = _local.flatten(state.ema, "state.ema")
         p = _local.flatten_like(e, params, ("state.ema", "params"))
-        t = int(state.count)
-        d = min(decay, (1 + t) / (10 + t)) if warmup else decay
+        t = step_number(state.count)
+        d: Any
+        if not warmup:
+            d = decay
+        elif isinstance(t, Tensor):
+            d = ((1 + t) / (10 + t)).clamp(max=decay)
+        else:
+            d = min(decay, (1 + t) / (10 + t))
         with torch.no_grad():
-            new = torch._foreach_lerp(e.locals, [x.detach() for x in p.locals], 1 - d)
+            new = _lerp(e.locals, [x.detach() for x in p.locals], 1 - d)
         return EmaState(state.count + 1, _local.unflatten(e, new))
 
     return ParamEma(init, update)

@@ -63,7 +63,7 @@ def flatten_like(ref: Flat, tree: Any, what: tuple[str, str]) -> Flat:
     """Flatten ``tree``, which must mirror ``ref.tree`` leaf for leaf: same structure, mesh, placements and
     local shape. ``what`` names (ref, tree) in the errors, which name the first offending key path."""
     try:
-        leaves = ref.treedef.flatten_up_to(tree)
+        leaves: list[Any] = ref.treedef.flatten_up_to(tree)
     except (ValueError, TypeError):
         check_same_structure(ref.tree, tree, *what)
         raise

@@ -19,6 +19,7 @@ from torch import Tensor
 from functitan.optim import _local
 from functitan.optim._base import EmptyState, GradientTransformation
 from functitan.optim._norm import global_norm
+from functitan.optim._schedules import Schedule
 from functitan.tree import flatten_with_names, map_with_names
 
 __all__ = [
@@ -36,12 +37,11 @@ __all__ = [
     "clip_by_global_norm",
 ]
 
-Schedule = Callable[[int], float]
 Mask = Callable[[str, Any], bool] | Any  # (name, param) -> bool, or a pytree of bools mirroring params
 
 
 class ScaleByAdamState(NamedTuple):
-    count: Tensor  # () int64 on the CPU: updates applied so far
+    count: Tensor  # type: ignore[assignment]  # () int64 on the CPU: updates applied so far
     mu: Any  # first moment, mirrors params
     nu: Any  # second moment, mirrors params
 
@@ -51,7 +51,7 @@ class TraceState(NamedTuple):
 
 
 class ScaleByScheduleState(NamedTuple):
-    count: Tensor  # () int64 on the CPU: the step the schedule is read at next
+    count: Tensor  # type: ignore[assignment]  # () int64 on the CPU: the step the schedule is read at next
 
 
 def _zero_count() -> Tensor:
@@ -77,6 +77,18 @@ def _axpy_(ys: list[Tensor], xs: list[Tensor], a: Any) -> None:
 def _check(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)
+
+
+def _check_nonneg(x: Any, msg: str) -> None:
+    """``x >= 0`` for a number; a 0-d tensor (a hyperparameter ``inject_hyperparams`` passes under
+    ``torch.compile``) is not checked: reading it would sync and break the graph."""
+    if not isinstance(x, Tensor):
+        _check(x >= 0, msg)
+
+
+def rate(x: Any) -> Any:
+    """A constant hyperparameter as the update uses it: a float, or a 0-d tensor left as it is (traced)."""
+    return x if isinstance(x, Tensor) else float(x)
 
 
 # Logical axis names whose params are not decayed: an embedding row (or an untied output row) is only
@@ -140,8 +152,10 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> GradientTransform
     The schedule's step is counted in the state, so a restored checkpoint resumes the schedule where it was.
     """
     if not callable(learning_rate):
-        _check(learning_rate >= 0, f"learning_rate={learning_rate}: pass a non-negative rate (descent flips the sign)")
-        return scale(-float(learning_rate))
+        _check_nonneg(
+            learning_rate, f"learning_rate={learning_rate}: pass a non-negative rate (descent flips the sign)"
+        )
+        return scale(-rate(learning_rate))
 
     def init(params: Any) -> ScaleByScheduleState:
         return ScaleByScheduleState(count=_zero_count())
@@ -165,10 +179,10 @@ def adam_moments(
     ``scale_by_adam`` and the fused ``adamw``.
     """
     gl = [x if x.dtype == m.dtype else x.to(m.dtype) for x, m in zip(g.locals, mu.locals)]
-    new_mu = torch._foreach_lerp(mu.locals, gl, 1 - b1)
-    new_nu = torch._foreach_mul(nu.locals, b2)
+    new_mu = list(torch._foreach_lerp(mu.locals, gl, 1 - b1))
+    new_nu = list(torch._foreach_mul(nu.locals, b2))
     torch._foreach_addcmul_(new_nu, gl, gl, value=1 - b2)
-    denom = torch._foreach_sqrt(new_nu)
+    denom = list(torch._foreach_sqrt(new_nu))
     torch._foreach_div_(denom, (1 - b2**t) ** 0.5)  # t: an int, or a tensor under torch.compile
     torch._foreach_add_(denom, eps)
     return new_mu, new_nu, denom
@@ -178,7 +192,7 @@ def learning_rate_at(learning_rate: float | Schedule, step: Any) -> Any:
     """The rate a constant or a schedule gives at ``step``; a schedule's bad value is an error naming the step.
     Under torch.compile ``step`` is a 0-d tensor and so is the rate (not checked: that would sync)."""
     if not callable(learning_rate):
-        return float(learning_rate)
+        return rate(learning_rate)
     if isinstance(step, Tensor):
         return torch.as_tensor(learning_rate(step), dtype=torch.float64)
     lr = float(learning_rate(step))
@@ -237,11 +251,12 @@ def _resolve_mask(mask: Mask | None, params: Any) -> list[bool]:
     """One bool per leaf of ``params``: ``mask`` called on each (name, param), or read from a mirroring tree."""
     if mask is None:
         return [True] * len(optree.tree_leaves(params))
-    if callable(mask):
-        tree = map_with_names(lambda name, p: mask(name, p), params)
+    if callable(mask):  # a list, not a tree: dynamo traces this (it cannot trace optree's unflatten of a dict)
+        flat = [mask(name, p) for name, p in flatten_with_names(params)[0]]
     else:
-        tree = map_with_names(lambda name, p, m: m, params, mask, what=("params", "mask"))
-    flat = optree.tree_leaves(tree, none_is_leaf=True)
+        flat = optree.tree_leaves(
+            map_with_names(lambda name, p, m: m, params, mask, what=("params", "mask")), none_is_leaf=True
+        )
     for (name, _), m in zip(flatten_with_names(params)[0], flat):
         if not isinstance(m, bool):
             raise TypeError(
@@ -252,9 +267,12 @@ def _resolve_mask(mask: Mask | None, params: Any) -> list[bool]:
 
 def decay_indices(mask: Mask | None, p: _local.Flat, cache: dict[str, Any]) -> list[int]:
     """The indices of the leaves of ``p`` that ``mask`` decays, cached per tree structure (``init`` fills it).
-    Under torch.compile the last eager answer is a constant of the graph: the mask reads names, which dynamo
-    cannot trace through optree, and the compiled step always sees the tree ``init`` saw."""
+    Under torch.compile the last eager answer is a constant of the graph (the compiled step sees the tree
+    ``init`` saw); without one (a transform built inside the step, as ``inject_hyperparams`` does) a callable
+    mask is read at trace time, a mask tree needs ``init`` (dynamo cannot trace optree's unflatten)."""
     if torch.compiler.is_compiling():
+        if "last" not in cache and (mask is None or callable(mask)):
+            return [i for i, m in enumerate(_resolve_mask(mask, p.tree)) if m]
         if "last" not in cache:
             raise ValueError(
                 "a weight-decay mask is resolved by this optimizer's init: call opt.init(params) on this "
@@ -275,7 +293,7 @@ def add_decayed_weights(weight_decay: float, *, mask: Mask | None = None) -> Gra
     (Loshchilov & Hutter, 2019). ``mask`` is ``(name, param) -> bool`` (see ``default_decay_mask``) or a
     pytree of bools mirroring params; the choice is fixed per tree structure and cached.
     """
-    _check(weight_decay >= 0, f"weight_decay={weight_decay}: pass a non-negative decay, e.g. 0.1")
+    _check_nonneg(weight_decay, f"weight_decay={weight_decay}: pass a non-negative decay, e.g. 0.1")
     cache: dict[str, Any] = {}
 
     def decayed(p: _local.Flat) -> list[int]:
@@ -288,13 +306,19 @@ def add_decayed_weights(weight_decay: float, *, mask: Mask | None = None) -> Gra
     def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
         if params is None:
             raise ValueError("add_decayed_weights needs the params: call update(grads, state, params)")
-        if weight_decay == 0:
+        if not isinstance(weight_decay, Tensor) and weight_decay == 0:
             return updates, state
         p = _local.flatten(params, "params")
         u = _local.flatten_like(p, updates, ("params", "updates"))
         idx = decayed(p)
         with torch.no_grad():
-            new = torch._foreach_add([u.locals[i] for i in idx], [p.locals[i] for i in idx], alpha=weight_decay)
+            us, ps = [u.locals[i] for i in idx], [p.locals[i] for i in idx]
+            wd = weight_decay
+            new = torch._foreach_add(
+                us,
+                torch._foreach_mul(ps, wd) if isinstance(wd, Tensor) else ps,
+                alpha=1 if isinstance(wd, Tensor) else wd,
+            )
             out = list(u.leaves)
             for i, local in zip(idx, new):
                 out[i] = _local.wrap(local, u.specs[i])
