@@ -10,9 +10,16 @@ Both sides run one pipelined forward + backward (no optimizer) of the same model
 
 Timing: every rank runs the variants in alternating rounds with a barrier before each step; a step's time is
 the slowest rank's. Also reported, for every functitan schedule: the measured idle fraction of each rank
-(1 - busy compute / step time, from ``pipeline_grad_fn(timeline=...)``) beside the simulator's bubble
-fraction for the measured per-stage F / B / W / BW durations (p2p = 0: the gap between them is
-communication and host overhead).
+(1 - busy compute / step time, from ``pipeline_grad_fn(timeline=...)``; ``wait`` is the part spent waiting
+for a receive) beside the simulator's bubble fraction for the measured per-stage F / B / W / BW durations
+(p2p = 0: the gap between them is communication and host overhead).
+
+Fewer cores than ranks (PP 4 on a 2-core machine): a rank's idle time is another rank's compute time, so no
+schedule can beat the summed CPU time of the ranks over the cores (``cpu_bound_s``), and a schedule that
+only removes bubbles (zero-bubble) cannot gain on one that is already at that bound. Hence also, per
+schedule: ``wall_over_cpu_bound`` (1.0 = CPU-bound) and, from the per-action CPU times (``Span.cpu``), the
+simulator's makespan with a core per rank (``ideal_ratio_vs_1f1b``): what the schedule gives where each rank
+has its own core.
 
 Run from the repository root (processes: gloo on loopback, one thread each)::
 
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 from pathlib import Path
@@ -124,11 +132,11 @@ def _torch_runner(cfg: llama.LlamaConfig, params: dict, stages: pipeline.Stages,
     return step
 
 
-def _costs(spans: list[pipeline.Span], schedule: pipeline.Schedule) -> pipeline.Costs:
-    """Per-stage median F, B, W durations (BW as b with w = 0), gathered from every pipeline rank."""
+def _costs(spans: list[pipeline.Span], schedule: pipeline.Schedule, *, cpu: bool = False) -> pipeline.Costs:
+    """Per-stage median F, B, W durations (BW as b with w = 0; wall or CPU time), gathered from every rank."""
     by: dict[tuple[str, int], list[float]] = {}
     for s in spans:
-        by.setdefault((s.action.kind, s.action.stage), []).append(s.end - s.start)
+        by.setdefault((s.action.kind, s.action.stage), []).append(s.cpu if cpu else s.end - s.start)
     merged: list[Any] = [None] * schedule.pp
     dist.all_gather_object(merged, {k: statistics.median(v) for k, v in by.items()})
     med = {k: v for d in merged for k, v in d.items()}
@@ -191,22 +199,38 @@ def _worker(pp: int, setup: Setup) -> dict:
         "layers": layers,
     }
     out["loss"] = {k: float(v) / (pp if k.startswith("functitan") else 1) for k, v in loss_sum.items()}
+    cores = len(os.sched_getaffinity(0))
+    out["cores"] = cores
+    ideal: dict[str, float] = {}
     for name, tl in timelines.items():
-        measured = [statistics.median(s.idle_fraction for s in tl)]
         gathered: list[Any] = [None] * pp
-        dist.all_gather_object(gathered, measured[0])
+        dist.all_gather_object(
+            gathered, (statistics.median(s.idle_fraction for s in tl), statistics.median(s.wait_fraction for s in tl))
+        )
         spans = [sp for s in tl for sp in s.spans]
         sim = pipeline.simulate(schedules[name], _costs(spans, schedules[name]))
+        sim_cpu = pipeline.simulate(schedules[name], _costs(spans, schedules[name], cpu=True))
+        ideal[name] = float(sim_cpu.makespan)
         kinds = sorted({sp.action.kind for sp in spans})
+        cpu_bound = out["cpu_s"][f"functitan_{name}"] / min(pp, cores)
         out["idle"][name] = {
-            "measured_per_rank": [round(x, 4) for x in gathered],
-            "measured_mean": round(sum(gathered) / pp, 4),
+            "measured_per_rank": [round(x, 4) for x, _ in gathered],
+            "measured_mean": round(sum(x for x, _ in gathered) / pp, 4),
+            "wait_per_rank": [round(w, 4) for _, w in gathered],
             "simulated": round(float(sim.bubble_fraction), 4),
             "simulated_per_rank": [round(float(i / sim.makespan), 4) for i in sim.idle],
+            "simulated_core_per_rank": round(float(sim_cpu.bubble_fraction), 4),
+            "cpu_bound_s": round(cpu_bound, 4),
+            "wall_over_cpu_bound": round(out["step_s"][f"functitan_{name}"] / cpu_bound, 3),
             "median_action_s_rank0": {
                 k: round(statistics.median(sp.end - sp.start for sp in spans if sp.action.kind == k), 5) for k in kinds
             },
+            "median_action_cpu_s_rank0": {
+                k: round(statistics.median(sp.cpu for sp in spans if sp.action.kind == k), 5) for k in kinds
+            },
         }
+    for name in ("zb_h1", "zb_v"):
+        out["idle"][name]["ideal_ratio_vs_1f1b"] = round(ideal[name] / ideal["1f1b"], 4)
     return out
 
 
@@ -242,21 +266,34 @@ def main(argv: list[str] | None = None) -> dict:
             r["cpu_ratios"] = {
                 f"{n}/torch_{n}": r["cpu_s"][f"functitan_{n}"] / r["cpu_s"][f"torch_{n}"] for n in VERSUS_TORCH
             }
+            r["cpu_ratios"].update(
+                {f"{n}/1f1b": r["cpu_s"][f"functitan_{n}"] / r["cpu_s"]["functitan_1f1b"] for n in ("zb_h1", "zb_v")}
+            )
             runs.append(r)
             print(f"pp={pp} run {run + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in r["ratios"].items()), flush=True)
             for name, idle in r["idle"].items():
                 print(
-                    f"  {name:12s} idle measured {idle['measured_mean']:.3f}  simulated {idle['simulated']:.3f}",
+                    f"  {name:12s} idle measured {idle['measured_mean']:.3f}  simulated {idle['simulated']:.3f}"
+                    f"  wall/cpu-bound {idle['wall_over_cpu_bound']:.2f}  "
+                    + (f"ideal vs 1f1b {idle['ideal_ratio_vs_1f1b']:.3f}" if "ideal_ratio_vs_1f1b" in idle else ""),
                     flush=True,
                 )
+            print("  cpu ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in r["cpu_ratios"].items()), flush=True)
         keys = runs[0]["ratios"]
         result["pp"][str(pp)] = {
             "ratios": {k: statistics.median(x["ratios"][k] for x in runs) for k in keys},  # median over runs
             "per_run_ratios": {k: [round(x["ratios"][k], 4) for x in runs] for k in keys},
+            "cpu_ratios": {k: statistics.median(x["cpu_ratios"][k] for x in runs) for k in runs[0]["cpu_ratios"]},
             "idle": {
                 n: {
                     "measured": statistics.median(x["idle"][n]["measured_mean"] for x in runs),
                     "simulated": statistics.median(x["idle"][n]["simulated"] for x in runs),
+                    "wall_over_cpu_bound": statistics.median(x["idle"][n]["wall_over_cpu_bound"] for x in runs),
+                    **(
+                        {"ideal_ratio_vs_1f1b": statistics.median(x["idle"][n]["ideal_ratio_vs_1f1b"] for x in runs)}
+                        if "ideal_ratio_vs_1f1b" in runs[0]["idle"][n]
+                        else {}
+                    ),
                 }
                 for n in runs[0]["idle"]
             },

@@ -36,11 +36,16 @@ from functitan.tree import flatten_with_names
 
 
 class Span(NamedTuple):
-    """One compute action's wall time on this rank (seconds, ``time.perf_counter``)."""
+    """One compute action on this rank: its wall time (seconds, ``time.perf_counter``), the time it waited for
+    its input (a receive) before starting, and this thread's CPU time inside it (``time.thread_time``; less
+    than ``end - start`` when the OS ran another process meanwhile, as on a machine with fewer cores than
+    ranks)."""
 
     action: Action
     start: float
     end: float
+    wait: float = 0.0
+    cpu: float = 0.0
 
 
 class StepTimeline(NamedTuple):
@@ -59,6 +64,12 @@ class StepTimeline(NamedTuple):
         """1 - busy / step time: bubbles, waits on receives and communication, as a fraction of the step."""
         total = self.end - self.start
         return 1.0 - self.busy / total if total > 0 else 0.0
+
+    @property
+    def wait_fraction(self) -> float:
+        """The part of `idle_fraction` spent waiting for received activations and gradients."""
+        total = self.end - self.start
+        return sum(s.wait for s in self.spans) / total if total > 0 else 0.0
 
 
 class _Slot(NamedTuple):
@@ -172,9 +183,11 @@ class _Run:
         kind, s, mb = a
         last = s == self.stages.num_stages - 1
         # inputs first (their waits are not compute)
+        w0 = time.perf_counter() if self.timeline is not None else 0.0
         x = self._take("F", s, mb) if kind == "F" and s > 0 else None
         dout = self._take("B", s, mb) if kind in ("B", "BW") and not last else None
         t0 = self._tic()
+        c0 = time.thread_time() if self.timeline is not None else 0.0
         if kind == "F":
             self._forward(s, mb, x, last)
         elif kind == "W":
@@ -186,7 +199,8 @@ class _Run:
                 self._accumulate(s, torch.autograd.grad(slot.out, self._params_of(s), d, allow_unused=True))
         else:
             self._backward(kind, s, mb, dout)
-        self.spans.append(Span(a, t0, self._tic()))
+        if self.timeline is not None:
+            self.spans.append(Span(a, t0, self._tic(), t0 - w0, time.thread_time() - c0))
 
     def _forward(self, s: int, mb: int, x: Tensor | None, last: bool) -> None:
         st = self.stages

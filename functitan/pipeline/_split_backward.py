@@ -13,6 +13,13 @@ Weights that reach the activation path through one shared node (FSDP's bucketed 
 block) form one group and get one ``autograd.grad`` call, so the shared node's backward (the reduce-scatter)
 runs once. Within such a group a joining node upstream of another is given its kept gradient by a pre-hook, so
 nothing is counted twice; its ``dx`` branch is then recomputed inside the group (one block), not the stage.
+
+Direct W: where a weight's branch is only the weight itself (a plain leaf, maybe through a transpose) and
+its joining node a matmul or an elementwise multiply (a projection, a norm's scale), W computes the
+contraction from the node's saved input and the kept gradient (``dW = dy^T x``; ``sum(dy * x)``) instead of
+one ``autograd.grad`` per weight: the same numbers (the formula autograd's node runs) without an engine call
+and its walk of the graph below the node, which cost about a fifth of W on the CPU benchmark's stage
+(``benchmarks/pipeline_vs_torch.py``). Anything else (DTensors, casts, shared nodes) takes the engine.
 """
 
 from __future__ import annotations
@@ -64,6 +71,43 @@ def _closure(starts: list[Node], rev: dict[Node, list[Node]], stop: set[Node]) -
     return seen, met
 
 
+def _leaf_of(node: Node | None) -> Tensor | None:
+    """The leaf tensor an AccumulateGrad node feeds, else None."""
+    return getattr(node, "variable", None)
+
+
+def _direct(node: Node, kept: tuple[Tensor | None, ...], w: Tensor) -> Tensor | None:
+    """``w``'s gradient from one joining node's kept output gradient and saved input, when the weight's branch
+    is the bare leaf (``x @ w.T``, ``x @ w``, ``x * w``); None where the engine must do it."""
+    g = kept[0] if len(kept) == 1 else None
+    if g is None or type(g) is not Tensor or type(w) not in (Tensor, torch.nn.Parameter):
+        return None  # subclasses (DTensor) keep their own dispatch: the engine
+    name, nxt = type(node).__name__, node.next_functions
+    if name == "MmBackward0" and len(nxt) == 2 and nxt[1][0] is not None:
+        x = node._saved_self  # type: ignore[attr-defined]
+        if type(x) is not Tensor or x.dtype != g.dtype:
+            return None
+        if type(nxt[1][0]).__name__ == "TBackward0" and _leaf_of(nxt[1][0].next_functions[0][0]) is w:
+            dw = g.t().mm(x)  # y = x @ w.T
+        elif _leaf_of(nxt[1][0]) is w:
+            dw = x.t().mm(g)  # y = x @ w
+        else:
+            return None
+    elif name == "MulBackward0" and len(nxt) == 2:
+        if _leaf_of(nxt[1][0]) is w and _leaf_of(nxt[0][0]) is not w:
+            x = node._saved_self  # type: ignore[attr-defined]
+        elif _leaf_of(nxt[0][0]) is w and _leaf_of(nxt[1][0]) is not w:
+            x = node._saved_other  # type: ignore[attr-defined]
+        else:
+            return None
+        if type(x) is not Tensor or x.dtype != g.dtype:
+            return None
+        dw = (g * x).sum_to_size(w.shape)
+    else:
+        return None
+    return dw if dw.shape == w.shape and dw.dtype == w.dtype else None
+
+
 class WeightGrad:
     """The W pass kept by ``input_grad``: calling it returns the weights' gradients (None where unused)."""
 
@@ -74,6 +118,12 @@ class WeightGrad:
     def __call__(self) -> list[Tensor | None]:
         out: list[Tensor | None] = [None] * len(self.weights)
         for idx, joins in self.groups:
+            if len(idx) == 1:  # a weight of its own: each joining node's share directly, if every one allows
+                with torch.no_grad():  # the saved inputs require grad; a gradient is no graph
+                    parts = [_direct(n, self.kept[n], self.weights[idx[0]]) for n in joins if n in self.kept]
+                if parts and all(p is not None for p in parts):
+                    out[idx[0]] = parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)  # type: ignore[arg-type]
+                    continue
             edges, grads = [], []
             for node in joins:
                 for i, g in enumerate(self.kept.get(node, ())):
