@@ -281,7 +281,9 @@ def rope_tables(
 
 
 @functools.lru_cache(maxsize=32)
-def _rope_tables_cached(cfg: LlamaConfig, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _rope_tables_cached(
+    cfg: LlamaConfig, seq_len: int, device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     return rope_tables(cfg, seq_len, device=device, dtype=dtype)
 
 
