@@ -12,7 +12,9 @@ Timing: every rank runs the variants in alternating rounds with a barrier before
 the slowest rank's. Also reported, for every functitan schedule: the measured idle fraction of each rank
 (1 - busy compute / step time, from ``pipeline_grad_fn(timeline=...)``; ``wait`` is the part spent waiting
 for a receive) beside the simulator's bubble fraction for the measured per-stage F / B / W / BW durations
-(p2p = 0: the gap between them is communication and host overhead).
+(p2p = 0: the gap between them is communication and host overhead), and each measured step replayed in the
+simulator with its own action durations (``simulated_replay``: no averaging of a spread of durations, which
+on a shared machine is wide and costs a tightly packed schedule more than 1F1B).
 
 Fewer cores than ranks (PP 4 on a 2-core machine): a rank's idle time is another rank's compute time, so no
 schedule can beat the summed CPU time of the ranks over the cores (``cpu_bound_s``), and a schedule that
@@ -210,6 +212,14 @@ def _worker(pp: int, setup: Setup) -> dict:
         spans = [sp for s in tl for sp in s.spans]
         sim = pipeline.simulate(schedules[name], _costs(spans, schedules[name]))
         sim_cpu = pipeline.simulate(schedules[name], _costs(spans, schedules[name], cpu=True))
+        # each measured step replayed action by action (its own durations, every rank's): the idle time the
+        # schedule implies for that step, so what remains of the measured idle is P2P and host overhead
+        steps: list[Any] = [None] * pp
+        dist.all_gather_object(steps, [[(sp.action, sp.end - sp.start) for sp in t.spans] for t in tl])
+        replay = [
+            float(pipeline.simulate(schedules[name], durations={a: d for r in steps for a, d in r[i]}).bubble_fraction)
+            for i in range(len(tl))
+        ]
         ideal[name] = float(sim_cpu.makespan)
         kinds = sorted({sp.action.kind for sp in spans})
         cpu_bound = out["cpu_s"][f"functitan_{name}"] / min(pp, cores)
@@ -219,6 +229,7 @@ def _worker(pp: int, setup: Setup) -> dict:
             "wait_per_rank": [round(w, 4) for _, w in gathered],
             "simulated": round(float(sim.bubble_fraction), 4),
             "simulated_per_rank": [round(float(i / sim.makespan), 4) for i in sim.idle],
+            "simulated_replay": round(statistics.median(replay), 4),
             "simulated_core_per_rank": round(float(sim_cpu.bubble_fraction), 4),
             "cpu_bound_s": round(cpu_bound, 4),
             "wall_over_cpu_bound": round(out["step_s"][f"functitan_{name}"] / cpu_bound, 3),
@@ -274,6 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
             for name, idle in r["idle"].items():
                 print(
                     f"  {name:12s} idle measured {idle['measured_mean']:.3f}  simulated {idle['simulated']:.3f}"
+                    f"  replayed {idle['simulated_replay']:.3f}  waits {sum(idle['wait_per_rank']) / pp:.3f}"
                     f"  wall/cpu-bound {idle['wall_over_cpu_bound']:.2f}  "
                     + (f"ideal vs 1f1b {idle['ideal_ratio_vs_1f1b']:.3f}" if "ideal_ratio_vs_1f1b" in idle else ""),
                     flush=True,
@@ -288,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
                 n: {
                     "measured": statistics.median(x["idle"][n]["measured_mean"] for x in runs),
                     "simulated": statistics.median(x["idle"][n]["simulated"] for x in runs),
+                    "simulated_replay": statistics.median(x["idle"][n]["simulated_replay"] for x in runs),
                     "wall_over_cpu_bound": statistics.median(x["idle"][n]["wall_over_cpu_bound"] for x in runs),
                     **(
                         {"ideal_ratio_vs_1f1b": statistics.median(x["idle"][n]["ideal_ratio_vs_1f1b"] for x in runs)}

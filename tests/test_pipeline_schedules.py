@@ -273,6 +273,17 @@ def test_simulate_p2p_and_per_stage_costs_exactly():
         P.simulate(P.gpipe(2, 1), P.Costs(w=-1))
 
 
+def test_simulate_replays_per_action_durations():
+    """A slow first forward on stage 0 delays everything after it by its excess, on both ranks."""
+    s = P.gpipe(2, 1)
+    base = P.simulate(s, EQUAL)
+    slow = P.simulate(s, EQUAL, durations={P.Action("F", 0, 0): 4})
+    assert slow.makespan == base.makespan + 3 and slow.spans[1][0] == (4, 5)
+    assert slow.busy == (base.busy[0] + 3, base.busy[1])
+    with pytest.raises(ValueError, match=r"durations\[.*\]: must be a non-negative number, got -1"):
+        P.simulate(s, EQUAL, durations={P.Action("F", 0, 0): -1})
+
+
 def test_render_text_timeline():
     s = P.one_f_one_b(2, 2)
     assert P.render_text(s, P.simulate(s, EQUAL)) == (

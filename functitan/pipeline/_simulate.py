@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from numbers import Real
 from typing import NamedTuple
 
@@ -68,7 +68,9 @@ def _peak_activations(schedule: Schedule) -> tuple[int, ...]:
     return tuple(peaks)
 
 
-def simulate(schedule: Schedule, costs: Costs = Costs()) -> Simulation:
+def simulate(
+    schedule: Schedule, costs: Costs = Costs(), *, durations: Mapping[Action, Real] | None = None
+) -> Simulation:
     """Run `schedule` on an idealized machine and time it.
 
     Each rank runs its list in order; an action starts when its rank is free and its dependencies
@@ -77,6 +79,9 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> Simulation:
 
     With f = b = w = 1 (so BW = 2) and p2p = 0, 1F1B gives a bubble of exactly (p-1)/(m+p-1) and
     ZB-H1 an idle time per rank a third of 1F1B's.
+
+    ``durations`` gives single actions their own duration (over `costs`): a measured step replayed action by
+    action, so its idle time can be compared with the run's without the spread of durations averaged away.
 
     Raises:
         ValueError: if the schedule is invalid (see `validate`) or a cost is negative.
@@ -91,10 +96,16 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> Simulation:
     free = [0] * schedule.pp
     spans: list[list[tuple[Real, Real]]] = [[] for _ in range(schedule.pp)]
 
+    given = durations or {}
+    for action, value in given.items():
+        if not isinstance(value, Real) or value < 0:
+            raise ValueError(f"durations[{action}]: must be a non-negative number, got {value!r}")
+
     def run(rank: int, action: Action, deps: tuple[Action, ...]) -> None:
         ready = [end[d] + (costs.p2p if schedule.stage_to_rank[d.stage] != rank else 0) for d in deps]
         start = max([free[rank], *ready])
-        free[rank] = end[action] = start + duration[action.kind][action.stage]
+        took = given[action] if action in given else duration[action.kind][action.stage]
+        free[rank] = end[action] = start + took
         spans[rank].append((start, end[action]))
 
     walk(schedule, run)
