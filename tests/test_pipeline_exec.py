@@ -139,7 +139,24 @@ def _error(fn) -> str | None:
 def _pp2_worker() -> dict:
     """One PP 2 run for several tests: every schedule's training, the rank trees, the error messages."""
     errors = {"tied": _error(_tied_on_loop), "degree": _error(_wrong_degree)}
-    return {"train": _train_schedules(2, 4, SCHEDULES), "trees": _rank_trees("zb_v"), "errors": errors}
+    return {
+        "train": _train_schedules(2, 4, SCHEDULES),
+        "trees": _rank_trees("zb_v"),
+        "errors": errors,
+        "timeline": _timeline("zb_h1"),
+    }
+
+
+def _timeline(schedule_name: str):
+    """One step with a timeline: this rank's spans, its actions in schedule order, the idle and wait fractions."""
+    mesh = make_mesh(pp=2)
+    model = llama.stage_model(CFG, Layout(pipeline.stage_mesh(mesh)), seq_len=SEQ)
+    stages = pipeline.make_stages(model, _schedule(schedule_name, 2, 4), mesh)
+    params = pipeline.place_stages(_init(), llama.specs(CFG), default_rules(), stages)
+    timeline: list[pipeline.StepTimeline] = []
+    pipeline.pipeline_grad_fn(stages, timeline=timeline)(params, _batches()[0])
+    (step,) = timeline
+    return step, stages.schedule.actions[stages.pp_rank], step.idle_fraction, step.wait_fraction
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +264,18 @@ def _zb_with_selective_remat():
 def _wrong_degree():
     mesh = make_mesh(pp=2)
     pipeline.make_stages(llama.stage_model(CFG, Layout(), seq_len=SEQ), pipeline.one_f_one_b(pp=4, m=4), mesh)
+
+
+def test_timeline_spans_every_action_with_its_wait_and_cpu_time(pp2):
+    waited = 0.0
+    for step, actions, idle, wait in (r["timeline"] for r in pp2):
+        assert [s.action for s in step.spans] == list(actions)
+        assert step.start <= step.spans[0].start and step.spans[-1].end <= step.end
+        assert all(s.end >= s.start and s.wait >= 0 and s.cpu >= 0 for s in step.spans)
+        assert sum(s.cpu for s in step.spans if s.action.kind == "F") > 0
+        assert 0 <= wait <= idle < 1
+        waited += sum(s.wait for s in step.spans)
+    assert waited > 0  # rank 1 waits for its first activation, rank 0 for its first gradient
 
 
 def test_errors_name_the_fix(pp2):
