@@ -360,6 +360,26 @@ def test_direct_reader_reads_only_the_inner_chunks_a_box_needs(tmp_path, monkeyp
         restore(tmp_path / "ck", {"w": torch.zeros(2048, 1024)})
 
 
+def test_row_block_chunks_are_read_straight_into_the_output_and_checked(tmp_path, monkeypatch):
+    from functitan.checkpoint import _fastread
+
+    w = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(1))  # inner chunks: (1024, 1024) row blocks
+    save_sync(tmp_path / "ck", {"w": w})
+    buffered = []
+    real = _fastread._pread
+    monkeypatch.setattr(_fastread, "_pread", lambda fd, off, n, *a: buffered.append(n) or real(fd, off, n, *a))
+    for in_place in (False, True):
+        got = restore(tmp_path / "ck", {"w": torch.zeros(2048, 1024)}, in_place=in_place)
+        assert torch.equal(got["w"], w)
+    assert buffered == [2 * 16 + 4, 2 * 16 + 4]  # only the shard index went through the buffer
+    f = tmp_path / "ck" / "w" / "c" / "0" / "0"
+    data = bytearray(f.read_bytes())
+    data[7] ^= 0x10  # inside inner chunk (0, 0)
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"crc32c of .*c/0/0 inner chunk \(0, 0\) does not match"):
+        restore(tmp_path / "ck", {"w": torch.zeros(2048, 1024)}, in_place=True)
+
+
 def test_direct_writer_writes_the_files_tensorstore_writes(tmp_path, monkeypatch):
     from functitan.checkpoint import _fastwrite
 

@@ -1,8 +1,10 @@
 """Saving: stage into reused host buffers, return, write shards in a background thread, commit atomically.
 
 The caller is blocked only while this rank's shards are copied into staging buffers (pinned on CUDA,
-allocated on the first save and reused by every later one). Tensorstore reads its source lazily, so it is
-never given the live tensors: mutating a parameter right after ``save`` returns cannot reach the file.
+allocated on the first save and reused by every later one). The background write reads only the staging
+buffers, never the live tensors: mutating a parameter right after ``save`` returns cannot reach the file.
+The chunk files are written by ``_fastwrite`` straight from those buffers (tensorstore for the zarr.json
+files and any leaf ``_fastwrite`` does not handle).
 
 Commit protocol (a crash at any moment leaves the old set of checkpoints or the new one, never a mix):
 
