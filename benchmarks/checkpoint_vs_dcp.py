@@ -5,8 +5,12 @@ About 500 MB of state (params + Adam mu/nu, fp32, FSDP Shard(0) over 2 ranks). M
   (b) save throughput (GB/s, to fsync'd files): functitan Checkpointer.save_sync (steady state) and
       module-level save_sync (one-off: sets up a commit group), DCP save, torch.save per rank;
   (c) load time into the same sharding and resharded (FSDP Shard(0) -> TP Shard(1)), functitan and DCP
-      alternating, ``--load-rounds`` rounds per repetition after one unrecorded read of each.
-Each number is the median over the repetitions (loads: over reps x load rounds) of the slowest rank. Writes
+      alternating, ``--load-rounds`` rounds per repetition after one unrecorded read of each, two ways:
+      in place into existing tensors (what a trainer and ``dcp.load`` do), and into new tensors ("_new":
+      functitan's default ``restore``; DCP has no such mode, so its peer allocates empty tensors and loads
+      into them, the allocation inside the timed region on both sides: every byte lands in fresh memory).
+Each number is the median over the repetitions (loads: over reps x load rounds) of the slowest rank;
+``ratios_per_run`` holds each repetition's (load round's) ratio of the slowest ranks. Writes
 benchmarks/results/checkpoint_vs_dcp.json.
 
     python benchmarks/checkpoint_vs_dcp.py [--mb 500] [--reps 3] [--load-rounds 2] [--dir /tmp/ckpt_bench]
@@ -27,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from functitan import _dtensor as _dt
 from functitan.checkpoint import Checkpointer, restore, save_sync
 from functitan.testing import run_distributed
 
@@ -41,6 +46,13 @@ def _state(mesh, n: int, placement) -> dict:
         "params": {k: dt(v) for k, v in params.items()},
         "mu": {k: dt(torch.zeros_like(v) + 0.1) for k, v in params.items()},
         "nu": {k: dt(torch.zeros_like(v) + 0.2) for k, v in params.items()},
+    }
+
+
+def _fresh(tree: dict) -> dict:
+    """New, uninitialised DTensors like ``tree``'s (DCP's peer of a restore into new tensors)."""
+    return {
+        k: {n: _dt.wrap(torch.empty_like(_dt.local(v)), _dt.spec(v)) for n, v in sub.items()} for k, sub in tree.items()
     }
 
 
@@ -116,7 +128,9 @@ def _bench(root: str, n: int, reps: int, load_rounds: int) -> dict:
             add("load_functitan_reshard", _timed(lambda: restore(f"{p}/ft_sync", tp_ex, in_place=True)))
             add("load_dcp_reshard", _timed(lambda: dcp.load(tp_ex, checkpoint_id=f"{p}/dcp")))
             add("load_functitan_same_new", _timed(lambda: restore(f"{p}/ft_sync", same_ex)))
+            add("load_dcp_same_new", _timed(lambda: dcp.load(_fresh(same_ex), checkpoint_id=f"{p}/dcp")))
             add("load_functitan_reshard_new", _timed(lambda: restore(f"{p}/ft_sync", tp_ex)))
+            add("load_dcp_reshard_new", _timed(lambda: dcp.load(_fresh(tp_ex), checkpoint_id=f"{p}/dcp")))
         dist.barrier()
         if rank == 0:
             shutil.rmtree(p, ignore_errors=True)
@@ -137,11 +151,24 @@ def main() -> None:
     shutil.rmtree(args.dir, ignore_errors=True)
     per_rank = run_distributed(_bench, 2, args.dir, n, args.reps, args.load_rounds, timeout=3600)
     shutil.rmtree(args.dir, ignore_errors=True)
-    # slowest rank per repetition, then the median over repetitions
-    med = {
-        k: statistics.median(max(r[k][i] for r in per_rank) for i in range(len(per_rank[0][k]))) for k in per_rank[0]
-    }
+    # slowest rank per repetition (load round), then the median over them
+    runs = {k: [max(r[k][i] for r in per_rank) for i in range(len(per_rank[0][k]))] for k in per_rank[0]}
+    med = {k: statistics.median(v) for k, v in runs.items()}
     gb = nbytes / 1e9
+    # ratio name -> (numerator, denominator); a throughput ratio is the inverse of the time ratio
+    ratios = {
+        "blocked_functitan_over_dcp_async": ("blocked_functitan_async", "blocked_dcp_async"),
+        "blocked_functitan_over_sync_save": ("blocked_functitan_async", "save_functitan_sync"),
+        "throughput_functitan_over_dcp": ("save_dcp", "save_functitan_sync"),
+        "throughput_functitan_over_torch_save": ("save_torch", "save_functitan_sync"),
+        "load_functitan_over_dcp_same": ("load_functitan_same", "load_dcp_same"),
+        "load_functitan_over_dcp_reshard": ("load_functitan_reshard", "load_dcp_reshard"),
+        "load_functitan_new_over_dcp_new_same": ("load_functitan_same_new", "load_dcp_same_new"),
+        "load_functitan_new_over_dcp_new_reshard": ("load_functitan_reshard_new", "load_dcp_reshard_new"),
+        # new tensors against DCP in place (allocation against none): the figure reported before the DCP peer
+        "load_functitan_new_over_dcp_same": ("load_functitan_same_new", "load_dcp_same"),
+        "load_functitan_new_over_dcp_reshard": ("load_functitan_reshard_new", "load_dcp_reshard"),
+    }
     res = {
         "state_MB": round(nbytes / 1e6, 1),
         "processes": 2,
@@ -159,18 +186,8 @@ def main() -> None:
                 "commit_functitan_async",
             )
         },
-        "ratios": {
-            "blocked_functitan_over_dcp_async": round(med["blocked_functitan_async"] / med["blocked_dcp_async"], 3),
-            "blocked_functitan_over_sync_save": round(med["blocked_functitan_async"] / med["save_functitan_sync"], 3),
-            "throughput_functitan_over_dcp": round(med["save_dcp"] / med["save_functitan_sync"], 3),
-            "throughput_functitan_over_torch_save": round(med["save_torch"] / med["save_functitan_sync"], 3),
-            "load_functitan_over_dcp_same": round(med["load_functitan_same"] / med["load_dcp_same"], 3),
-            "load_functitan_over_dcp_reshard": round(med["load_functitan_reshard"] / med["load_dcp_reshard"], 3),
-            "load_functitan_new_over_dcp_same": round(med["load_functitan_same_new"] / med["load_dcp_same"], 3),
-            "load_functitan_new_over_dcp_reshard": round(
-                med["load_functitan_reshard_new"] / med["load_dcp_reshard"], 3
-            ),
-        },
+        "ratios": {k: round(med[a] / med[b], 3) for k, (a, b) in ratios.items()},
+        "ratios_per_run": {k: [round(x / y, 3) for x, y in zip(runs[a], runs[b])] for k, (a, b) in ratios.items()},
         "note": "2 shared CPU cores, local disk, page cache warm for loads; numbers vary with load from other jobs",
     }
     os.makedirs("benchmarks/results", exist_ok=True)

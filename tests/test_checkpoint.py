@@ -360,6 +360,58 @@ def test_direct_reader_reads_only_the_inner_chunks_a_box_needs(tmp_path, monkeyp
         restore(tmp_path / "ck", {"w": torch.zeros(2048, 1024)})
 
 
+def test_row_block_chunks_are_read_straight_into_the_output_and_checked(tmp_path, monkeypatch):
+    from functitan.checkpoint import _fastread
+
+    w = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(1))  # inner chunks: (1024, 1024) row blocks
+    save_sync(tmp_path / "ck", {"w": w})
+    buffered = []
+    real = _fastread._pread
+    monkeypatch.setattr(_fastread, "_pread", lambda fd, off, n, *a: buffered.append(n) or real(fd, off, n, *a))
+    for in_place in (False, True):
+        got = restore(tmp_path / "ck", {"w": torch.zeros(2048, 1024)}, in_place=in_place)
+        assert torch.equal(got["w"], w)
+    assert buffered == [2 * 16 + 4, 2 * 16 + 4]  # only the shard index went through the buffer
+    f = tmp_path / "ck" / "w" / "c" / "0" / "0"
+    data = bytearray(f.read_bytes())
+    data[7] ^= 0x10  # inside inner chunk (0, 0)
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"crc32c of .*c/0/0 inner chunk \(0, 0\) does not match"):
+        restore(tmp_path / "ck", {"w": torch.zeros(2048, 1024)}, in_place=True)
+
+
+def test_direct_writer_writes_the_files_tensorstore_writes(tmp_path, monkeypatch):
+    from functitan.checkpoint import _fastwrite
+
+    g = torch.Generator().manual_seed(0)
+    tree = {
+        "rows": torch.randn(2048, 1024, generator=g),  # inner chunks (1024, 1024): contiguous, written in place
+        "cols": torch.randn(2048, 1280, generator=g),  # inner chunks (1024, 640): gathered first
+        "cube": torch.randn(3, 5, 7, generator=g).to(torch.bfloat16),  # a plain chunk file
+        "c": torch.randn(4, 3, dtype=torch.complex64, generator=g),  # not _fastwrite's: tensorstore writes it
+        "mask": torch.tensor([True, False, True]),
+        "step": 7,
+        "lr": 0.5,
+    }
+    assert _fastwrite.writable({"shape": [4, 3], "data_type": "complex64", **_zarr_rest()}) is None
+    save_sync(tmp_path / "fast", tree)
+    monkeypatch.setattr(_fastwrite, "writable", lambda metadata: None)  # every leaf through tensorstore
+    save_sync(tmp_path / "ts", tree)
+    files = sorted(p.relative_to(tmp_path / "ts") for p in (tmp_path / "ts").rglob("*") if p.is_file())
+    assert len(files) == 2 + 2 * len(tree)  # _METADATA, _COMMIT, and a zarr.json + one chunk file per leaf
+    for rel in files:
+        assert (tmp_path / "fast" / rel).read_bytes() == (tmp_path / "ts" / rel).read_bytes(), rel
+    got = restore(tmp_path / "fast", tree)
+    assert all(torch.equal(got[k], tree[k]) for k in ("rows", "cols", "cube", "c", "mask"))
+    assert (got["step"], got["lr"]) == (7, 0.5)
+
+
+def _zarr_rest() -> dict:
+    leaf = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+    grid = {"name": "regular", "configuration": {"chunk_shape": [4, 3]}}
+    return {"chunk_grid": grid, "chunk_key_encoding": {"name": "default"}, "fill_value": 0, "codecs": leaf}
+
+
 def test_in_place_restore_fills_the_exemplars_tensors(tmp_path):
     tree = {"w": _full((64, 48), 3), "n": torch.arange(5), "step": 7}
     save_sync(tmp_path / "ck", tree)

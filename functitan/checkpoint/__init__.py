@@ -1,4 +1,4 @@
-"""Sharded, asynchronous, atomic checkpoints in the Orbax layout (zarr3 via tensorstore); reshard on load.
+"""Sharded, asynchronous, atomic checkpoints in the Orbax layout (zarr3, tensorstore-compatible); reshard on load.
 
     ckpt = CheckpointManager("runs/x/ckpt", interval=500, keep_last=3)
     state = ckpt.restore_latest(state) or state     # exemplar: the freshly initialised TrainState

@@ -5,8 +5,10 @@ Tensorstore reads a chunk through its cache and codec chain (about 10x slower th
 here: a chunk file is either the cell's bytes (C order, little endian) followed by their crc32c, or a
 zarr3 shard: inner chunks (bytes + crc32c each), then an index of ``(offset, nbytes)`` uint64 pairs per
 inner chunk and the index's own crc32c. Every byte read is checked against its crc32c, as tensorstore
-does. A reader that needs most of a file reads it whole; otherwise only the index and the inner chunks
-that intersect its box, so resharded loads read about what they keep.
+does. A chunk needed whole whose place in the output is contiguous (a row block) is read straight into
+the output; others go through a reused per-thread buffer. A reader that needs most of a file otherwise
+reads it whole; else only the index and the inner chunks that intersect its box, so resharded loads
+read about what they keep.
 
 ``parse`` returns None for anything else (other codecs, OCDBT, big endian, a NaN fill value...), and the
 caller falls back to tensorstore.
@@ -145,6 +147,29 @@ def _pread(fd: int, offset: int, n: int, where: str, scratch: Any = None) -> mem
     return view
 
 
+def _dest(out: np.ndarray, out_off, c_off, shape, part) -> np.ndarray | None:
+    """The view of ``out`` a whole chunk (at global ``c_off``, of ``shape``) lands in, when the chunk is
+    needed whole and that view is contiguous: then the file is read straight into it, with no copy."""
+    if part[0] != tuple(c_off) or part[1] != tuple(shape):
+        return None
+    view = out[tuple(slice(a - b, a - b + n) for a, b, n in zip(c_off, out_off, shape))]
+    return view if view.flags.c_contiguous and view.flags.writeable else None
+
+
+def _pread_into(fd: int, offset: int, dst: np.ndarray, where: str) -> None:
+    """Read a chunk (``dst.nbytes`` bytes and their crc32c) at ``offset`` straight into ``dst``; check it."""
+    view, crc = dst.reshape(-1).view(np.uint8).data, bytearray(4)
+    n = len(view)
+    got = os.preadv(fd, [view, crc], offset)
+    while got < n + 4:  # a short read: the rest piece by piece
+        k = os.preadv(fd, [view[got:]] if got < n else [memoryview(crc)[got - n :]], offset + got)
+        if k == 0:
+            raise ValueError(f"Digest mismatch: {where} ends after {got} of {n + 4} bytes (truncated)")
+        got += k
+    if _crc32c(view) != int.from_bytes(crc, "little"):
+        raise ValueError(f"Digest mismatch: the crc32c of {where} does not match its content")
+
+
 def read_box(
     path: str,
     spec: Spec,
@@ -176,6 +201,10 @@ def read_box(
             continue
         try:
             if spec.inner is None:
+                dst = _dest(out, off, c_off, spec.cell, ov)
+                if dst is not None:
+                    _pread_into(fd, 0, dst, file)
+                    continue
                 size = math.prod(spec.cell) * spec.dtype.itemsize + 4
                 body = _check(_pread(fd, 0, size, file, scratch), file)
                 _put(out, off, c_off, np.frombuffer(body, spec.dtype).reshape(spec.cell), ov)
@@ -197,20 +226,25 @@ def _read_shard(fd: int, file: str, spec: Spec, c_off, ov, out: np.ndarray, off,
     lo = [(a - c) // i for a, c, i in zip(ov[0], c_off, spec.inner)]
     hi = [-(-(a + s - c) // i) for a, s, c, i in zip(ov[0], ov[1], c_off, spec.inner)]
     wanted = list(itertools.product(*(range(a, b) for a, b in zip(lo, hi))))
-    whole = 4 * len(wanted) >= 3 * n_inner  # most of the file: one read
+    i_offs = [tuple(c + k * i for c, k, i in zip(c_off, j, spec.inner)) for j in wanted]
+    parts = [_overlap(ov[0], ov[1], i_off, spec.inner) for i_off in i_offs]
+    dests = [_dest(out, off, i_off, spec.inner, part) for i_off, part in zip(i_offs, parts)]
+    # most of the file, not all of it readable in place: one read into the buffer
+    whole = 4 * len(wanted) >= 3 * n_inner and any(d is None for d in dests)
     data = _pread(fd, 0, size, file, scratch) if whole else None
     index_view = data[size - index_bytes :] if whole else _pread(fd, size - index_bytes, index_bytes, file)
     index = np.frombuffer(_check(index_view, f"{file} (shard index)"), "<u8").reshape(*counts, 2)
     chunk_bytes = math.prod(spec.inner) * spec.dtype.itemsize
-    for j in wanted:
+    for j, i_off, part, dst in zip(wanted, i_offs, parts, dests):
         start, n = (int(v) for v in index[j])
-        i_off = tuple(c + k * i for c, k, i in zip(c_off, j, spec.inner))
-        part = _overlap(ov[0], ov[1], i_off, spec.inner)
         if start == _MISSING and n == _MISSING:
             _put(out, off, i_off, np.full(spec.inner, spec.fill, spec.dtype), part)
             continue
         if n != chunk_bytes + 4 or start + n > size - index_bytes:
             raise ValueError(f"Digest mismatch: {file} inner chunk {j} has a bad index entry ({start}, {n})")
+        if dst is not None and not whole:
+            _pread_into(fd, start, dst, f"{file} inner chunk {j}")
+            continue
         raw = data[start : start + n] if whole else _pread(fd, start, n, file, scratch)
         body = _check(raw, f"{file} inner chunk {j}")
         _put(out, off, i_off, np.frombuffer(body, spec.dtype).reshape(spec.inner), part)

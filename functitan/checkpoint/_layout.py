@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -222,8 +223,26 @@ def dtensor_boxes(x: DTensor, name: str) -> Boxes:
                 f"{name}: placement {pl} cannot be checkpointed (only Shard and Replicate); "
                 f"redistribute the value (e.g. reduce a Partial) before saving"
             )
-    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-    return _boxes(tuple(x.shape), tuple(mesh.mesh.shape), ranks, tuple(x.placements))
+    ranks, mesh_shape = _mesh_ranks(mesh)
+    return _boxes(tuple(x.shape), mesh_shape, ranks, tuple(x.placements))
+
+
+_MESH_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _mesh_ranks(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The mesh's global ranks (flattened) and shape, computed once per mesh: ``mesh.mesh`` rebuilds a
+    tensor from the mesh's layout on every access (~3 ms under torch 2.13), once per leaf on a restore."""
+    try:
+        return _MESH_RANKS[mesh]
+    except (KeyError, TypeError):
+        pass
+    out = (tuple(int(r) for r in mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape))
+    try:
+        _MESH_RANKS[mesh] = out
+    except TypeError:  # not weak-referenceable: recompute next time
+        pass
+    return out
 
 
 def full_boxes(shape: tuple[int, ...], ranks: tuple[int, ...]) -> Boxes:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .. import _dtensor as _dt
 from ..errors import UserError
 from . import _fastread
 from . import _layout as L
@@ -250,7 +251,8 @@ def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str, in_place: bo
             return arr.read(out=L.as_numpy(x.detach())), lambda _: x
         device = torch.device("cpu") if x.device.type == "meta" else x.device
         grad = x.requires_grad
-        return arr.read(), lambda a: L.from_numpy(a).to(device).requires_grad_(grad)
+        read = arr.read(out=_fresh_out(shape, np_dt)) if isinstance(arr, _FastArray) else arr.read()
+        return read, lambda a: L.from_numpy(a).to(device).requires_grad_(grad)
     if isinstance(x, np.ndarray):
         if x.shape != shape:
             raise ValueError(f"{name}: the checkpoint holds shape {shape} ({where}), the exemplar {x.shape}")
@@ -287,9 +289,13 @@ def _start_dtensor(x: DTensor, arr: ts.TensorStore, in_place: bool = False):
     index = tuple(slice(o, o + s) for o, s in zip(off, shp))
 
     def finish(a: np.ndarray) -> DTensor:
+        # the exemplar's spec (mesh, placements, global shape, stride, dtype) around the new shard
         local = L.from_numpy(a).to(device)
-        out = DTensor.from_local(local, mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
-        return out.requires_grad_(x.requires_grad) if x.is_floating_point() else out
+        grad = x.requires_grad and x.is_floating_point()
+        if _dt.spec(x) is None:  # a DTensor subclass: the public constructor
+            out = DTensor.from_local(local, mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+            return out.requires_grad_(grad)
+        return _dt.wrap(local, _dt.spec(x), grad)
 
     if math.prod(shp) == 0:
         empty = np.empty(shp, dtype=np.dtype(arr.dtype.numpy_dtype))
@@ -298,4 +304,16 @@ def _start_dtensor(x: DTensor, arr: ts.TensorStore, in_place: bool = False):
         local = x._local_tensor  # the same storage as x.to_local(), without autograd in between
         if _writable(local, arr, shp):
             return arr[index].read(out=L.as_numpy(local.detach())), lambda _: x
+    if isinstance(arr, _FastArray):
+        return arr[index].read(out=_fresh_out(shp, arr.dtype.numpy_dtype)), finish
     return (arr[index].read() if index else arr.read()), finish
+
+
+def _fresh_out(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A new array for a direct read to fill, allocated here (the caller's thread) by torch.
+
+    Not ``np.empty`` in a reader thread: numpy asks for transparent huge pages (which can stall in memory
+    compaction) and each reader thread's malloc arena keeps its own free memory, so a second restore
+    page-faulted all of its memory again; torch's allocator in one thread behaves as a trainer's does.
+    """
+    return L.as_numpy(torch.empty(shape, dtype=L._NP_TO_TORCH[np.dtype(dtype)]))
