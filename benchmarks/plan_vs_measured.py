@@ -1,7 +1,7 @@
 """Predicted vs measured step time of >= 8 layouts on 4 gloo processes (same model), and what the planner's
 recommendation costs against the best layout measured.
 
-    PYTHONPATH=. python benchmarks/plan_vs_measured.py [--steps 3] [--dim 256]
+    PYTHONPATH=. python -m benchmarks.plan_vs_measured [--runs 3] [--steps 3] [--dim 128]
 
 Predictions: ``functitan.plan`` with this machine calibrated (``--calibrate``: 4 concurrent processes' matmul
 rate and gloo all-reduce alpha-beta). Measurements: the trainer's own step (``plan.build_step``, real tensors)
@@ -49,28 +49,34 @@ def _base(dims) -> JobConfig:
     return JobConfig(model=ModelConfig(name="llama", flavor="debug", overrides=dims))
 
 
-def _measure(layouts, dims, steps):
+def _measure(layouts, dims, warmup, runs, steps):
+    """Per layout, ``runs`` lists of ``steps`` step times. All layouts are built up front and stepped in
+    alternating rounds (A B C, C B A, ...), so drift on the shared machine falls on every layout alike; a step
+    is timed between barriers (the slowest rank's time)."""
     import torch.distributed as dist
 
     from functitan.mesh import make_mesh
     from functitan.plan import build_step
 
     model, mcfg = _model(dims)
-    out = []
+    built = []
     for c in layouts:
         cfg = job_config(_base(dims), c, batch_size=BATCH, seq_len=SEQ)
         mesh = make_mesh(dp_replicate=c.dp_replicate, dp_shard=c.dp_shard, tp=c.tp, pp=c.pp, device="cpu")
-        state, step, batch = build_step(cfg, model, mcfg, mesh, fake=False)
-        state, _ = step(state, batch)  # warm-up
-        times = []
-        for _ in range(steps):
+        built.append(list(build_step(cfg, model, mcfg, mesh, fake=False)))
+    times: list[list[float]] = [[] for _ in layouts]
+    order = list(range(len(layouts)))
+    for r in range(warmup + runs * steps):
+        for i in order if r % 2 == 0 else reversed(order):
+            state, step, batch = built[i]
             dist.barrier()
             t0 = time.perf_counter()
             state, _ = step(state, batch)
             dist.barrier()
-            times.append(time.perf_counter() - t0)
-        out.append(statistics.median(times))
-    return out
+            built[i][0] = state
+            if r >= warmup:
+                times[i].append(time.perf_counter() - t0)
+    return [[t[k * steps : (k + 1) * steps] for k in range(runs)] for t in times]
 
 
 def _ranks(xs):
@@ -87,14 +93,8 @@ def spearman(a, b) -> float:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    args = ap.parse_args()
-    dims = {"dim": args.dim, "n_layers": args.layers, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 3 * args.dim}
-    t0 = time.perf_counter()
+def _predict(dims):
+    """Seconds per step of every layout, by the planner with this machine calibrated; the device's source line."""
     dev = calibrate(device("cpu"), processes=WORLD)
     cluster = Cluster(device=dev, nodes=1, per_node=WORLD)
     model, mcfg = _model(dims)
@@ -103,35 +103,65 @@ def main() -> None:
     predicted = []
     for c in LAYOUTS:
         p = predict(_base(dims), model, mcfg, shape, c, batch_size=BATCH, seq_len=SEQ)
-        predicted.append(
-            step_time(c, cluster, p.comm, flops_per_token=fpt, tokens=BATCH * SEQ, n_blocks=p.blocks).total
-        )
+        t = step_time(c, cluster, p.comm, flops_per_token=fpt, tokens=BATCH * SEQ, n_blocks=p.blocks, ops=p.ops)
+        predicted.append(t.total)
+    return predicted, dev.source
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds (every layout once per round)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="timed rounds per run")
+    ap.add_argument(
+        "--reuse-measured", action="store_true", help="predict again, keep the measured times of the last result"
+    )
+    args = ap.parse_args()
+    dims = {"dim": args.dim, "n_layers": args.layers, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 3 * args.dim}
+    out = Path(__file__).parent / "results" / "plan_vs_measured.json"
+    t0 = time.perf_counter()
+    predicted, source = _predict(dims)
     t_plan = time.perf_counter() - t0
-    measured = run_distributed(_measure, WORLD, LAYOUTS, dims, args.steps, timeout=3000)[0]
+    if args.reuse_measured:
+        old = json.loads(out.read_text())
+        per_run = [row["measured_runs_s"] for row in old["layouts"]]
+        args.runs, args.steps, args.warmup = old["runs"], old["steps"], old["warmup"]
+    else:
+        raw = run_distributed(_measure, WORLD, LAYOUTS, dims, args.warmup, args.runs, args.steps, timeout=3000)[0]
+        per_run = [[statistics.median(run) for run in layout] for layout in raw]
+    measured = [statistics.median(runs) for runs in per_run]
     rec = min(range(len(LAYOUTS)), key=lambda i: predicted[i])
+    run_ratios = [per_run[rec][k] / min(layout[k] for layout in per_run) for k in range(args.runs)]
     result = {
         "world": WORLD,
         "model": dims,
         "seq_len": SEQ,
         "batch_size": BATCH,
+        "warmup": args.warmup,
+        "runs": args.runs,
         "steps": args.steps,
-        "device": dev.source,
+        "device": source,
         "plan_seconds": t_plan,
         "layouts": [
-            {"layout": c.label(), "predicted_s": p, "measured_s": m} for c, p, m in zip(LAYOUTS, predicted, measured)
+            {"layout": c.label(), "predicted_s": p, "measured_s": m, "measured_runs_s": r}
+            for c, p, m, r in zip(LAYOUTS, predicted, measured, per_run)
         ],
         "spearman": spearman(predicted, measured),
         "recommended": LAYOUTS[rec].label(),
         "recommended_over_best_measured": measured[rec] / min(measured),
+        "recommended_over_best_measured_runs": run_ratios,
         "target": "recommended_over_best_measured <= 1.10",
     }
-    out = Path(__file__).parent / "results" / "plan_vs_measured.json"
     out.write_text(json.dumps(result, indent=2))
     for row in result["layouts"]:
-        print(f"{row['layout']:<44} predicted {row['predicted_s']:.4f} s  measured {row['measured_s']:.4f} s")
+        runs = " ".join(f"{x:.4f}" for x in row["measured_runs_s"])
+        print(f"{row['layout']:<40} predicted {row['predicted_s']:.4f} s  measured {row['measured_s']:.4f} s ({runs})")
     print(
         f"spearman {result['spearman']:.3f}; recommended {result['recommended']}: "
-        f"{result['recommended_over_best_measured']:.3f} x the best measured; wrote {out}"
+        f"{result['recommended_over_best_measured']:.3f} x the best measured "
+        f"(per run {', '.join(f'{x:.3f}' for x in run_ratios)}); wrote {out}"
     )
 
 

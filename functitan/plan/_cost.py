@@ -18,7 +18,12 @@ Time per step: compute = model FLOPs of the rank / (peak x achievable fraction),
 bubble of functitan's own schedule simulator; each collective costs ``alpha * (n-1) + bytes * (n-1)/n / bw``
 (an all-reduce twice that) on the link level its group spans (NVLink inside a node, InfiniBand across). The
 FSDP all-gather of the next block is prefetched, so it hides behind compute; reduce-scatters, tensor-parallel,
-DDP and pipeline transfers are synchronous in functitan and add up.
+DDP and pipeline transfers are synchronous in functitan and add up. Host time is the ops the trace dispatches
+on the rank times the device's seconds per op (Python, dispatcher, autograd, launch): on a GPU the host queues
+kernels ahead, so compute and host time overlap (the larger counts); on a CPU the host is the device, so they
+add (tiny models on CPU are mostly host time). Where local processes outnumber the cores (a calibrated CPU,
+``share`` ranks per core), rates are measured with all ranks busy and a rank idle in the pipeline bubble lends
+its core to the others: the bubble stretches the step only by ``max(1, 1 / (share * (1 - bubble)))``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ _ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
 class Time(NamedTuple):
     total: float  # seconds per step
     compute: float  # pure compute (with remat's recompute), before the bubble
+    host: float  # host time: ops dispatched x seconds per op (overlaps compute on GPUs, adds to it on CPUs)
+    work: float  # compute and host time together (the larger of the two on GPUs, their sum on CPUs)
+    busy: float  # work stretched by the pipeline bubble
     bubble: float  # fraction of the pipeline idle (0 without pp)
     comm_exposed: float  # seconds of communication not hidden behind compute
     by_axis: dict  # axes -> seconds (all collectives on them, hidden or not)
@@ -99,8 +107,9 @@ def _collective_s(kind: str, nbytes: float, count: float, n: int, bw: float, alp
 
 
 def step_time(
-    c: Candidate, cluster: Cluster, comm: dict, *, flops_per_token: float, tokens: int, n_blocks: int
+    c: Candidate, cluster: Cluster, comm: dict, *, flops_per_token: float, tokens: int, n_blocks: int, ops: float = 0.0
 ) -> Time:
+    """Seconds per step (module docstring); ``ops``: the ops the busiest rank dispatches per step (traced)."""
     dev = cluster.device
     flops = flops_per_token * tokens / cluster.world * (4 / 3 if c.remat == "full" else 1.0)
     compute = flops / (dev.peak(c.param_dtype) * dev.efficiency)
@@ -119,13 +128,21 @@ def step_time(
             else:
                 exposed += t
     b = bubble(c)
-    busy = compute / (1 - b) if b < 1 else math.inf
+    host = ops * dev.op_s
+    # a GPU's host queues kernels ahead (the slower of the two paces the step); a CPU's host is the device
+    work = max(compute, host) if dev.host_async else compute + host
+    # ranks sharing cores (``share`` > 1) run at the rate measured with all of them busy; a rank idle in the
+    # bubble lends its core to the others, so the bubble costs only once the rest cannot absorb it
+    busy = work * max(1.0, 1.0 / (dev.share * (1 - b))) if b < 1 else math.inf
     # FSDP prefetch: the next block's all-gather runs under this block's compute; the first one is exposed
-    exposed += max(gather - compute, gather / max(n_blocks + 1, 2))
+    exposed += max(gather - work, gather / max(n_blocks + 1, 2))
     total = busy + exposed
     return Time(
         total=total,
         compute=compute,
+        host=host,
+        work=work,
+        busy=busy,
         bubble=b,
         comm_exposed=exposed,
         by_axis=by_axis,

@@ -18,7 +18,7 @@ import torch
 
 from ..metrics._peak import _table_lookup
 
-__all__ = ["Device", "Cluster", "DEVICES", "device", "calibrate", "matmul_rate"]
+__all__ = ["Device", "Cluster", "DEVICES", "device", "calibrate", "matmul_rate", "op_time"]
 
 _GIB = float(1 << 30)
 
@@ -37,6 +37,10 @@ class Device:
     inter_bw: float  # bytes/s per device between nodes (InfiniBand)
     inter_alpha: float
     reserve: float  # bytes not available to tensors (CUDA context, NCCL buffers, allocator fragmentation)
+    op_s: float  # host seconds per dispatched op (Python, dispatcher, autograd, kernel launch)
+    host_async: bool  # the host queues kernels ahead of the device (GPUs): its time overlaps the device's
+    share: float = 1.0  # ranks per core when local processes outnumber the cores (calibrated CPUs): rates are
+    #                     measured with all of them running, and an idle rank's core goes to the others
     source: str  # where the numbers come from (printed)
 
     def peak(self, dtype: str) -> float:
@@ -61,21 +65,36 @@ def _gpu(key: str, table_name: str, mem_gib: float, intra_gbs: float, inter_gbs:
         inter_bw=inter_gbs * 1e9,
         inter_alpha=10e-6,
         reserve=6 * _GIB,
+        op_s=10e-6,
+        host_async=True,
         source=f"{table_name} datasheet peak; {mem_gib} GiB; NVLink {intra_gbs:g} GB/s and IB "
-        f"{inter_gbs:g} GB/s per GPU; 5/10 us latency; 45% of peak achievable; 6 GiB reserved",
+        f"{inter_gbs:g} GB/s per GPU; 5/10 us latency; 45% of peak achievable; 6 GiB reserved; "
+        "10 us of host time per op (eager launch), overlapped with the device's work",
     )
 
 
-def matmul_rate(n: int = 512, budget_s: float = 0.3) -> float:
-    """Best fp32 square-matmul FLOP/s of this CPU over ``budget_s`` (best-of rides out a busy machine)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    best, deadline = math.inf, time.perf_counter() + budget_s
+def matmul_rate(n: int = 512, budget_s: float = 0.3, *, best: bool = True) -> float:
+    """fp32 square-matmul FLOP/s of this CPU over ``budget_s``: the best call (rides out a busy machine), or with
+    ``best=False`` the throughput (calls done / time taken: what a process gets while others share the cores)."""
+    return 2 * n**3 / _per_call(torch.mm, (torch.randn(n, n), torch.randn(n, n)), budget_s, best)
+
+
+def op_time(budget_s: float = 0.3, *, best: bool = True) -> float:
+    """Host seconds per dispatched op: an elementwise op on a 64-element tensor, whose kernel is next to free."""
+    return _per_call(torch.add, (torch.zeros(64), torch.zeros(64)), budget_s, best)
+
+
+def _per_call(fn, args, budget_s: float, best: bool) -> float:
+    fastest, calls = math.inf, 0
+    start = time.perf_counter()
+    deadline = start + budget_s
     while True:
         t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() > deadline:
-            return 2 * n**3 / best
+        fn(*args)
+        t1 = time.perf_counter()
+        fastest, calls = min(fastest, t1 - t0), calls + 1
+        if t1 > deadline:
+            return fastest if best else (t1 - start) / calls
 
 
 def _cpu() -> Device:
@@ -95,8 +114,10 @@ def _cpu() -> Device:
         inter_bw=0.1e9,
         inter_alpha=500e-6,
         reserve=0.0,
-        source="this machine: host memory; fp32 matmul rate measured (bf16 = fp32 / 8 without AMX); "
-        "gloo loopback 1 GB/s, 100 us per ring step (--calibrate measures them); 60% achievable",
+        op_s=op_time(0.1),
+        host_async=False,
+        source="this machine: host memory; fp32 matmul rate and host time per op measured (bf16 = fp32 / 8 "
+        "without AMX); gloo loopback 1 GB/s, 100 us per ring step (--calibrate measures them); 60% achievable",
     )
 
 
@@ -130,42 +151,46 @@ class Cluster:
         return self.nodes * self.per_node
 
 
-def _calibrate_worker(sizes: tuple[int, ...], reps: int) -> tuple[float, list[float]]:
-    """On each of the concurrent processes: its matmul rate (they share the cores, as training ranks do) and
-    the best time of an all-reduce of each size."""
+def _calibrate_worker(sizes: tuple[int, ...], reps: int) -> tuple[float, float, list[float]]:
+    """On each of the concurrent processes: its matmul rate and host time per op, as throughputs while all of
+    them run (they share the cores, as training ranks do), and the median time of an all-reduce of each size."""
     import torch.distributed as dist
 
     dist.barrier()
-    rate = matmul_rate(512, 0.5)
+    rate = matmul_rate(512, 0.5, best=False)
+    dist.barrier()
+    op = op_time(0.3, best=False)
     times = []
     for n in sizes:
         x = torch.zeros(n // 4)
         dist.all_reduce(x)
-        best = math.inf
+        ts = []
         for _ in range(reps):
             dist.barrier()
             t0 = time.perf_counter()
             dist.all_reduce(x)
-            best = min(best, time.perf_counter() - t0)
-        times.append(best)
-    return rate, times
+            ts.append(time.perf_counter() - t0)
+        times.append(sorted(ts)[len(ts) // 2])
+    return rate, op, times
 
 
 def calibrate(dev: Device, *, processes: int = 2) -> Device:
     """``dev`` with this machine's numbers, measured on ``processes`` concurrent local processes (gloo): the
-    fp32 matmul rate each gets while the others run (efficiency 1: it is the achievable rate) and the
-    alpha-beta fit of an all-reduce."""
+    fp32 matmul rate and host time per op each gets while the others run (efficiency 1: it is the achievable
+    rate), the alpha-beta fit of an all-reduce, and (CPU) how many processes share a core."""
     from ..testing import run_distributed
 
     sizes = (4 << 10, 4 << 20)
-    results = run_distributed(_calibrate_worker, processes, sizes, 5, timeout=300)
-    rates = sorted(r for r, _ in results)
+    results = run_distributed(_calibrate_worker, processes, sizes, 9, timeout=300)
+    rates = sorted(r for r, _, _ in results)
     fp32 = rates[len(rates) // 2]
-    t_small, t_big = results[0][1]
+    op = sorted(o for _, o, _ in results)[len(results) // 2]
+    t_small, t_big = results[0][2]
     ring = 2 * (processes - 1)  # ring steps of an all-reduce
     alpha = t_small / ring
     bw = max(2 * (processes - 1) / processes * (sizes[1] - sizes[0]) / max(t_big - t_small, 1e-9), 1e6)
     cpu = dev.name == "cpu"
+    share = max(processes / len(os.sched_getaffinity(0)), 1.0) if cpu else 1.0
     return replace(
         dev,
         peak_fp32=fp32 if cpu else dev.peak_fp32,
@@ -175,6 +200,10 @@ def calibrate(dev: Device, *, processes: int = 2) -> Device:
         intra_alpha=alpha,
         inter_bw=bw if cpu else min(bw, dev.inter_bw),
         inter_alpha=alpha,
+        op_s=op if cpu else dev.op_s,
+        share=share,
         source=f"calibrated here with {processes} processes: fp32 matmul {fp32 / 1e9:.2f} GFLOP/s per "
-        f"process; gloo all-reduce {bw / 1e9:.3f} GB/s, {alpha * 1e6:.0f} us per ring step",
+        f"process; gloo all-reduce {bw / 1e9:.3f} GB/s, {alpha * 1e6:.0f} us per ring step"
+        + (f"; {op * 1e6:.1f} us of host time per op" if cpu else f"; {dev.op_s * 1e6:.0f} us of host time per op")
+        + (f"; {share:g} processes per core (an idle rank's core goes to the others)" if share > 1 else ""),
     )

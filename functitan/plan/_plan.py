@@ -210,7 +210,7 @@ def _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_
     except ValueError as e:  # a validator the enumeration does not know refused it: say so, go on
         log(f"  pruned {c.label()}: {str(e).split('; ')[0]}")
         return None
-    t = step_time(c, cluster, p.comm, flops_per_token=fpt, tokens=batch_size * seq_len, n_blocks=p.blocks)
+    t = step_time(c, cluster, p.comm, flops_per_token=fpt, tokens=batch_size * seq_len, n_blocks=p.blocks, ops=p.ops)
     rest = p.peak - p.params - p.grads - p.opt_state
     buffers = min(mem["buffers"], max(rest, 0.0))
     parts = {

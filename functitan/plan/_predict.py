@@ -63,6 +63,7 @@ class Prediction(NamedTuple):
     rank: int  # the global rank whose peak this is
     comm: dict
     blocks: int  # blocks on that rank
+    ops: float = 0.0  # ops dispatched per step on that rank
 
 
 def _lerp(a: float, b: float, k: float) -> float:
@@ -109,7 +110,7 @@ def predict(
     if shape.field is None:  # no block structure known: trace the whole model
         cfg = job_config(base_cfg, cand, batch_size=batch_size, seq_len=seq_len)
         t = trace_rank(cfg, model, model_cfg, world=world, rank=0)
-        return Prediction(t.peak, t.params, t.opt_state, t.grads, 0, t.comm, shape.n_blocks)
+        return Prediction(t.peak, t.params, t.opt_state, t.grads, 0, t.comm, shape.n_blocks, t.ops)
     real = rank_blocks(shape, cand, m)
     if cand.pp == 1:
         m_traced = min(m, 2)
@@ -126,7 +127,7 @@ def predict(
     from ._cost import pipe_stats
 
     real_inflight = pipe_stats(cand.pp, cand.schedule, cand.stages_per_rank, m)[1]
-    worst = None
+    worst, most_ops = None, 0.0
     for pp_rank in sorted({0, cand.pp - 1}):
         rank = pp_rank * (world // cand.pp)
         grid = {}  # (blocks per stage, microbatches) -> trace
@@ -147,10 +148,12 @@ def predict(
         p1, p2 = _combine(grid[1, 1], grid[2, 1], k, rank, 1.0), _combine(grid[1, 2], grid[2, 2], k, rank, 1.0)
         peak = p1.peak + u * (p2.peak - p1.peak)
         comm = _lerp_comm(p1.comm, p2.comm, m, 1.0)  # collectives grow by microbatch, in flight or not
+        most_ops = max(most_ops, _lerp(p1.ops, p2.ops, m))  # the busiest host paces the pipeline
         p = p2._replace(peak=peak, comm=comm, blocks=real[pp_rank])
         if worst is None or p.peak > worst.peak:
             worst = p
-    return worst
+    assert worst is not None  # the loop ran: pp > 1 has a first rank
+    return worst._replace(ops=most_ops)
 
 
 def _combine(t1, t2, k: float, rank: int, comm_scale: float, blocks: int | None = None) -> Prediction:
@@ -165,4 +168,5 @@ def _combine(t1, t2, k: float, rank: int, comm_scale: float, blocks: int | None 
         rank=rank,
         comm=_lerp_comm(t1.comm, t2.comm, k, comm_scale),
         blocks=int(round(k)) if blocks is None else blocks,
+        ops=max(_lerp(t1.ops, t2.ops, k), 0.0) * comm_scale,
     )

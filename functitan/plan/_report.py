@@ -93,7 +93,8 @@ def render_png(plan: Any, path: str | Path, top: int = 6) -> None:
     left = [0.0] * len(rows)
     for name, get in (
         ("compute", lambda r: r.time.compute),
-        ("bubble", lambda r: r.time.compute * r.time.bubble / max(1 - r.time.bubble, 1e-9)),
+        ("host (not overlapped)", lambda r: r.time.work - r.time.compute),
+        ("bubble", lambda r: r.time.busy - r.time.work),
         ("exposed comm", lambda r: r.time.comm_exposed),
     ):
         vals = [get(r) for r in rows]

@@ -5,7 +5,8 @@ The step is the trainer's own (``train.make_layout``, ``train.place_model``, ``t
 carry shapes and dtypes but no storage, collectives return at once, and torch's ``MemTracker`` sums the
 storages alive at each instant exactly as it does in a real run. Two dispatch modes ride along: one answers
 the step's host reads (``loss.item()``: a fake tensor has no value; every read gives 1.0, a finite loss), one
-counts the bytes of every c10d collective by the mesh axes its group spans.
+counts the bytes of every c10d collective by the mesh axes its group spans, and every op dispatched (the
+host's per-op cost is a term of the step time).
 
 Gotchas (measured, torch 2.13): the mesh is built outside FakeTensorMode (its construction reads values); a
 first step runs before the measured one (lazy state is created on it).
@@ -64,6 +65,7 @@ class RankTrace(NamedTuple):
     comm: dict
     after_forward: int = 0  # live bytes once a microbatch's forward has run (all its saved activations): a
     #                         lower bound of the peak at a fixed program point (0 with pipelining: not traced)
+    ops: int = 0  # aten ops the step dispatches on this rank (each costs host time: ``Device.op_s``)
 
 
 def _nbytes(tree: Any) -> int:
@@ -89,11 +91,12 @@ class _HostReads(TorchDispatchMode):
 
 
 class _CommCounter(TorchDispatchMode):
-    """Counts c10d collectives by the mesh axes their group spans."""
+    """Counts c10d collectives by the mesh axes their group spans, and every op the step dispatches."""
 
     def __init__(self, mesh) -> None:
         super().__init__()
         self.comm: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+        self.ops = 0
         self._shape = tuple(mesh.mesh.shape)
         self._names = tuple(mesh.mesh_dim_names)
         self._axes: dict[str, tuple[str, ...]] = {}
@@ -120,6 +123,7 @@ class _CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.ops += 1
         ns, name = func.namespace, func.__name__.split(".")[0]
         if ns in ("c10d", "_c10d_functional") and name in _C10D_KIND:
             kind = _C10D_KIND[name]
@@ -235,7 +239,13 @@ def trace_rank(cfg, model, model_cfg, *, world: int, rank: int, stage_layers=Non
             after = _after_forward(cfg, model, model_cfg, mesh, state, batch) if par.pp == 1 else 0
     comm = {axes: {k: list(v) for k, v in kinds.items()} for axes, kinds in counter.comm.items()}
     return RankTrace(
-        peak=peak, params=params, opt_state=opt, grads=params_grad_bytes(state.params), comm=comm, after_forward=after
+        peak=peak,
+        params=params,
+        opt_state=opt,
+        grads=params_grad_bytes(state.params),
+        comm=comm,
+        after_forward=after,
+        ops=counter.ops,
     )
 
 

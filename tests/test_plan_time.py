@@ -1,0 +1,84 @@
+"""functitan.plan's step-time model: the host term (traced op count x seconds per op) and its calibration."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from functitan.job_config import JobConfig, ModelConfig
+from functitan.plan import Candidate, Cluster, calibrate, device, job_config, model_shape, predict, trace_rank
+from functitan.plan._cost import step_time
+from functitan.plan._devices import op_time
+
+TINY = {"dim": 64, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 128}
+SEQ, BATCH = 32, 8
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _cluster(**dev) -> Cluster:
+    base = dataclasses.replace(device("h100"), **dev)
+    return Cluster(device=base, nodes=1, per_node=8)
+
+
+def _t(cluster: Cluster, c: Candidate, ops: float):
+    # 1 TFLOP per token x 8192 tokens on 8 ranks: 1 PFLOP per rank, ~2.2 s on an H100 at 45% of peak
+    return step_time(c, cluster, {}, flops_per_token=1e12, tokens=8192, n_blocks=4, ops=ops)
+
+
+def test_host_time_adds_on_a_cpu_and_overlaps_on_a_gpu():
+    c = Candidate(dp_replicate=8)
+    cpu_like = _cluster(host_async=False, op_s=20e-6)
+    assert _t(cpu_like, c, 5000).total - _t(cpu_like, c, 0).total == pytest.approx(5000 * 20e-6)
+    gpu = _cluster(op_s=10e-6)  # the H100 default: 10k ops are 0.1 s of host time, under the compute
+    assert _t(gpu, c, 10_000).total == pytest.approx(_t(gpu, c, 0).total)
+    host_bound = _t(gpu, c, 1e6)  # 10 s of launches: the host paces the step
+    assert host_bound.total == pytest.approx(10.0) and host_bound.host == pytest.approx(10.0)
+
+
+def test_bubble_is_lent_to_ranks_that_share_cores():
+    c = Candidate(pp=2, dp_replicate=4, schedule="1f1b", microbatches=2)
+    alone = _t(_cluster(host_async=False), c, 1000)
+    shared = _t(_cluster(host_async=False, share=2.0), c, 1000)
+    assert alone.bubble == pytest.approx(1 / 3)
+    assert alone.busy == pytest.approx(alone.work * 1.5)  # 1 / (1 - bubble)
+    assert shared.busy == pytest.approx(shared.work)  # the idle third is absorbed by the other rank on the core
+
+
+def test_traced_op_count_extrapolates_to_the_full_model():
+    from functitan.model import load_model
+
+    model = load_model("llama")
+    mcfg = model.config("debug", **TINY)
+    base = JobConfig(model=ModelConfig(name="llama", flavor="debug", overrides=TINY))
+    c = Candidate(dp_shard=4, param_dtype="float32")
+    p = predict(base, model, mcfg, model_shape(model, mcfg, SEQ), c, batch_size=BATCH, seq_len=SEQ)
+    cfg = job_config(base, c, batch_size=BATCH, seq_len=SEQ)
+    full = trace_rank(cfg, model, mcfg, world=4, rank=0)
+    three = trace_rank(cfg, model, dataclasses.replace(mcfg, n_layers=3), world=4, rank=0)
+    assert full.ops > three.ops > 0
+    assert p.ops == pytest.approx(full.ops)  # traced at 2 and 3 blocks, extended to 4: exact
+    # the step time of a candidate grows with the ops it dispatches
+    cl = Cluster(device=dataclasses.replace(device("h100"), host_async=False), nodes=1, per_node=4)
+    t = step_time(c, cl, p.comm, flops_per_token=1e6, tokens=BATCH * SEQ, n_blocks=4, ops=p.ops)
+    t3 = step_time(c, cl, p.comm, flops_per_token=1e6, tokens=BATCH * SEQ, n_blocks=4, ops=three.ops)
+    assert t.total - t3.total == pytest.approx((full.ops - three.ops) * cl.device.op_s)
+
+
+def test_calibrate_fits_the_host_time_per_op():
+    here = op_time(0.2, best=False)
+    dev = calibrate(device("cpu"), processes=2)
+    assert 0 < dev.op_s < 1e-3
+    # two processes measure while both run: no faster than one alone at its best, and within reach of it
+    assert op_time(0.2) * 0.5 <= dev.op_s <= here * 20
+    assert dev.share == max(2 / len(os.sched_getaffinity(0)), 1.0)
+    assert "us of host time per op" in dev.source
+    assert not dev.host_async
