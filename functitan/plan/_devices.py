@@ -188,7 +188,8 @@ def calibrate(dev: Device, *, processes: int = 2) -> Device:
     t_small, t_big = results[0][2]
     ring = 2 * (processes - 1)  # ring steps of an all-reduce
     alpha = t_small / ring
-    bw = max(2 * (processes - 1) / processes * (sizes[1] - sizes[0]) / max(t_big - t_small, 1e-9), 1e6)
+    # at 4 MiB the bytes take at least half the time: a noisy small-size median cannot make the slope vanish
+    bw = max(2 * (processes - 1) / processes * (sizes[1] - sizes[0]) / max(t_big - t_small, t_big / 2), 1e6)
     cpu = dev.name == "cpu"
     share = max(processes / len(os.sched_getaffinity(0)), 1.0) if cpu else 1.0
     return replace(
