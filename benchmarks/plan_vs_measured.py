@@ -3,12 +3,14 @@ recommendation costs against the best layout measured.
 
     PYTHONPATH=. python -m benchmarks.plan_vs_measured [--runs 3] [--steps 3] [--dim 128]
 
-Predictions: ``functitan.plan`` with this machine calibrated (``--calibrate``: 4 concurrent processes' matmul
-rate and gloo all-reduce alpha-beta). Measurements: the trainer's own step (``plan.build_step``, real tensors)
-on 4 gloo processes, median step time after one warm-up step, all layouts in one launch. Writes
-benchmarks/results/plan_vs_measured.json: per layout predicted and measured seconds, the Spearman rank
-correlation, and recommended-measured / best-measured (target <= 1.10). CPU timings on a shared machine are
-noisy: the ratio compares layouts measured in the same run.
+Predictions: ``functitan.plan`` with this machine calibrated (``--calibrate``: the matmul rate and host time
+per op of 4 concurrent processes, gloo all-reduce alpha-beta, processes per core). Measurements: the trainer's
+own step (``plan.build_step``, real tensors) on 4 gloo processes; every layout is built up front and stepped in
+alternating rounds (drift on the shared machine falls on all alike), each step timed between barriers; after
+the warm-up rounds, ``--runs`` runs of ``--steps`` rounds; a layout's time is the median over runs of its
+per-run median. Writes benchmarks/results/plan_vs_measured.json: per layout predicted and measured seconds
+(and per run), the Spearman rank correlation, and recommended-measured / best-measured (target <= 1.10),
+overall and per run.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds (every layout once per round)")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3, help="timed rounds per run")
+    ap.add_argument("--steps", type=int, default=5, help="timed rounds per run")
     ap.add_argument(
         "--reuse-measured", action="store_true", help="predict again, keep the measured times of the last result"
     )
