@@ -152,7 +152,8 @@ def predict(
         p = p2._replace(peak=peak, comm=comm, blocks=real[pp_rank])
         if worst is None or p.peak > worst.peak:
             worst = p
-    assert worst is not None  # the loop ran: pp > 1 has a first rank
+    if worst is None:  # unreachable: the loop visits pp rank 0
+        raise RuntimeError(f"no pipeline rank was traced for {cand}")
     return worst._replace(ops=most_ops)
 
 
