@@ -24,28 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks._common import environment, write_json
-from functitan.elastic.harness import live_scenario, plain_restart_scenario, restart_scenario
-
-ARGS = [
-    "--model.n_layers=2",
-    "--model.dim=64",
-    "--model.n_heads=8",
-    "--model.n_kv_heads=4",
-    "--model.ffn_dim=128",
-    "--training.batch_size=12",
-    "--training.seq_len=32",
-    "--data.max_corpus_bytes=400000",
-    "--metrics.log_every=1",
-    "--optimizer.eps=1e-6",
-    "--optimizer.lr=1e-2",
-    "--training.threads=1",
-    "--elastic.microbatch_size=2",
-    "--training.steps=100000",
-    "--checkpoint.enable=true",
-    "--checkpoint.interval=1",
-    "--checkpoint.keep_last=2",
-]
-
+from functitan.elastic.harness import ELASTIC_RUN_ARGS, live_scenario, plain_restart_scenario, restart_scenario
 
 LEVELS = ("torchrun", "restart", "live")
 
@@ -101,7 +80,7 @@ def main() -> None:
         for level in args.levels.split(","):
             t0 = time.time()
             work = Path(tmp) / level
-            train = [*ARGS, f"--metrics.run_dir={work}/runs", "--metrics.run_name=job"]
+            train = [*ELASTIC_RUN_ARGS, f"--metrics.run_dir={work}/runs", "--metrics.run_name=job"]
             try:
                 res = _run(level, work, train, args.timeout)
             except (TimeoutError, KeyError, IndexError) as exc:  # recorded in the results, not hidden

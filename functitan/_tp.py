@@ -79,13 +79,15 @@ def _parse(pattern: str, n_operands: int) -> tuple[tuple[tuple[str, ...], ...], 
     return inputs, output, functools.partial(torch.einsum, eq)
 
 
-@functools.lru_cache(maxsize=512)
+_AXIS_OF: dict[tuple[tuple[str, ...], Rules, str], str | None] = {}  # a plain dict for torch.compile, as _PARSED
+
+
 def _axis_of(names: tuple[str, ...], rules: Rules, axis: str) -> str | None:
     """The logical name of the dim that ``rules`` shard over mesh ``axis`` (None if no dim is)."""
-    for name, axes in zip(names, logical_to_mesh_axes(names, rules)):
-        if axis in axes:
-            return name
-    return None
+    k = (names, rules, axis)
+    if k not in _AXIS_OF:
+        _AXIS_OF[k] = next((n for n, axes in zip(names, logical_to_mesh_axes(names, rules)) if axis in axes), None)
+    return _AXIS_OF[k]
 
 
 class TPContext:

@@ -19,6 +19,21 @@ import torch.multiprocessing as mp
 __all__ = ["run_distributed", "free_port"]
 
 
+# The smallest Llama (and corpus) a CLI test or benchmark trains: the bundled default at 2 layers x 64 wide, so a
+# step takes milliseconds and a whole run a few seconds. The caller adds batch, seq and what it tests.
+TINY_RUN_ARGS: tuple[str, ...] = (
+    "--model.n_layers=2",
+    "--model.dim=64",
+    "--model.n_heads=8",
+    "--model.n_kv_heads=4",
+    "--model.ffn_dim=128",
+    "--data.max_corpus_bytes=400000",
+    "--metrics.log_every=1",
+    "--optimizer.eps=1e-6",
+    "--training.threads=1",
+)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

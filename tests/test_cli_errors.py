@@ -12,19 +12,13 @@ from pathlib import Path
 import pytest
 
 from functitan.errors import user_errors_exit
-from functitan.testing import run_distributed
+from functitan.testing import TINY_RUN_ARGS, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
-    "--model.n_layers=2",
-    "--model.dim=64",
-    "--model.n_heads=8",
-    "--model.n_kv_heads=4",
-    "--model.ffn_dim=128",
+    *TINY_RUN_ARGS,
     "--training.batch_size=8",
     "--training.seq_len=32",
-    "--data.max_corpus_bytes=400000",
-    "--metrics.log_every=1",
 ]
 
 

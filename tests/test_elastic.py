@@ -17,29 +17,17 @@ import signal
 
 import pytest
 
-from functitan.elastic.harness import committed, live_scenario, read_metrics, restart_scenario
+from functitan.elastic.harness import (
+    ELASTIC_BATCH,
+    ELASTIC_RUN_ARGS,
+    ELASTIC_SEQ,
+    committed,
+    live_scenario,
+    read_metrics,
+    restart_scenario,
+)
 from functitan.testing import run_distributed
 
-BATCH, SEQ = 12, 32
-ARGS = [
-    "--model.n_layers=2",
-    "--model.dim=64",
-    "--model.n_heads=8",
-    "--model.n_kv_heads=4",
-    "--model.ffn_dim=128",
-    f"--training.batch_size={BATCH}",
-    f"--training.seq_len={SEQ}",
-    "--data.max_corpus_bytes=400000",
-    "--metrics.log_every=1",
-    "--optimizer.eps=1e-6",
-    "--optimizer.lr=1e-2",
-    "--training.threads=1",
-    "--elastic.microbatch_size=2",
-    "--training.steps=100000",
-    "--checkpoint.enable=true",
-    "--checkpoint.interval=1",
-    "--checkpoint.keep_last=2",
-]
 # fp32, the same global batch; 1, 2 and 3 ranks x 2-6 microbatches sum in different orders. Over ~20 steps of
 # Adam at lr 1e-2 the rounding differences grow to ~1e-5 relative.
 TOL = dict(rel=2e-4, abs=5e-5)
@@ -76,8 +64,8 @@ def _check(records: list[dict], reference: dict[int, dict]) -> list[dict]:
     n = steps[-1]["step"]
     assert [r["step"] for r in steps] == list(range(1, n + 1))
     for r in records:  # a redone step read the same data as the first try
-        assert (r["data_epoch"], r["data_seq"]) == (0, (r["step"] - 1) * BATCH), r
-        assert r["batch_tokens"] == BATCH * SEQ
+        assert (r["data_epoch"], r["data_seq"]) == (0, (r["step"] - 1) * ELASTIC_BATCH), r
+        assert r["batch_tokens"] == ELASTIC_BATCH * ELASTIC_SEQ
     for r in steps:
         ref = reference[r["step"]]
         assert r["loss"] == pytest.approx(ref["loss"], **TOL), r["step"]
@@ -86,19 +74,21 @@ def _check(records: list[dict], reference: dict[int, dict]) -> list[dict]:
 
 
 def _reference(tmp_path, n: int) -> dict[int, dict]:
-    run_distributed(_train_until, 1, [*ARGS, f"--metrics.run_dir={tmp_path}", "--metrics.run_name=ref"], n)
+    run_distributed(_train_until, 1, [*ELASTIC_RUN_ARGS, f"--metrics.run_dir={tmp_path}", "--metrics.run_name=ref"], n)
     return {r["step"]: r for r in read_metrics(tmp_path / "ref" / "metrics.jsonl")}
 
 
 def _resume_one_step(tmp_path, name: str, n: int) -> dict:
-    run_distributed(_train_until, 1, [*ARGS, f"--metrics.run_dir={tmp_path}", f"--metrics.run_name={name}"], n + 1)
+    run_distributed(
+        _train_until, 1, [*ELASTIC_RUN_ARGS, f"--metrics.run_dir={tmp_path}", f"--metrics.run_name={name}"], n + 1
+    )
     return read_metrics(tmp_path / name / "metrics.jsonl")[-1]
 
 
 def test_restart_level_kill_and_join(tmp_path):
     out = restart_scenario(
         tmp_path / "logs",
-        [*ARGS, f"--metrics.run_dir={tmp_path}", "--metrics.run_name=job"],
+        [*ELASTIC_RUN_ARGS, f"--metrics.run_dir={tmp_path}", "--metrics.run_name=job"],
         timeout=600,
         steps_per_phase=2,
     )
@@ -126,7 +116,7 @@ def test_live_level_kill_and_join(tmp_path):
     pytest.importorskip("torchft")
     out = live_scenario(
         tmp_path / "logs",
-        [*ARGS, f"--metrics.run_dir={tmp_path}", "--metrics.run_name=live"],
+        [*ELASTIC_RUN_ARGS, f"--metrics.run_dir={tmp_path}", "--metrics.run_name=live"],
         timeout=600,
         steps_per_phase=3,
     )

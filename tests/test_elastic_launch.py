@@ -10,52 +10,14 @@ import time
 import pytest
 
 from functitan.elastic import BatchSplitError, LaunchError, parse_launch_args, split_batch, world_sizes_for
+from functitan.elastic.harness import alive, descendants
+from functitan.testing import TINY_RUN_ARGS
 
 SMALL = [
-    "--model.n_layers=2",
-    "--model.dim=64",
-    "--model.n_heads=8",
-    "--model.n_kv_heads=4",
-    "--model.ffn_dim=128",
+    *TINY_RUN_ARGS,
     "--training.batch_size=8",
     "--training.seq_len=32",
-    "--data.max_corpus_bytes=400000",
-    "--metrics.log_every=1",
-    "--optimizer.eps=1e-6",
-    "--training.threads=1",
 ]
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (torchrun starts its workers in new sessions, so walk parent links)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        for child, parent in parents.items():
-            if parent == p and child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
-
-
-def alive(pids) -> set[int]:
-    live = set()
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    live.add(p)
-        except OSError:
-            pass
-    return live
 
 
 def kill_all(pids) -> None:

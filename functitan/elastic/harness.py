@@ -16,7 +16,33 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["Loopback", "read_metrics", "committed", "descendants", "alive"]
+from functitan.testing import TINY_RUN_ARGS
+
+__all__ = [
+    "Loopback",
+    "read_metrics",
+    "committed",
+    "descendants",
+    "alive",
+    "ELASTIC_BATCH",
+    "ELASTIC_SEQ",
+    "ELASTIC_RUN_ARGS",
+]
+
+# The job every elastic scenario trains: the tiny model until killed, a checkpoint each step. A global batch of 12
+# sequences splits into microbatches of 2 on 1, 2 or 3 ranks, so the same run continues at any of those sizes.
+ELASTIC_BATCH, ELASTIC_SEQ = 12, 32
+ELASTIC_RUN_ARGS: tuple[str, ...] = (
+    *TINY_RUN_ARGS,
+    f"--training.batch_size={ELASTIC_BATCH}",
+    f"--training.seq_len={ELASTIC_SEQ}",
+    "--optimizer.lr=1e-2",
+    "--elastic.microbatch_size=2",
+    "--training.steps=100000",
+    "--checkpoint.enable=true",
+    "--checkpoint.interval=1",
+    "--checkpoint.keep_last=2",
+)
 
 
 def _stat(pid: int) -> tuple[str, int, int] | None:
