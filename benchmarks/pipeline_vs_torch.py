@@ -211,6 +211,11 @@ def _worker(pp: int, setup: Setup) -> dict:
         )
         spans = [sp for s in tl for sp in s.spans]
         sim = pipeline.simulate(schedules[name], _costs(spans, schedules[name]))
+        # the same with the measured P2P latency and per-action host time (pipeline.fit_costs)
+        every_rank: list[Any] = [None] * pp
+        dist.all_gather_object(every_rank, tl)
+        fitted = pipeline.fit_costs(schedules[name], every_rank)
+        sim_fit = pipeline.simulate(schedules[name], fitted)
         sim_cpu = pipeline.simulate(schedules[name], _costs(spans, schedules[name], cpu=True))
         # each measured step replayed action by action (its own durations, every rank's): the idle time the
         # schedule implies for that step, so what remains of the measured idle is P2P and host overhead
@@ -230,6 +235,9 @@ def _worker(pp: int, setup: Setup) -> dict:
             "simulated": round(float(sim.bubble_fraction), 4),
             "simulated_per_rank": [round(float(i / sim.makespan), 4) for i in sim.idle],
             "simulated_replay": round(statistics.median(replay), 4),
+            "simulated_fit": round(float(sim_fit.bubble_fraction), 4),
+            "p2p_s": round(float(fitted.p2p), 6),
+            "overhead_s": round(float(fitted.overhead), 6),
             "simulated_core_per_rank": round(float(sim_cpu.bubble_fraction), 4),
             "cpu_bound_s": round(cpu_bound, 4),
             "wall_over_cpu_bound": round(out["step_s"][f"functitan_{name}"] / cpu_bound, 3),
@@ -285,7 +293,9 @@ def main(argv: list[str] | None = None) -> dict:
             for name, idle in r["idle"].items():
                 print(
                     f"  {name:12s} idle measured {idle['measured_mean']:.3f}  simulated {idle['simulated']:.3f}"
-                    f"  replayed {idle['simulated_replay']:.3f}  waits {sum(idle['wait_per_rank']) / pp:.3f}"
+                    f"  replayed {idle['simulated_replay']:.3f}  fitted {idle['simulated_fit']:.3f}"
+                    f" (p2p {idle['p2p_s'] * 1e3:.2f} ms, host {idle['overhead_s'] * 1e3:.2f} ms/action)"
+                    f"  waits {sum(idle['wait_per_rank']) / pp:.3f}"
                     f"  wall/cpu-bound {idle['wall_over_cpu_bound']:.2f}  "
                     + (f"ideal vs 1f1b {idle['ideal_ratio_vs_1f1b']:.3f}" if "ideal_ratio_vs_1f1b" in idle else ""),
                     flush=True,
@@ -301,6 +311,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "measured": statistics.median(x["idle"][n]["measured_mean"] for x in runs),
                     "simulated": statistics.median(x["idle"][n]["simulated"] for x in runs),
                     "simulated_replay": statistics.median(x["idle"][n]["simulated_replay"] for x in runs),
+                    "simulated_fit": statistics.median(x["idle"][n]["simulated_fit"] for x in runs),
+                    "p2p_s": statistics.median(x["idle"][n]["p2p_s"] for x in runs),
+                    "overhead_s": statistics.median(x["idle"][n]["overhead_s"] for x in runs),
                     "wall_over_cpu_bound": statistics.median(x["idle"][n]["wall_over_cpu_bound"] for x in runs),
                     **(
                         {"ideal_ratio_vs_1f1b": statistics.median(x["idle"][n]["ideal_ratio_vs_1f1b"] for x in runs)}

@@ -284,6 +284,49 @@ def test_simulate_replays_per_action_durations():
         P.simulate(s, EQUAL, durations={P.Action("F", 0, 0): -1})
 
 
+def test_simulate_per_action_overhead_is_idle():
+    """Host time before each action delays it on its rank and counts as idle, not busy."""
+    sim = P.simulate(P.one_f_one_b(2, 1), P.Costs(f=1, b=1, w=1, p2p=0, overhead=1))
+    # rank 0: F at 1-2, BW waits for rank 1's BW (ends 6): 6-8; rank 1: F at 2-3, BW after an overhead: 4-6
+    assert sim.spans == (((1, 2), (6, 8)), ((2, 3), (4, 6)))
+    assert sim.busy == (3, 3) and sim.bubble_fraction == Fraction(10, 16)
+    with pytest.raises(ValueError, match=r"Costs.overhead: must be a non-negative number, got -1"):
+        P.simulate(P.gpipe(2, 1), P.Costs(overhead=-1))
+
+
+def _timelines(schedule: P.Schedule, costs: P.Costs) -> list[list[P.StepTimeline]]:
+    """One step per rank as the executor records it, from a simulation with ``costs`` (float seconds)."""
+    sim = P.simulate(schedule, costs)
+    out = []
+    for row, spans in zip(schedule.actions, sim.spans):
+        free, recorded = 0.0, []
+        for a, (start, end) in zip(row, spans):
+            recorded.append(P.Span(a, start, end, wait=start - (free + costs.overhead)))
+            free = end
+        out.append([P.StepTimeline(0.0, float(sim.makespan), tuple(recorded))])
+    return out
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zb_h1", "zb_v"])
+def test_fit_costs_recovers_the_costs_of_a_timeline(name):
+    """fit_costs on a step timed by the simulator gives back its costs: compute per stage, P2P latency and
+    per-action host time, so the fitted simulation has the step's idle fraction."""
+    schedule = {
+        "1f1b": P.one_f_one_b(2, 4),
+        "interleaved": P.interleaved_1f1b(2, 2, 4),
+        "zb_h1": P.zb_h1(2, 4),
+        "zb_v": P.zb_v(2, 4),
+    }[name]
+    n = schedule.num_stages
+    split = any(a.kind == "W" for row in schedule.actions for a in row)
+    costs = P.Costs(f=[2.0 + s for s in range(n)], b=[3.0] * n, w=[1.0 if split else 0.0] * n, p2p=0.5, overhead=0.25)
+    fitted = P.fit_costs(schedule, _timelines(schedule, costs))
+    assert fitted == costs
+    assert P.simulate(schedule, fitted).bubble_fraction == P.simulate(schedule, costs).bubble_fraction
+    with pytest.raises(ValueError, match=r"fit_costs: got timelines of 1 ranks, the schedule has pp=2"):
+        P.fit_costs(schedule, _timelines(schedule, costs)[:1])
+
+
 def test_render_text_timeline():
     s = P.one_f_one_b(2, 2)
     assert P.render_text(s, P.simulate(s, EQUAL)) == (

@@ -14,6 +14,7 @@ into balanced stages and `pipeline_grad_fn` runs a rank's list as a train-step g
 from functitan.pipeline._comms import with_comms
 from functitan.pipeline._csvfile import load_csv, save_csv
 from functitan.pipeline._executor import Span, StepTimeline, pipeline_grad_fn
+from functitan.pipeline._fit import fit_costs
 from functitan.pipeline._generators import (
     SCHEDULE_NAMES,
     ScheduleName,
@@ -64,6 +65,7 @@ __all__ = [
     "StepTimeline",
     "balance",
     "dependencies",
+    "fit_costs",
     "gpipe",
     "interleaved_1f1b",
     "load_csv",

@@ -17,20 +17,25 @@ class Costs(NamedTuple):
 
     `f`, `b`, `w` may be one number or one per stage (first and last stages often cost more:
     embedding and head). A full backward "BW" costs b + w. `p2p` is added when a dependency crosses
-    ranks. Ints and `fractions.Fraction`s keep the simulation exact.
+    ranks (the latency from the producer's end to the consumer holding the tensor). `overhead` is the host
+    time a rank spends before each action (posting its sends and receives, the executor's bookkeeping):
+    the rank is not computing then, so it counts as idle. Ints and `fractions.Fraction`s keep the
+    simulation exact. `fit_costs` measures all five from an executor's timeline.
     """
 
     f: Cost = 1
     b: Cost = 1
     w: Cost = 1
     p2p: Real = 0
+    overhead: Real = 0
 
 
 class Simulation(NamedTuple):
     """The timed run of a schedule.
 
     Attributes:
-        makespan: time from the first action's start to the last action's end.
+        makespan: time from the step's start (the first action starts after one `Costs.overhead`) to the
+            last action's end.
         busy: per-rank time spent computing.
         idle: per-rank makespan - busy (warm-up, bubbles and cool-down together).
         bubble_fraction: sum(idle) / (pp * makespan).
@@ -73,9 +78,9 @@ def simulate(
 ) -> Simulation:
     """Run `schedule` on an idealized machine and time it.
 
-    Each rank runs its list in order; an action starts when its rank is free and its dependencies
-    (see `dependencies`) have finished, plus `costs.p2p` for a dependency on another rank. Sends
-    never block. This is the event-driven timing of the schedule, computed as a longest path.
+    Each rank runs its list in order; an action starts when its rank is free (plus `costs.overhead`) and
+    its dependencies (see `dependencies`) have finished, plus `costs.p2p` for a dependency on another
+    rank. Sends never block. This is the event-driven timing of the schedule, computed as a longest path.
 
     With f = b = w = 1 (so BW = 2) and p2p = 0, 1F1B gives a bubble of exactly (p-1)/(m+p-1) and
     ZB-H1 an idle time per rank a third of 1F1B's.
@@ -88,8 +93,10 @@ def simulate(
     """
     validate(schedule)
     n = schedule.num_stages
-    if not isinstance(costs.p2p, Real) or costs.p2p < 0:
-        raise ValueError(f"Costs.p2p: must be a non-negative number, got {costs.p2p!r}")
+    for name in ("p2p", "overhead"):
+        value = getattr(costs, name)
+        if not isinstance(value, Real) or value < 0:
+            raise ValueError(f"Costs.{name}: must be a non-negative number, got {value!r}")
     f, b, w = (_per_stage(k, getattr(costs, k), n) for k in ("f", "b", "w"))
     duration = {"F": f, "B": b, "W": w, "BW": tuple(x + y for x, y in zip(b, w))}
     end: dict[Action, Real] = {}
@@ -103,13 +110,13 @@ def simulate(
 
     def run(rank: int, action: Action, deps: tuple[Action, ...]) -> None:
         ready = [end[d] + (costs.p2p if schedule.stage_to_rank[d.stage] != rank else 0) for d in deps]
-        start = max([free[rank], *ready])
+        start = max([free[rank] + costs.overhead, *ready])
         took = given[action] if action in given else duration[action.kind][action.stage]
         free[rank] = end[action] = start + took
         spans[rank].append((start, end[action]))
 
     walk(schedule, run)
-    makespan = max(free)  # the first action starts at 0: it has no dependencies
+    makespan = max(free)  # from 0: the first action starts after one overhead (it has no dependencies)
     busy = tuple(sum(e - s for s, e in row) for row in spans)
     idle = tuple(makespan - x for x in busy)
     bubble = sum(idle) / (schedule.pp * makespan) if makespan else 0
