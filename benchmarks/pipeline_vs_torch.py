@@ -14,7 +14,9 @@ the slowest rank's. Also reported, for every functitan schedule: the measured id
 for a receive) beside the simulator's bubble fraction for the measured per-stage F / B / W / BW durations
 (p2p = 0: the gap between them is communication and host overhead), and each measured step replayed in the
 simulator with its own action durations (``simulated_replay``: no averaging of a spread of durations, which
-on a shared machine is wide and costs a tightly packed schedule more than 1F1B).
+on a shared machine is wide and costs a tightly packed schedule more than 1F1B), and the simulation with the costs
+`pipeline.fit_costs` measures from every rank's timeline (``simulated_fit``: the same durations plus the measured
+P2P latency ``p2p_s`` and host time per action ``overhead_s``).
 
 Fewer cores than ranks (PP 4 on a 2-core machine): a rank's idle time is another rank's compute time, so no
 schedule can beat the summed CPU time of the ranks over the cores (``cpu_bound_s``), and a schedule that

@@ -9,7 +9,8 @@ from typing import NamedTuple
 from functitan.pipeline._schedule import Action, Schedule, walk
 from functitan.pipeline._validate import validate
 
-Cost = Real | Sequence[Real]  # one value for every stage, or one per stage
+Number = Real | float  # ints, Fractions and floats (mypy does not count float as a Real)
+Cost = Number | Sequence[Number]  # one value for every stage, or one per stage
 
 
 class Costs(NamedTuple):
@@ -26,8 +27,8 @@ class Costs(NamedTuple):
     f: Cost = 1
     b: Cost = 1
     w: Cost = 1
-    p2p: Real = 0
-    overhead: Real = 0
+    p2p: Number = 0
+    overhead: Number = 0
 
 
 class Simulation(NamedTuple):
