@@ -144,7 +144,35 @@ def _pp2_worker() -> dict:
         "trees": _rank_trees("zb_v"),
         "errors": errors,
         "timeline": _timeline("zb_h1"),
+        "sums": {name: _sums_both_ways(name) for name in ("1f1b", "interleaved_1f1b")},
     }
+
+
+def _sums_both_ways(schedule_name: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One step's loss and grads as the executor sums them (pure PP: in ``.grad`` by the engine), and with the
+    Python sums (``_foreach_add``) that DTensor leaves and W use, on the same params and batch."""
+    from functitan.pipeline import _executor
+
+    mesh = make_mesh(pp=2)
+    model = llama.stage_model(CFG, Layout(pipeline.stage_mesh(mesh)), seq_len=SEQ)
+    stages = pipeline.make_stages(model, _schedule(schedule_name, 2, 4), mesh)
+    params = pipeline.place_stages(_init(), llama.specs(CFG), default_rules(), stages)
+    grad_fn = pipeline.pipeline_grad_fn(stages)
+    out = []
+    for into_grad in (True, False):
+        init = _executor._Run.__init__
+
+        def forced(self, *args, init=init, into_grad=into_grad):
+            init(self, *args)
+            self.into_grad = into_grad
+
+        _executor._Run.__init__ = forced  # type: ignore[method-assign]
+        try:
+            loss, grads = grad_fn(params, _batches()[0])
+        finally:
+            _executor._Run.__init__ = init  # type: ignore[method-assign]
+        out.append([loss] + [g.to_local() for _, g in flatten_with_names(grads)[0]])
+    return out[0], out[1]
 
 
 def _timeline(schedule_name: str):
@@ -276,6 +304,18 @@ def test_timeline_spans_every_action_with_its_wait_and_cpu_time(pp2):
         assert 0 <= wait <= idle < 1
         waited += sum(s.wait for s in step.spans)
     assert waited > 0  # rank 1 waits for its first activation, rank 0 for its first gradient
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b"])
+def test_engine_sums_microbatch_grads_bit_for_bit_like_python(name, pp2):
+    """Pure PP sums BW's gradients in ``.grad`` (AccumulateGrad): the same sums in the same order as the
+    executor's Python ``_foreach_add``, so the same bits."""
+    for r in pp2:
+        engine, python = r["sums"][name]
+        assert len(engine) == len(python) > 1
+        for a, b in zip(engine, python):
+            assert torch.equal(a, b)
+            assert a.abs().sum() > 0
 
 
 def test_errors_name_the_fix(pp2):
