@@ -6,8 +6,14 @@ matmul-bound MFU of 1B-shaped blocks against this machine's measured GEMM peak.
    work without any collective: each rank runs the step on plain tensors with ``Layout()`` (its batch / N
    rows), the optimizer over its 1 / N of every parameter for FSDP (all of it for DDP). Both run as N
    concurrent processes so they share the cores alike (the compute-only ranks never talk); runs alternate
-   (distributed, compute-only, compute-only, distributed, ...). Ratio = step / compute-only; the gap is
-   communication and waiting. Target for FSDP 2: <= 1.15.
+   (distributed, compute-only, torch, then torch, compute-only, distributed, ...). Ratio = step /
+   compute-only; the gap is communication and waiting. Target for FSDP 2: <= 1.15. For FSDP N the same
+   model as ``benchmarks.torch_llama.Llama`` with torch's ``fully_shard`` per block (FSDP2, the step of
+   ``benchmarks.parallel_vs_torch``) is timed against the same compute-only time: ``torch_fully_shard``,
+   how close torch itself gets on this machine. Each side also records the CPU seconds a rank used per step,
+   its process's (``*_cpu_s``: all threads, gloo's included; with one core per rank no step is shorter) and
+   its main thread's (``*_main_thread_cpu_s``: compute, packing, Python; the bound with a spare core for
+   gloo).
 2. ``gemm_peak``: fp32 ``torch.mm`` of square matrices (one thread, like the benchmarks' processes):
    FLOP/s, median over repeats, with min and max.
 3. ``block_mfu``: forward + backward of one ``llama3_1b``-shaped block (dim 2048, 32 heads / 8 kv heads, ffn
@@ -51,8 +57,10 @@ def _spread(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def _layout_worker(case: str, compute_only: bool, steps: int, warmup: int) -> float:
-    """Median seconds of one rank's step (slowest rank for the distributed case)."""
+def _layout_worker(case: str, compute_only: bool, steps: int, warmup: int, torch_fsdp: bool = False) -> list[float]:
+    """Medians of one rank's step: [wall, CPU of its process (all threads), CPU of its main thread] seconds
+    (the slowest rank's for the distributed case); ``torch_fsdp``: torch's ``fully_shard`` instead of
+    functitan's FSDP."""
     n, rank = dist.get_world_size(), dist.get_rank()
     cfg = llama.config("debug", max_seq_len=SEQ)
     full = llama.init(cfg, fold_in(key(0), "params"))
@@ -79,6 +87,13 @@ def _layout_worker(case: str, compute_only: bool, steps: int, warmup: int) -> fl
             updates, opt_state = opt.update(g_opt, opt_state, opt_params)
             opt_params = optim.apply_updates(opt_params, updates)
             float(optim.global_norm(updates))  # the host sync the real step has
+    elif torch_fsdp:
+        from benchmarks import parallel_vs_torch as pvt
+
+        torch_step = pvt.torch_side("fsdp", pvt.Setup(batch=BATCH, seq=SEQ), cfg, full, [batch])
+
+        def step() -> None:
+            torch_step()
     else:
         mesh = make_mesh(dp_shard=n) if case == "fsdp" else make_mesh(dp_replicate=n, dp_shard=1)
         layout = Layout(mesh, default_rules())
@@ -91,17 +106,18 @@ def _layout_worker(case: str, compute_only: bool, steps: int, warmup: int) -> fl
         def step() -> None:
             box[0], _ = train_step(box[0], batch)
 
-    times = []
+    clocks = (time.perf_counter, time.process_time, time.thread_time)
+    samples = []
     for i in range(warmup + steps):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = [c() for c in clocks]
         step()
-        t = torch.tensor(time.perf_counter() - t0)
+        t = torch.tensor([c() - s for c, s in zip(clocks, t0)])
         if not compute_only:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if i >= warmup:
-            times.append(float(t))
-    return statistics.median(times)
+            samples.append(t.tolist())
+    return [statistics.median(col) for col in zip(*samples)]
 
 
 def layouts(names: list[str], runs: int, steps: int, warmup: int) -> dict[str, Any]:
@@ -112,21 +128,31 @@ def layouts(names: list[str], runs: int, steps: int, warmup: int) -> dict[str, A
         if case not in ("fsdp", "ddp") or n < 2:
             raise ValueError(f"--layouts: {name!r} is not fsdpN or ddpN with N >= 2")
         per_run = []
+        sides = ["dist", "compute", "torch"] if case == "fsdp" else ["dist", "compute"]
         for r in range(runs):
-            order = (False, True) if r % 2 == 0 else (True, False)
-            t = {
-                co: statistics.median(run_distributed(_layout_worker, n, case, co, steps, warmup, timeout=900))
-                if co
-                else run_distributed(_layout_worker, n, case, co, steps, warmup, timeout=900)[0]
-                for co in order
-            }
-            per_run.append({"step_s": t[False], "compute_only_s": t[True], "ratio": t[False] / t[True]})
-            print(
-                f"{case}{n} run {r}: step {t[False] * 1e3:.1f} ms, compute-only {t[True] * 1e3:.1f} ms, "
-                f"ratio {t[False] / t[True]:.3f}",
-                flush=True,
-            )
+            m = {}  # side -> [wall, process CPU, main-thread CPU]
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                res = run_distributed(
+                    _layout_worker, n, case, side == "compute", steps, warmup, side == "torch", timeout=900
+                )
+                m[side] = [statistics.median(col) for col in zip(*res)] if side == "compute" else res[0]
+            dist_s, co_s = m["dist"][0], m["compute"][0]
+            run = {"step_s": dist_s, "compute_only_s": co_s, "ratio": dist_s / co_s}
+            run |= {"step_cpu_s": m["dist"][1], "step_main_thread_cpu_s": m["dist"][2]}
+            run |= {"compute_only_cpu_s": m["compute"][1], "compute_only_main_thread_cpu_s": m["compute"][2]}
+            line = f"{case}{n} run {r}: step {dist_s * 1e3:.1f} ms, compute-only {co_s * 1e3:.1f} ms"
+            line += f", ratio {run['ratio']:.3f}; CPU ms (process / main thread) {m['dist'][1] * 1e3:.0f} / "
+            line += f"{m['dist'][2] * 1e3:.0f} vs {m['compute'][1] * 1e3:.0f} / {m['compute'][2] * 1e3:.0f}"
+            if "torch" in m:
+                run |= {"torch_step_s": m["torch"][0], "torch_ratio": m["torch"][0] / co_s}
+                run |= {"torch_cpu_s": m["torch"][1], "torch_main_thread_cpu_s": m["torch"][2]}
+                line += f"; torch fully_shard {m['torch'][0] * 1e3:.1f} ms, ratio {run['torch_ratio']:.3f}"
+                line += f" (CPU {m['torch'][1] * 1e3:.0f} / {m['torch'][2] * 1e3:.0f})"
+            per_run.append(run)
+            print(line, flush=True)
         out[f"{case}{n}"] = {"ratio": statistics.median(x["ratio"] for x in per_run), "runs": per_run}
+        if case == "fsdp":
+            out[f"{case}{n}"]["torch_fully_shard_ratio"] = statistics.median(x["torch_ratio"] for x in per_run)
     return out
 
 

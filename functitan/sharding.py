@@ -18,7 +18,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -201,18 +201,21 @@ class Layout:
             cast = False
         return local.to(self.param_dtype) if cast else local
 
-    def params(self, tree: Any, pending: Any = None) -> Any:
+    def params(self, tree: Any, pending: _Prefetched | None = None) -> Any:
         """``param`` over a tree, with the FSDP all-gathers of all leaves bucketed into one collective per
         process group (and one reduce-scatter in backward), as FSDP2 does per module. ``pending``: what
-        ``prefetch(tree)`` returned; its gathers are waited on instead of issued."""
-        leaves, treedef, buckets = self._buckets(tree)
+        ``prefetch(tree)`` returned; its gathers are waited on instead of issued, and its backward
+        reduce-scatters run asynchronously (``_collectives.PendingReduce``)."""
+        leaves, treedef, buckets = (
+            (pending.leaves, pending.treedef, pending.buckets) if pending else self._buckets(tree)
+        )
         out: list[Any] = list(leaves)
         bucketed = {i for items in buckets.values() for i, *_ in items}
         for i, leaf in enumerate(leaves):
             if i not in bucketed:
                 out[i] = self.param(leaf)
-        for (group, cast), items in buckets.items():
-            started = pending.get((id(group), cast)) if pending and torch.is_grad_enabled() else None
+        for bucket, items in buckets.items():
+            group, cast = bucket
             gathered = _collectives.bucket_all_gather(
                 [x for _, x, _, _ in items],
                 [d for _, _, d, _ in items],
@@ -220,29 +223,38 @@ class Layout:
                 group,
                 compute_dtype=self.param_dtype if cast else None,
                 reduce_dtype=self.reduce_dtype if cast else None,
-                pending=started,
+                pending=pending.gathers[bucket] if pending else None,
+                reduce_box=pending.reduces.get(bucket) if pending else None,
             )
             for (i, *_), g in zip(items, gathered):
                 out[i] = g
         return optree.tree_unflatten(treedef, out)
 
-    def prefetch(self, tree: Any) -> dict[Any, Any]:
+    def prefetch(self, tree: Any) -> _Prefetched | None:
         """Start the FSDP all-gathers of ``tree`` (the next block's params) now, asynchronously, so they
-        overlap this block's compute; pass the result to ``params(tree, pending=...)``."""
-        if not (self._fsdp and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-            return {}  # compiled: the compiler schedules the collectives (an async handle breaks the graph)
-        started = {}
-        with torch.no_grad():
-            _, _, buckets = self._buckets(tree)
-            for (group, cast), items in buckets.items():
-                started[(id(group), cast)] = _collectives.start_bucket_gather(
+        overlap this block's compute; pass the result to ``params(tree, pending=...)``.
+
+        With gradients on, the shards' autograd nodes (``_ToLocal``, the await of the bucket's reduce-scatter)
+        are made here, before this block's compute, so autograd runs them after this block's backward: the
+        next block's reduce-scatter overlaps it."""
+        if not self._fsdp or torch.compiler.is_compiling():
+            return None  # compiled: the compiler schedules the collectives (an async handle breaks the graph)
+        leaves, treedef, buckets = self._buckets(tree)
+        gathers, reduces = {}, {}
+        for bucket, items in buckets.items():
+            if torch.is_grad_enabled():
+                reduces[bucket] = _collectives.PendingReduce()
+                shards = _collectives.await_reduce(reduces[bucket], [x for _, x, _, _ in items])
+                items[:] = [(i, x, d, f) for (i, _, d, f), x in zip(items, shards)]
+            with torch.no_grad():
+                gathers[bucket] = _collectives.start_bucket_gather(
                     [x for _, x, _, _ in items],
                     [d for _, _, d, _ in items],
                     [f for _, _, _, f in items],
-                    group,
-                    compute_dtype=self.param_dtype if cast else None,
+                    bucket[0],
+                    compute_dtype=self.param_dtype if bucket[1] else None,
                 )
-        return started
+        return _Prefetched(leaves, treedef, buckets, gathers, reduces)
 
     def _buckets(self, tree: Any) -> tuple[list, Any, dict]:
         """The leaves, treedef and {(group, cast): [(leaf index, local, dim, full)]} of one-axis FSDP shards."""
@@ -299,11 +311,20 @@ class Layout:
         checkpointing the next block's all-gather starts once this block's has, and overlaps its compute.
         ``remat``: a policy per block (None entries: the layout's), e.g. ``["full"] * 4 + [None] * 12``.
         """
-        pending = None
+        pending, regather = None, None
         for i, p in enumerate(layers):
             nxt = layers[i + 1] if i + 1 < len(layers) else None
-            x, pending = self._block(fn, p, (x, *args), pending, nxt, remat[i] if remat is not None else None)
+            if nxt is not None and self._policy(remat, i + 1).checkpoints:
+                nxt = None  # a checkpointed block gathers inside its remat region: nothing to prefetch
+            x, pending, regather = self._block(
+                fn, p, (x, *args), pending, nxt, remat[i] if remat is not None else None, regather
+            )
         return x
+
+    def _policy(self, remat: Sequence[str | _remat.Policy | None] | None, i: int) -> _remat.Policy:
+        """Block ``i``'s remat policy: its entry in ``remat``, else the layout's."""
+        own = remat[i] if remat is not None else None
+        return _remat.as_policy(self.remat if own is None else own)
 
     def block(
         self, fn: Callable[..., Tensor], params: Any, *args: Any, remat: str | _remat.Policy | None = None
@@ -317,10 +338,12 @@ class Layout:
         fn: Callable[..., Tensor],
         params: Any,
         args: tuple,
-        pending: Any,
+        pending: _Prefetched | None,
         nxt: Any,
         remat: str | _remat.Policy | None = None,
-    ) -> tuple[Tensor, Any]:
+        prev: _Regather | None = None,
+    ) -> tuple[Tensor, _Prefetched | None, _Regather | None]:
+        """One block: its output, the next block's prefetch and its ``_Regather`` (the next block's ``prev``)."""
         policy = _remat.as_policy(self.remat if remat is None else remat)
         if self.compile:
             fn = torch.compile(fn)  # dynamo's cache lives with fn's code: compiled once, whatever the wrapper
@@ -329,10 +352,10 @@ class Layout:
             return fn(self.params(p), *a)
 
         if not torch.is_grad_enabled():
-            return run(params, *args), None
+            return run(params, *args), None, None
         if not policy.checkpoints:
             regather = (
-                _Regather(self, params)
+                _Regather(self, params, prev)
                 if self.reshard_after_forward and self._fsdp and not torch.compiler.is_compiling()
                 else None
             )
@@ -348,8 +371,8 @@ class Layout:
                 if regather is not None:
                     regather.track(optree.tree_leaves(compute))
                 started = self.prefetch(nxt) if nxt is not None else None
-                return fn(compute, *args), started
-        return _remat.apply(policy, run, params, *args), None
+                return fn(compute, *args), started, regather
+        return _remat.apply(policy, run, params, *args), None, None
 
     # -- activations
     def einsum(self, pattern: str, *operands: Tensor) -> Tensor:
@@ -424,6 +447,17 @@ class Layout:
         return rank
 
 
+class _Prefetched(NamedTuple):
+    """``Layout.prefetch``'s result: the tree's leaves and buckets (shards already through their autograd
+    nodes), the started all-gather and, with gradients on, the reduce-scatter box of each bucket."""
+
+    leaves: list
+    treedef: Any
+    buckets: dict  # (group, cast) -> [(leaf index, local shard, dim, full)]
+    gathers: dict  # (group, cast) -> _collectives.PendingGather
+    reduces: dict  # (group, cast) -> _collectives.PendingReduce
+
+
 class _Regather:
     """FSDP's reshard-after-forward with saved-tensor hooks: a block's gathered params die after its forward
     and are all-gathered again (one bucketed collective) when its backward first needs one.
@@ -432,12 +466,15 @@ class _Regather:
     storage of a gathered param is packed as ``(leaf index, size, stride, offset)`` instead of a reference.
     Cheaper than a selective-checkpoint policy, which intercepts every op of the block in Python
     (benchmarks/parallel_vs_torch.py measured FSDP 2 at 1.35x torch's FSDP2 with that, 1.12x with this).
+    When this block's backward gathers, the previous block's (``prev``, the next backward) gather starts too,
+    asynchronously, as FSDP2's backward prefetch: it overlaps this block's backward.
     """
 
-    def __init__(self, layout: Layout, params: Any) -> None:
-        self.layout, self.params = layout, params
+    def __init__(self, layout: Layout, params: Any, prev: _Regather | None = None) -> None:
+        self.layout, self.params, self.prev = layout, params, prev
         self.where: dict[int, int] = {}  # storage address of a gathered leaf -> its index
         self.cache: list[Tensor] | None = None
+        self.started: _Prefetched | None = None  # this block's gather, started by the next block's backward
         self.pending = 0
 
     def track(self, gathered: list[Tensor]) -> None:
@@ -457,7 +494,11 @@ class _Regather:
         i, size, stride, offset = packed
         if self.cache is None:
             with torch.no_grad():
-                self.cache = optree.tree_leaves(self.layout.params(self.params))
+                self.cache = optree.tree_leaves(self.layout.params(self.params, self.started))
+                self.started = None
+                prev = self.prev
+                if prev is not None and prev.pending and prev.cache is None and prev.started is None:
+                    prev.started = self.layout.prefetch(prev.params)
         out = torch.as_strided(self.cache[i], size, stride, offset)
         self.pending -= 1
         if self.pending == 0:  # the block's backward took all it saved: free the re-gathered params

@@ -133,8 +133,10 @@ def _gathered_alive_after_forward(reshard: bool) -> tuple[int, int]:
     loss = llama.loss(params, {"inputs": tokens, "targets": tokens}, cfg, layout)
     block_refs = [r for call in refs[1:] for r in call]  # refs[0]: embedding/norm/head, held like FSDP2's root
     alive = sum(not r.expired() for r in block_refs)
-    loss.backward()  # the re-gather in backward works
     assert len(prefetches) == 3  # blocks 1-3 were gathered while the previous block computed
+    loss.backward()  # the re-gather in backward works
+    # resharded: blocks 2, 1, 0 were re-gathered while the next block's backward computed
+    assert len(prefetches) == (6 if reshard else 3)
     return alive, len(block_refs)
 
 

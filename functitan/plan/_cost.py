@@ -17,11 +17,12 @@ multiply block activations by the microbatches their schedule keeps in flight (t
 Time per step: compute = model FLOPs of the rank / (peak x achievable fraction), stretched by the pipeline
 bubble of functitan's own schedule simulator; each collective costs ``alpha * (n-1) + bytes * (n-1)/n / bw``
 (an all-reduce twice that) on the link level its group spans (NVLink inside a node, InfiniBand across). The
-FSDP all-gather of the next block is prefetched, so it hides behind compute; reduce-scatters, tensor-parallel,
-DDP and pipeline transfers are synchronous in functitan and add up. Host time is the ops the trace dispatches
-on the rank times the device's seconds per op (Python, dispatcher, autograd, launch): on a GPU the host queues
-kernels ahead, so compute and host time overlap (the larger counts); on a CPU the host is the device, so they
-add (tiny models on CPU are mostly host time). Where local processes outnumber the cores (a calibrated CPU,
+FSDP all-gather of the next block is prefetched (forward and backward), so it hides behind compute, and so does
+a block's reduce-scatter without activation checkpointing (it runs under the previous block's backward); other
+reduce-scatters, tensor-parallel, DDP and pipeline transfers are synchronous in functitan and add up. Host time
+is the ops the trace dispatches on the rank times the device's seconds per op (Python, dispatcher, autograd,
+launch): on a GPU the host queues kernels ahead, so compute and host time overlap (the larger counts); on a CPU
+the host is the device, so they add (tiny models on CPU are mostly host time). Where local processes outnumber the cores (a calibrated CPU,
 ``share`` ranks per core), rates are measured with all ranks busy and a rank idle in the pipeline bubble lends
 its core to the others: the bubble stretches the step only by ``max(1, 1 / (share * (1 - bubble)))``.
 """
@@ -113,7 +114,7 @@ def step_time(
     dev = cluster.device
     flops = flops_per_token * tokens / cluster.world * (4 / 3 if c.remat == "full" else 1.0)
     compute = flops / (dev.peak(c.param_dtype) * dev.efficiency)
-    by_axis, exposed, gather = {}, 0.0, 0.0
+    by_axis, exposed, hidden = {}, 0.0, 0.0
     for axes, kinds in comm.items():
         n = axis_degree(c, axes)
         if n <= 1:
@@ -123,8 +124,8 @@ def step_time(
         for kind, (nbytes, count) in kinds.items():
             t = _collective_s(kind, nbytes, count, n, bw, alpha)
             by_axis[axes] = by_axis.get(axes, 0.0) + t
-            if axes == ("dp_shard",) and kind == "all_gather":
-                gather += t
+            if axes == ("dp_shard",) and (kind == "all_gather" or (kind == "reduce_scatter" and c.remat == "none")):
+                hidden += t
             else:
                 exposed += t
     b = bubble(c)
@@ -134,8 +135,9 @@ def step_time(
     # ranks sharing cores (``share`` > 1) run at the rate measured with all of them busy; a rank idle in the
     # bubble lends its core to the others, so the bubble costs only once the rest cannot absorb it
     busy = work * max(1.0, 1.0 / (dev.share * (1 - b))) if b < 1 else math.inf
-    # FSDP prefetch: the next block's all-gather runs under this block's compute; the first one is exposed
-    exposed += max(gather - work, gather / max(n_blocks + 1, 2))
+    # FSDP prefetch: the next block's all-gather (reduce-scatter) runs under this block's forward (backward);
+    # the first (last) one is exposed
+    exposed += max(hidden - work, hidden / max(n_blocks + 1, 2))
     total = busy + exposed
     return Time(
         total=total,
