@@ -147,6 +147,63 @@ def test_reshard_after_forward_frees_gathered_params():
     assert gathered == 4 * 9 and alive == 0  # resharded: every block's gathered params died after its forward
 
 
+def _async_reduce_scatter_events() -> tuple[list[str], float]:
+    """(the reduce-scatter starts / waits and re-gathers of one FSDP-2 backward in order, the largest gradient
+    difference from one process's on the global batch)."""
+    from functitan import _collectives
+    from functitan.mesh import make_mesh
+    from functitan.random import key
+    from functitan.sharding import Layout, default_rules, place
+    from models import llama
+
+    events: list[str] = []
+    box, gather = _collectives.PendingReduce, _collectives.bucket_all_gather
+    start, wait = box.start, box.wait
+
+    def logged_start(self, out, flat, group, *, async_op=True):
+        events.append("async" if async_op else "sync")
+        start(self, out, flat, group, async_op=async_op)
+
+    def logged_wait(self):
+        if self.work is not None:
+            events.append("wait")
+        wait(self)
+
+    def logged_gather(*args, **kwargs):
+        events.append("gather" if not torch.is_grad_enabled() else "forward")
+        return gather(*args, **kwargs)
+
+    box.start, box.wait, _collectives.bucket_all_gather = logged_start, logged_wait, logged_gather
+    cfg = llama.LlamaConfig(vocab_size=64, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=128)
+    full = llama.init(cfg, key(0))
+    tokens = torch.randint(0, cfg.vocab_size, (4, 9), generator=torch.Generator().manual_seed(0))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    mesh = make_mesh(dp_shard=2)
+    layout = Layout(mesh, default_rules())
+    params = place(full, llama.specs(cfg), layout.rules, mesh)
+    rank = torch.distributed.get_rank()
+    mine = {k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}
+    leaves = torch.utils._pytree.tree_leaves(params)
+    loss = llama.loss(params, mine, cfg, layout)
+    events.clear()
+    grads = torch.autograd.grad(loss, leaves)
+    full_leaves = [t.detach().requires_grad_() for t in torch.utils._pytree.tree_leaves(full)]
+    ref_params = torch.utils._pytree.tree_unflatten(full_leaves, torch.utils._pytree.tree_structure(full))
+    ref = torch.autograd.grad(llama.loss(ref_params, batch, cfg), full_leaves)
+    diff = max(float((g.full_tensor() - r).abs().max()) for g, r in zip(grads, ref))
+    return events, diff
+
+
+def test_backward_reduce_scatter_is_async_one_deep_and_exact():
+    events, diff = run_distributed(_async_reduce_scatter_events, 2)[0]
+    # blocks 3, 2, 1 (prefetched in forward) start theirs asynchronously; each runs under the previous block's
+    # backward (its re-gather) and is waited on before the next starts. Block 0's and the top bucket's (made
+    # without a prefetch) run synchronously
+    overlapped = ["gather", "async"] + ["gather", "wait", "async"] * 2 + ["gather", "wait"]
+    assert events == overlapped + ["sync", "wait", "sync", "wait"], events
+    assert diff < 1e-6
+
+
 # ----------------------------------------------------------------------------------------------- other models
 # GPT-2 (biases, learned positions, tied head) and Qwen3 (q/k norms, GQA, untied head) through the trainer:
 # one 4-process run per model walks DDP, FSDP, HSDP, FSDP x TP + SP and PP x FSDP, each against one process.
