@@ -332,6 +332,8 @@ class _BucketGather(torch.autograd.Function):
         # dtype differs from its input's, which would read it before the collective finished
         if box is not None and all(dtype == out.dtype for dtype in ctx.in_dtypes):
             box.start(out, flat, ctx.group)
+        elif torch.compiler.is_compiling():  # traced as a functional collective; an async handle breaks the graph
+            dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=ctx.group)
         else:
             PendingReduce().start(out, flat, ctx.group, async_op=False)
         results, off = [], 0
