@@ -3,6 +3,9 @@
 The caller is blocked only while this rank's shards are copied into staging buffers (pinned on CUDA,
 allocated on the first save and reused by every later one). The background write reads only the staging
 buffers, never the live tensors: mutating a parameter right after ``save`` returns cannot reach the file.
+With ``defer_staging`` even that copy runs in the background thread, and the caller fences its in-place
+updates on ``staged()``: the trainer's donated step waits there just before its optimizer update, so the
+copy overlaps the step's forward and backward.
 The chunk files are written by ``_fastwrite`` straight from those buffers (tensorstore for the zarr.json
 files and any leaf ``_fastwrite`` does not handle).
 
@@ -21,6 +24,7 @@ The barriers run on a private gloo group, so they never interleave with the trai
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -47,16 +51,27 @@ __all__ = ["SaveHandle", "Checkpointer", "save", "save_sync"]
 
 
 class SaveHandle:
-    """A save in flight. ``wait()`` blocks until the checkpoint is committed on every rank."""
+    """A save in flight. ``staged()`` blocks until the live values may change; ``wait()`` until the checkpoint
+    is committed on every rank."""
 
     def __init__(self, path: str, thread: threading.Thread | None, on_done=None) -> None:
         self.path = path
         self._thread = thread
         self._error: BaseException | None = None
         self._on_done = on_done
+        self._staged = threading.Event()  # set once the staging buffers hold every value (or staging failed)
+        self._staged.set()  # staged before ``save`` returns, unless it defers staging
+        self._stage_error: BaseException | None = None
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
+
+    def staged(self) -> None:
+        """Block until this rank's values are copied into the staging buffers (the fence before the saved
+        tensors may change in place); re-raise a staging failure. Immediate unless the save deferred staging."""
+        self._staged.wait()
+        if self._stage_error is not None:
+            raise RuntimeError(f"staging checkpoint {self.path} failed: {self._stage_error}") from self._stage_error
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until committed; re-raise a background failure; return the checkpoint directory."""
@@ -210,6 +225,16 @@ def _stage(plan: list[_Leaf], named: list, *, copy: bool = True) -> list[torch.c
         ev.record()
         events.append(ev)
     return events
+
+
+def _cuda_stream(named: list) -> torch.cuda.Stream | None:
+    """The caller's current CUDA stream when the tree holds CUDA tensors: staging from another thread
+    enqueues its copies there, after the kernels that computed the values (and, behind the fence, before
+    the ones that update them)."""
+    for _, _, x in named:
+        if isinstance(x, torch.Tensor) and x.is_cuda:
+            return torch.cuda.current_stream(x.device)
+    return None
 
 
 # ----------------------------------------------------------------------------------------------- writing
@@ -453,14 +478,20 @@ class Checkpointer:
         *,
         _item: str = "",
         after_commit=None,
+        defer_staging: bool = False,
         _stage_copy: bool = True,
         _replace: bool = False,
     ) -> SaveHandle:
         """Stage ``tree`` and start writing it to ``path``; returns once the live values may change.
 
-        ``after_commit()`` runs in the background thread on the leader once the checkpoint is visible
-        (the manager's retention); the other ranks' ``wait()`` returns after it. ``_replace``: ``path``
-        may exist (the manager re-saving a damaged step) and is replaced at commit.
+        ``defer_staging``: return at once and copy into the staging buffers in the background thread too;
+        the caller then calls ``handle.staged()`` (or ``self.staged()``) before it changes any saved tensor in
+        place: a training step that donates its state passes it as ``before_update``, so the copy overlaps
+        the step's forward and backward. Reading the values meanwhile is fine; replacing them with new
+        tensors (a functional step) needs no fence. ``after_commit()`` runs in the background thread on the
+        leader once the checkpoint is visible (the manager's retention); the other ranks' ``wait()`` returns
+        after it. ``_replace``: ``path`` may exist (the manager re-saving a damaged step) and is replaced at
+        commit.
         """
         self.wait()
         path = os.fspath(path)
@@ -474,11 +505,24 @@ class Checkpointer:
             self._plan = _plan(named, self._group.rank, self._group.ranks)
             self._empty = L.empty_nodes(tree)
             self._plan_sig = sig
-        events = _stage(self._plan, named, copy=_stage_copy)
-        handle = SaveHandle(path, None)
         plan, empty, group = self._plan, self._empty, self._group
+        defer = defer_staging and _stage_copy  # a synchronous save copies nothing
+        events = [] if defer else _stage(plan, named, copy=_stage_copy)
+        stream = _cuda_stream(named) if defer else None  # the caller's: copies queue behind its pending kernels
+        handle = SaveHandle(path, None)
+        if defer:
+            handle._staged.clear()
 
         def run() -> None:
+            if defer:
+                try:
+                    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                        events.extend(_stage(plan, named))
+                except BaseException as exc:  # noqa: BLE001 - re-raised by staged() and wait()
+                    handle._stage_error = handle._error = exc
+                    return
+                finally:
+                    handle._staged.set()
             try:
                 _commit(path, _item, plan, empty, group, events, after_commit, _replace)
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
@@ -493,6 +537,11 @@ class Checkpointer:
     def save_sync(self, path: str | os.PathLike, tree: Any) -> str:
         """Save and block until committed, writing the live values directly (no staging copy)."""
         return self.save(path, tree, _stage_copy=False).wait()
+
+    def staged(self) -> None:
+        """Block until the save in flight (if any) has staged its values: the fence before they change in place."""
+        if self._pending is not None:
+            self._pending.staged()
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; re-raise its failure."""
