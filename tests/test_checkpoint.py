@@ -321,7 +321,9 @@ def test_deferred_staging_saves_step_k_while_step_k_plus_1_updates_in_place(tmp_
     if fenced:
         _assert_tree_equal(saved, at_k)
     else:
-        assert torch.equal(saved.params["w"], state.params["w"]) and not torch.equal(saved.params["w"], at_k.params["w"])
+        assert torch.equal(saved.params["w"], state.params["w"]) and not torch.equal(
+            saved.params["w"], at_k.params["w"]
+        )
     mgr.close()
 
 
