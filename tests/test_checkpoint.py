@@ -364,6 +364,28 @@ def test_a_failed_deferred_staging_is_raised_by_the_fence(tmp_path, monkeypatch)
     assert mgr.all_steps() == []
 
 
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice values are a Linux feature")
+def test_an_async_saves_writers_run_at_the_lowest_priority_and_a_sync_saves_do_not(tmp_path, monkeypatch):
+    import functitan.checkpoint._fastwrite as FW
+
+    seen = []
+    write = FW.write_block
+
+    def recording(*a, **k):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return write(*a, **k)
+
+    monkeypatch.setattr(FW, "write_block", recording)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    save(tmp_path / "async", _state(1)).wait()
+    assert seen and set(seen) == {19}
+    seen.clear()
+    save_sync(tmp_path / "sync", _state(1))
+    assert seen and set(seen) == {mine}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller keeps its own
+    _assert_tree_equal(restore(tmp_path / "async", _zeros_like(_state(0))), _state(1))
+
+
 # ----------------------------------------------------------------------------------------------- corruption
 
 
