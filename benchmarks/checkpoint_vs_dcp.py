@@ -1,7 +1,16 @@
 """functitan.checkpoint vs torch.distributed.checkpoint (DCP) vs torch.save, on 2 gloo processes.
 
 About 500 MB of state (params + Adam mu/nu, fp32, FSDP Shard(0) over 2 ranks). Measures:
-  (a) how long the training loop is blocked per save: functitan async, DCP async_save, a synchronous save;
+  (a) what the training loop loses per save: ``blocked_*`` = (the save call + the next training step) - a
+      step without a save in flight (the median of ``PLAIN_STEPS`` right before), so it counts the staging
+      copy, the step's wait at the staging fence and the step's slowdown by the background write. The step
+      is the trainer's (``make_train_step(donate=True)``: fused AdamW in place on the same params, mu and
+      nu; forward and backward of a least-squares loss on each rank's shards). ``functitan_async``: the save
+      stages before it returns (the trainer on CPU); ``functitan_async_deferred``: it stages in the background
+      and the step's update waits at ``before_update=ckpt.staged`` (the trainer on CUDA); DCP ``async_save``
+      (stages in the call). ``call_*`` / ``fence_*``: the save call's and the fence's share; the ratios divide
+      by a synchronous save's time (``staging_call_over_sync_save``: the call alone, the figure reported
+      before the step was counted). All repetitions of (a) run first, then those of (b) and (c);
   (b) save throughput (GB/s, to fsync'd files): functitan Checkpointer.save_sync (steady state) and
       module-level save_sync (one-off: sets up a commit group), DCP save, torch.save per rank;
   (c) load time into the same sharding and resharded (FSDP Shard(0) -> TP Shard(1)), functitan and DCP
@@ -32,10 +41,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from functitan import _dtensor as _dt
-from functitan.checkpoint import Checkpointer, restore, save_sync
+from functitan import optim
+from functitan.checkpoint import Checkpointer, CheckpointManager, restore, save_sync
+from functitan.step import make_train_step
 from functitan.testing import run_distributed
+from functitan.train_state import TrainState
 
 ROWS, COLS = 2048, 1280  # one fp32 matrix = 10.5 MB
+BATCH = 128  # rows of the step's input: forward + backward ~ 84M FLOPs per row and rank (~0.15 s on one core)
+PLAIN_STEPS = 3  # a step without a save in flight: the median of this many, right before the one with a save
 
 
 def _state(mesh, n: int, placement) -> dict:
@@ -47,6 +61,27 @@ def _state(mesh, n: int, placement) -> dict:
         "mu": {k: dt(torch.zeros_like(v) + 0.1) for k, v in params.items()},
         "nu": {k: dt(torch.zeros_like(v) + 0.2) for k, v in params.items()},
     }
+
+
+def _grad_fn(params: dict, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """A least-squares loss on each weight's local shard, gradient by hand: the forward and backward the step
+    overlaps a deferred staging copy with (each rank computes with its own shard; the step's norm all-reduces)."""
+    loss, grads = x.new_zeros(()), {}
+    for k, w in params.items():
+        local = _dt.local(w)  # (ROWS / 2, COLS)
+        y = x @ local.T  # (BATCH, ROWS / 2)
+        loss = loss + y.square().mean()
+        grads[k] = _dt.wrap((y.T @ x).mul_(2 / y.numel()), _dt.spec(w))
+    return loss, grads
+
+
+def _train_state(state: dict) -> tuple[TrainState, object]:
+    """The trainer's donated step (fused AdamW in place) over ``state``'s params, with its mu / nu as Adam's moments."""
+    opt = optim.adamw(1e-4, weight_decay=0.0)
+    adam, *rest = opt.init(state["params"])
+    opt_state = (adam._replace(mu=state["mu"], nu=state["nu"]), *rest)
+    step = make_train_step(_grad_fn, opt, donate=True)
+    return TrainState(step=0, params=state["params"], opt_state=opt_state, data_state={}, rng=0), step
 
 
 def _fresh(tree: dict) -> dict:
@@ -73,7 +108,14 @@ def _fsync_tree(path: str) -> None:
             os.close(fd)
 
 
-def _bench(root: str, n: int, reps: int, load_rounds: int) -> dict:
+def _clear(path: str) -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+
+
+def _bench(root: str, n: int, reps: int, load_rounds: int, blocked_only: bool) -> dict:
     rank = dist.get_rank()
     fsdp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
     state = _state(fsdp, n, Shard(0))
@@ -84,27 +126,71 @@ def _bench(root: str, n: int, reps: int, load_rounds: int) -> dict:
     # DCP's async_save runs collectives from a background thread: give it its own group, as we do ours
     dcp_pg = dist.new_group(backend="gloo")
     ck = Checkpointer()
-    ck.save(f"{root}/warm", state).wait()  # allocate and touch the staging buffers once
+    ck.save_sync(f"{root}/warm", state)  # set up the commit group and the plan once
+    ts, train_step = _train_state(state)  # the trainer's donated step on the same tensors
+    x = torch.randn(BATCH, COLS, generator=torch.Generator().manual_seed(rank))
+    mgr = CheckpointManager(f"{root}/mgr", interval=1, keep_last=1)
+
+    def step(fence=None) -> None:
+        nonlocal ts
+        ts, _ = train_step(ts, x, before_update=fence)
+
+    step()
+    mgr.maybe_save(ts, defer_staging=True)  # allocate and touch the manager's staging buffers
+    step(mgr.staged)
+    mgr.wait()
+    plain = lambda: statistics.median(_timed(step) for _ in range(PLAIN_STEPS))  # noqa: E731
     for r in range(reps):
         p = f"{root}/r{r}"
-        # (a) blocked time: functitan async (buffers reused), DCP async_save
-        h = None
+        # (a) what the loop loses to a save: (save call + the next step) - a step without a save in flight;
+        # functitan staging before the call returns (the trainer on CPU) and deferred (on CUDA), then DCP
+        for key, defer in (("functitan_async", False), ("functitan_async_deferred", True)):
+            add(f"step_plain_{key}", plain())
+            call = fence = 0.0
 
-        def ft_async():
-            nonlocal h
-            h = ck.save(f"{p}/ft_async", state)
+            def staged() -> None:
+                nonlocal fence
+                t = time.perf_counter()
+                mgr.staged()
+                fence = time.perf_counter() - t
 
-        add("blocked_functitan_async", _timed(ft_async))
-        add("commit_functitan_async", _timed(lambda: h.wait()))
+            def ft_async():
+                nonlocal call
+                t = time.perf_counter()
+                mgr.maybe_save(ts, defer_staging=defer)  # noqa: B023 - called in this iteration
+                call = time.perf_counter() - t
+                step(staged)  # the update waits for a deferred staging copy (no wait otherwise)
+
+            add(f"blocked_{key}", _timed(ft_async) - out[f"step_plain_{key}"][-1])
+            add(f"call_{key}", call)
+            add(f"fence_{key}", fence)
+            add(f"commit_{key}", _timed(mgr.wait))
+        add("step_plain_dcp_async", plain())
         fut = None
 
         def dcp_async():
-            nonlocal fut
+            nonlocal fut, call
+            t = time.perf_counter()
             fut = dcp.async_save(state, checkpoint_id=f"{p}/dcp_async", process_group=dcp_pg)
+            call = time.perf_counter() - t
+            step()
 
-        add("blocked_dcp_async", _timed(dcp_async))
+        add("blocked_dcp_async", _timed(dcp_async) - out["step_plain_dcp_async"][-1])
+        add("call_dcp_async", call)
         _timed(lambda: fut.result())
-        # (a)/(b) synchronous saves
+        if blocked_only:  # the ratios' unit, measured here for a quick look
+            add("save_functitan_sync", _timed(lambda: ck.save_sync(f"{p}/ft_sync", state)))
+        _clear(p)
+    mgr.close()
+    if blocked_only:
+        ck.close()
+        return out
+    # (b) and (c) after all of (a), as they were measured before the step was counted: (a) writes 3 more
+    # checkpoints per repetition, and the disk's throughput right after them is not that of a quiet disk
+    os.sync()
+    _timed(lambda: time.sleep(5.0))
+    for r in range(reps):
+        p = f"{root}/r{r}"
         add("save_functitan_sync", _timed(lambda: ck.save_sync(f"{p}/ft_sync", state)))
         add("save_functitan_oneoff", _timed(lambda: save_sync(f"{p}/ft_oneoff", state)))
         add("save_dcp", _timed(lambda: dcp.save(state, checkpoint_id=f"{p}/dcp")))
@@ -131,10 +217,7 @@ def _bench(root: str, n: int, reps: int, load_rounds: int) -> dict:
             add("load_dcp_same_new", _timed(lambda: dcp.load(_fresh(same_ex), checkpoint_id=f"{p}/dcp")))
             add("load_functitan_reshard_new", _timed(lambda: restore(f"{p}/ft_sync", tp_ex)))
             add("load_dcp_reshard_new", _timed(lambda: dcp.load(_fresh(tp_ex), checkpoint_id=f"{p}/dcp")))
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(p, ignore_errors=True)
-        dist.barrier()
+        _clear(p)
     ck.close()
     return out
 
@@ -145,11 +228,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--load-rounds", type=int, default=2, help="alternating load rounds per repetition")
     ap.add_argument("--dir", default="/tmp/ckpt_bench")
+    ap.add_argument("--blocked-only", action="store_true", help="only (a) and the synchronous save; no JSON")
     args = ap.parse_args()
     n = max(1, round(args.mb * 1e6 / (3 * ROWS * COLS * 4)))
     nbytes = 3 * n * ROWS * COLS * 4
     shutil.rmtree(args.dir, ignore_errors=True)
-    per_rank = run_distributed(_bench, 2, args.dir, n, args.reps, args.load_rounds, timeout=3600)
+    per_rank = run_distributed(_bench, 2, args.dir, n, args.reps, args.load_rounds, args.blocked_only, timeout=3600)
     shutil.rmtree(args.dir, ignore_errors=True)
     # slowest rank per repetition (load round), then the median over them
     runs = {k: [max(r[k][i] for r in per_rank) for i in range(len(per_rank[0][k]))] for k in per_rank[0]}
@@ -159,6 +243,8 @@ def main() -> None:
     ratios = {
         "blocked_functitan_over_dcp_async": ("blocked_functitan_async", "blocked_dcp_async"),
         "blocked_functitan_over_sync_save": ("blocked_functitan_async", "save_functitan_sync"),
+        "blocked_deferred_over_sync_save": ("blocked_functitan_async_deferred", "save_functitan_sync"),
+        "staging_call_over_sync_save": ("call_functitan_async", "save_functitan_sync"),
         "throughput_functitan_over_dcp": ("save_dcp", "save_functitan_sync"),
         "throughput_functitan_over_torch_save": ("save_torch", "save_functitan_sync"),
         "load_functitan_over_dcp_same": ("load_functitan_same", "load_dcp_same"),
@@ -169,6 +255,11 @@ def main() -> None:
         "load_functitan_new_over_dcp_same": ("load_functitan_same_new", "load_dcp_same"),
         "load_functitan_new_over_dcp_reshard": ("load_functitan_reshard_new", "load_dcp_reshard"),
     }
+    ratios = {k: ab for k, ab in ratios.items() if all(x in med for x in ab)}
+    if args.blocked_only:
+        print(json.dumps({"seconds_median": med, "ratios": {k: med[a] / med[b] for k, (a, b) in ratios.items()}}))
+        print(json.dumps({k: [x / y for x, y in zip(runs[a], runs[b])] for k, (a, b) in ratios.items()}))
+        return
     res = {
         "state_MB": round(nbytes / 1e6, 1),
         "processes": 2,

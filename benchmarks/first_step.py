@@ -57,10 +57,10 @@ def _timed_run(overrides: dict[str, Any]) -> list[float]:
     def timed(*args: Any, **kwargs: Any):
         step = make_step(*args, **kwargs)
 
-        def run(state, batch):
+        def run(state, batch, **kwargs):
             dist.barrier()
             t0 = time.perf_counter()
-            out = step(state, batch)
+            out = step(state, batch, **kwargs)
             t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             times.append(float(t))

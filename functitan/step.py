@@ -85,6 +85,10 @@ def make_train_step(
             (``optimizer.update_in_place``: adamw), and the state passed in must not be read afterwards.
             The trainer donates; the default keeps every input valid.
 
+    ``train_step(state, batch, before_update=fence)``: a donating step calls ``fence()`` after the forward and
+    backward and just before it changes the state's buffers (e.g. ``CheckpointManager.staged``: a checkpoint
+    copying them in the background finishes first); a functional step never changes them and never calls it.
+
     ``metrics`` holds ``loss`` (mean over data-parallel ranks), ``grad_norm`` (of the full gradient, before
     clipping) and ``skipped``.
     """
@@ -99,7 +103,9 @@ def make_train_step(
 
     in_place = optimizer.update_in_place if donate else None
 
-    def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, float]]:
+    def train_step(
+        state: TrainState, batch: Any, *, before_update: Callable[[], None] | None = None
+    ) -> tuple[TrainState, dict[str, float]]:
         loss, grads = grad_fn(state.params, batch)
         with torch.no_grad():
             gnorm = optim.global_norm(grads, across=norm_across)
@@ -113,6 +119,8 @@ def make_train_step(
             return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": 1}
         if max_norm > 0:
             grads = optim.clip_to_norm(grads, gnorm, max_norm, in_place=donate)  # the step owns its grads
+        if in_place is not None and before_update is not None:
+            before_update()  # the fence: e.g. a checkpoint still copying these buffers (the functional path reads them)
         done = in_place(grads, state.opt_state, state.params) if in_place else None
         if done is None:
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -168,7 +176,10 @@ def _compiled_step(
     # DTensors included (torch.func.grad, the other traceable engine, cannot see DTensor params)
     config = torch._dynamo.config.patch(trace_autograd_ops=True)
 
-    def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, float]]:
+    def train_step(
+        state: TrainState, batch: Any, *, before_update: Callable[[], None] | None = None
+    ) -> tuple[TrainState, dict[str, float]]:
+        del before_update  # the compiled step is functional: it never changes the state it is given
         # a graph may not return leaves that need grad (dynamo breaks the graph there): the params go in and
         # come out without the flag, which is set again here (in place, on leaves: no copy, no dispatch)
         _set_requires_grad(state.params, False)

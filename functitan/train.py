@@ -211,11 +211,13 @@ def _stepper(cfg: JobConfig, train_step: Any, loader: Any, device: torch.device,
 def _advance(loader: Any, train_step: Any) -> Any:
     """One global step at the state's data position, on this job's ranks."""
 
-    def advance(state: TrainState, preemption: Preemption) -> tuple[TrainState, dict[str, Any], Any]:
+    def advance(
+        state: TrainState, preemption: Preemption, before_update: Any = None
+    ) -> tuple[TrainState, dict[str, Any], Any]:
         t0 = time.perf_counter()
         batch, after = loader.next(state.data_state)
         data_s = time.perf_counter() - t0
-        new, out = train_step(state._replace(data_state=after), batch)
+        new, out = train_step(state._replace(data_state=after), batch, before_update=before_update)
         return new, {**out, "data_s": data_s}, state.data_state
 
     return advance
@@ -231,7 +233,14 @@ def _loop(
     run_dir: Path,
     device: torch.device,
 ) -> dict[str, Any]:
-    """Step until ``training.steps``, or until SIGTERM/SIGINT: then checkpoint at this step boundary and stop."""
+    """Step until ``training.steps``, or until SIGTERM/SIGINT: then checkpoint at this step boundary and stop.
+
+    On CUDA a save copies the state into its pinned staging buffers in the background (the copy engine) while
+    the next step computes its gradients; that step's in-place update waits for the copy first
+    (``before_update=ckpt.staged``). On CPU the copy would take the step's own cores: there the save stages
+    before it returns, which loses less (benchmarks/checkpoint_vs_dcp.py, ``blocked_functitan_async_deferred``).
+    """
+    defer_staging = device.type == "cuda"
     steps = cfg.training.steps
     lr_at = learning_rate_schedule(cfg.optimizer, steps)
     sinks = M.make_sinks(run_dir, steps, rank=dist.get_rank())
@@ -244,7 +253,7 @@ def _loop(
             M.reset_peak_memory(device)
             while state.step < steps and not stop:
                 t0 = time.perf_counter()
-                stepped = advance(state, preemption)
+                stepped = advance(state, preemption, ckpt.staged if ckpt is not None else None)
                 if stepped is None:  # stopped while waiting for peers (elastic.live): save the last committed step
                     stop = preemption.signum
                     if ckpt is not None:
@@ -272,7 +281,7 @@ def _loop(
                     )
                     M.reset_peak_memory(device)
                 if ckpt is not None:
-                    ckpt.maybe_save(state, force=state.step == steps or bool(stop))
+                    ckpt.maybe_save(state, force=state.step == steps or bool(stop), defer_staging=defer_staging)
     finally:
         sinks.close()
         if ckpt is not None:

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import random
 import shutil
+import threading
 import time
 import warnings
 from typing import NamedTuple
@@ -263,6 +264,126 @@ def test_a_restart_removes_leftovers_of_cut_short_saves_and_deletes(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["1", "2", "notes.tmp-keep"]
     _assert_tree_equal(mgr.restore_latest(_zeros_like(_state(0))), _state(2))
     mgr.close()
+
+
+# ----------------------------------------------------------------------------------------------- deferred staging
+
+
+def _donated_step_and_state():
+    from functitan import optim
+    from functitan.step import make_train_step
+    from functitan.transforms import value_and_grad
+
+    params = {"w": _full((64, 32), 0).requires_grad_(), "b": _full((32,), 1).requires_grad_()}
+    opt = optim.adamw(1e-2, weight_decay=0.1)
+    step = make_train_step(value_and_grad(lambda p, x: ((x @ p["w"] + p["b"]) ** 2).mean()), opt, donate=True)
+    state = TrainState(step=0, params=params, opt_state=opt.init(params), data_state={"i": 0}, rng=3)
+    return step, state
+
+
+def _snapshot(state):
+    return torch.utils._pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, state)
+
+
+@pytest.mark.parametrize("fenced", [True, False])
+def test_deferred_staging_saves_step_k_while_step_k_plus_1_updates_in_place(tmp_path, monkeypatch, fenced):
+    """The save of step k copies in the background while the donated step k+1 runs; the step's ``before_update``
+    fence makes the checkpoint hold step k's bits. The staging thread is held until the step reaches its update
+    (fenced) or has finished it (no fence): without the fence the checkpoint holds step k+1's values, so this
+    comparison catches a missing fence."""
+    import functitan.checkpoint._save as S
+
+    go = threading.Event()
+    stage = S._stage
+    monkeypatch.setattr(S, "_stage", lambda *a, **k: (go.wait(), stage(*a, **k))[1])
+    step, state = _donated_step_and_state()
+    x = _full((8, 64), 5)
+    state, _ = step(state, x)  # step k = 1
+    at_k = _snapshot(state)
+    mgr = CheckpointManager(tmp_path, interval=1, keep_last=2)
+    handle = mgr.maybe_save(state, defer_staging=True)
+    assert not handle._staged.is_set()  # the copy has not started: the loop is not blocked by it
+
+    def fence():
+        go.set()
+        mgr.staged()
+
+    def buffers(state):  # params and Adam's moments (the counts are new 0-d tensors each step)
+        return [t.data_ptr() for t in torch.utils._pytree.tree_leaves((state.params, state.opt_state[0][1:]))]
+
+    before = buffers(state)
+    state, _ = step(state, x, before_update=fence if fenced else None)  # step k + 1, in place
+    go.set()
+    mgr.wait()
+    assert buffers(state) == before and len(before) == 6  # donated: the same buffers now hold step k + 1
+    assert not torch.equal(state.params["w"], at_k.params["w"])
+    saved = mgr.restore(1, _zeros_like(at_k))
+    if fenced:
+        _assert_tree_equal(saved, at_k)
+    else:
+        assert torch.equal(saved.params["w"], state.params["w"]) and not torch.equal(
+            saved.params["w"], at_k.params["w"]
+        )
+    mgr.close()
+
+
+def test_the_functional_step_never_calls_the_fence_and_the_donated_one_calls_it_once():
+    from functitan import optim
+    from functitan.step import make_train_step
+    from functitan.transforms import value_and_grad
+
+    calls = []
+    loss = value_and_grad(lambda p, x: ((x @ p["w"]) ** 2).mean())
+    ends = {}
+    for donate in (False, True):
+        params = {"w": _full((16, 4), 0).requires_grad_()}
+        opt = optim.adamw(1e-2)
+        state = TrainState(step=0, params=params, opt_state=opt.init(params), data_state={}, rng=0)
+        step = make_train_step(loss, opt, donate=donate)
+        calls.clear()
+        state, _ = step(state, _full((3, 16), 1), before_update=lambda: calls.append(1))
+        assert len(calls) == int(donate)
+        ends[donate] = state.params["w"].detach()
+    torch.testing.assert_close(ends[True], ends[False], rtol=0, atol=1e-6)  # the fence changes nothing else
+    assert not torch.equal(ends[True], _full((16, 4), 0))
+
+
+def test_a_failed_deferred_staging_is_raised_by_the_fence(tmp_path, monkeypatch):
+    import functitan.checkpoint._save as S
+
+    def broken(*a, **k):
+        raise OSError("no memory for the staging buffers")
+
+    monkeypatch.setattr(S, "_stage", broken)
+    mgr = CheckpointManager(tmp_path, interval=1, keep_last=2)
+    mgr.maybe_save(_state(1), defer_staging=True)
+    with pytest.raises(RuntimeError, match=r"staging checkpoint .*/1 failed: no memory for the staging buffers"):
+        mgr.staged()
+    with pytest.raises(RuntimeError, match=r"saving checkpoint .*/1 failed"):
+        mgr.close()
+    assert mgr.all_steps() == []
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice values are a Linux feature")
+def test_an_async_saves_writers_run_at_the_lowest_priority_and_a_sync_saves_do_not(tmp_path, monkeypatch):
+    import functitan.checkpoint._fastwrite as FW
+
+    seen = []
+    write = FW.write_block
+
+    def recording(*a, **k):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return write(*a, **k)
+
+    monkeypatch.setattr(FW, "write_block", recording)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    save(tmp_path / "async", _state(1)).wait()
+    assert seen and set(seen) == {19}
+    seen.clear()
+    save_sync(tmp_path / "sync", _state(1))
+    assert seen and set(seen) == {mine}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller keeps its own
+    _assert_tree_equal(restore(tmp_path / "async", _zeros_like(_state(0))), _state(1))
 
 
 # ----------------------------------------------------------------------------------------------- corruption

@@ -44,8 +44,8 @@ def _train_until(args: list[str], stop_after: int) -> None:
     def stopping(*a, **k):
         step = make(*a, **k)
 
-        def stepped(state, batch):
-            state, out = step(state, batch)
+        def stepped(state, batch, **kwargs):
+            state, out = step(state, batch, **kwargs)
             if state.step >= stop_after:
                 os.kill(os.getpid(), signal.SIGTERM)
             return state, out

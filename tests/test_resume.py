@@ -30,10 +30,10 @@ def _crash_at_step(step: int) -> None:
     def crashing(*args, **kwargs):
         train_step = make(*args, **kwargs)
 
-        def step_fn(state, batch):
+        def step_fn(state, batch, **kwargs):
             if state.step == step:
                 raise _Crash(f"simulated crash after step {step}")
-            return train_step(state, batch)
+            return train_step(state, batch, **kwargs)
 
         return step_fn
 

@@ -126,12 +126,17 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         return step % self.interval == 0 and step != self._last_saved
 
-    def maybe_save(self, state: Any, *, step: int | None = None, force: bool = False) -> SaveHandle | None:
+    def maybe_save(
+        self, state: Any, *, step: int | None = None, force: bool = False, defer_staging: bool = False
+    ) -> SaveHandle | None:
         """Save ``state`` if ``step`` (default ``state.step``) is a multiple of ``interval`` (or ``force``).
 
-        Blocks only to wait for the previous save and to copy this rank's shards into staging buffers.
-        A step that already has a checkpoint (e.g. the one just resumed from) is not saved again, unless
-        ``restore_latest`` found it damaged: then the new checkpoint replaces it at the commit.
+        Blocks only to wait for the previous save and to copy this rank's shards into staging buffers;
+        with ``defer_staging`` (an asynchronous manager) the copy too runs in the background, and the caller
+        must call ``staged()`` before it changes any of ``state``'s tensors in place: the trainer passes
+        ``staged`` to its donated step as ``before_update``. A step that already has a checkpoint (e.g. the
+        one just resumed from) is not saved again, unless ``restore_latest`` found it damaged: then the new
+        checkpoint replaces it at the commit.
         """
         step = int(state.step if step is None else step)
         replace = step in self._damaged
@@ -148,6 +153,7 @@ class CheckpointManager:
             tree,
             _item=ITEM,
             after_commit=self._retain,
+            defer_staging=defer_staging,
             _stage_copy=self.async_save,
             _replace=replace,
         )
@@ -175,6 +181,11 @@ class CheckpointManager:
     def _delete(self, path: str) -> None:
         # rename first: a crash mid-delete must not leave a half-deleted directory under a step's name
         shutil.rmtree(_move_aside(path), ignore_errors=True)
+
+    def staged(self) -> None:
+        """Block until the save in flight (if any) has copied this rank's values into its staging buffers:
+        the fence before they change in place (immediate unless ``maybe_save`` deferred staging)."""
+        self._ck.staged()
 
     def wait(self) -> None:
         """Block until the save in flight is committed (re-raising its failure)."""

@@ -187,12 +187,16 @@ class LiveStepper:
         return flat[-1], optree.tree_unflatten(treedef, out)
 
     def advance(
-        self, state: TrainState, preemption: Preemption
+        self, state: TrainState, preemption: Preemption, before_update: Any = None
     ) -> tuple[TrainState, dict[str, Any], dict[str, int]] | None:
         """Run the next global step until a quorum commits it; returns the new state, metrics and its data position.
 
         None when a stop signal arrives while waiting for a quorum (the peers may be gone for good).
+        ``before_update``: the fence before ``state``'s tensors change in place; the step here is functional,
+        but healing from a peer copies into them, so it is called first.
         """
+        if before_update is not None:
+            before_update()
         retries = 0
         if self.manager.current_step() != state.step:  # restored from disk: a peer that is ahead heals us
             self.manager.load_state_dict({"step": state.step, "batches_committed": self.manager.batches_committed()})
