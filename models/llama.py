@@ -289,9 +289,14 @@ def _rope_tables_cached(
 
 def _block_rope(cfg: LlamaConfig, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The tables every block uses: built once per (config, length, device, dtype) in eager mode (about 4% of a
-    small model's forward when rebuilt in each block), traced inline under ``torch.compile``; not cached under a
-    FakeTensorMode (the planner's traces: a cached fake tensor belongs to the mode that made it)."""
-    if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+    small model's forward when rebuilt in each block), traced inline under ``torch.compile``. Not cached under a
+    FakeTensorMode (the planner's traces: a cached fake tensor belongs to the mode that made it) nor inside a
+    torch.func transform (``hvp``, ``vmap``: tables made there are wrapped at its level and escape it)."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+        or torch._C._functorch.maybe_current_level() is not None
+    ):
         return rope_tables(cfg, seq_len, device=device, dtype=dtype)
     return _rope_tables_cached(cfg, seq_len, device, dtype)
 
