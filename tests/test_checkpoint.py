@@ -442,16 +442,22 @@ def test_a_functitan_checkpoint_without_its_commit_marker_is_incomplete(tmp_path
         verify(tmp_path / "ck")
 
 
-def test_flipped_bits_are_caught_by_the_chunk_checksum(tmp_path):
-    save_sync(tmp_path / "ck", {"w": _full((64, 64), 0)})
+# a 16 KiB chunk, and a 3 MiB one that the reader checksums 1 MiB piece by piece: a flip in the first piece, in
+# a later one, and in the stored crc32c itself
+@pytest.mark.parametrize("rows, at", [(64, 100), (12288, (5 << 19) + 7), (12288, -2)])
+def test_flipped_bits_are_caught_by_the_chunk_checksum(tmp_path, rows, at):
+    w = torch.randn(rows, 64, generator=torch.Generator().manual_seed(0))
+    save_sync(tmp_path / "ck", {"w": w})
+    torch.testing.assert_close(restore(tmp_path / "ck", {"w": torch.zeros(rows, 64)})["w"], w, atol=0, rtol=0)
     f = tmp_path / "ck" / "w" / "c" / "0" / "0"
     data = bytearray(f.read_bytes())
-    data[100] ^= 0x40
+    assert len(data) == rows * 64 * 4 + 4  # one chunk: the bytes and their crc32c
+    data[at] ^= 0x40
     f.write_bytes(bytes(data))
     with pytest.raises(
         CheckpointError, match=r"^w: reading .*/ck/w failed: .*Digest mismatch.*the checkpoint is corrupted"
     ):
-        restore(tmp_path / "ck", {"w": torch.zeros(64, 64)})
+        restore(tmp_path / "ck", {"w": torch.zeros(rows, 64)})
 
 
 def test_direct_reader_reads_only_the_inner_chunks_a_box_needs(tmp_path, monkeypatch):
