@@ -601,3 +601,46 @@ def test_manager_retention_exclude_and_weights_only(tmp_path):
     mgr.close()
     with pytest.raises(ValueError, match="keep_last=0"):
         CheckpointManager(tmp_path, interval=1, keep_last=0)
+
+
+def test_every_file_is_flushed_to_disk_before_the_commit_marker(tmp_path, monkeypatch):
+    """Durability: each chunk file (flushed by its writer, overlapping the other writes), each zarr.json and
+    tensorstore's chunks (flushed after the writes) reach the disk before ``_COMMIT`` names them."""
+    from functitan.checkpoint import _layout
+
+    flushed: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        real(fd)
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    g = torch.Generator().manual_seed(0)
+    tree = {
+        "rows": torch.randn(2048, 1024, generator=g),  # _fastwrite, a shard file of inner chunks
+        "cube": torch.randn(3, 5, 7, generator=g),  # _fastwrite, a plain chunk file
+        "c": torch.randn(4, 3, dtype=torch.complex64, generator=g),  # tensorstore's chunk
+        "step": 7,
+    }
+    save_sync(tmp_path / "ck", tree)
+    rel = [p.split(_layout.TMP_MARK, 1)[1].partition("/")[2] for p in flushed if _layout.TMP_MARK in p]
+    assert rel[-2:] == [_layout.COMMIT, ""]  # the marker, then its directory
+    assert flushed[-1] == str(tmp_path)  # then the parent, after the rename to the final name
+    files = {str(p.relative_to(tmp_path / "ck")) for p in (tmp_path / "ck").rglob("*") if p.is_file()}
+    assert files - {_layout.COMMIT} <= set(rel[:-2]), files - set(rel[:-2])
+    assert len(files) == 2 + 2 * len(tree)
+
+
+@pytest.mark.parametrize(
+    ("cores", "local", "threads"), [(8, None, 8), (8, "4", 2), (2, "2", 1), (2, "4", 1), (64, "1", 16)]
+)
+def test_a_restore_reads_with_its_share_of_the_hosts_cores(monkeypatch, cores, local, threads):
+    from functitan.checkpoint import _restore
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert _restore._read_threads() == threads

@@ -59,10 +59,14 @@ def _write_all(fd: int, parts: list) -> None:
             rest = rest[os.write(fd, rest) :]
 
 
-def write_block(path: str, spec: _fastread.Spec, off: tuple[int, ...], block: np.ndarray, scratch: Any) -> None:
+def write_block(
+    path: str, spec: _fastread.Spec, off: tuple[int, ...], block: np.ndarray, scratch: Any, *, fsync: bool = False
+) -> None:
     """Write the cells covering ``block`` (global offset ``off``, a whole number of cells) under ``path``.
 
-    ``scratch``: a ``threading.local()`` whose per-thread buffer gathers non-contiguous chunks.
+    ``scratch``: a ``threading.local()`` whose per-thread buffer gathers non-contiguous chunks. ``fsync``:
+    flush each file to disk before closing it, so one file's flush overlaps the other writers' writes
+    (after all the writes, the flushes alone took as long as the writes: 0.18 s for 250 MB per rank).
     """
     ranges = [range(o // c, (o + s) // c) for o, s, c in zip(off, block.shape, spec.cell)]
     for cidx in itertools.product(*ranges):
@@ -78,6 +82,8 @@ def write_block(path: str, spec: _fastread.Spec, off: tuple[int, ...], block: np
                 _write_all(fd, [body, _crc(body)])
             else:
                 _write_shard(fd, spec.inner, cell, scratch)
+            if fsync:
+                os.fsync(fd)
         finally:
             os.close(fd)
 

@@ -297,6 +297,7 @@ def _write_shards(item: str, plan: list[_Leaf], rank: int, *, background: bool =
     """
     ctx = ts.Context({"file_io_sync": False})
     opens, writes, written = [], [], []
+    synced: set[str] = set()  # chunk files their writer flushed already (see _fastwrite.write_block)
     # an asynchronous save's writers yield the CPU to the training loop (see _lower_priority)
     initializer = _lower_priority if background else None
     with ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="functitan-save", initializer=initializer) as pool:
@@ -319,7 +320,8 @@ def _write_shards(item: str, plan: list[_Leaf], rank: int, *, background: bool =
                 for p in leaf.pieces:
                     src = L.as_numpy(p.source) if isinstance(p.source, torch.Tensor) else p.source
                     args = (os.path.join(item, leaf.name), leaf.fast, p.box[0], src, scratch)
-                    writes.append(pool.submit(_fastwrite.write_block, *args))
+                    writes.append(pool.submit(_fastwrite.write_block, *args, fsync=True))
+                    synced.update(f"{leaf.name}/{k}" for k in _chunk_keys(p.box, grid))
                 continue
             # one rank creates zarr.json; the others assume it (no metadata I/O, no race)
             opened = (
@@ -334,10 +336,11 @@ def _write_shards(item: str, plan: list[_Leaf], rank: int, *, background: bool =
                 writes.append(arr[index].write(src) if index else arr.write(src))
         for f in opens + writes:
             f.result()
-    # concurrent fsyncs share journal commits: ~2x faster than one after another on ext4
+    # the rest (zarr.json, tensorstore's chunks): concurrent fsyncs share journal commits, ~2x faster than
+    # one after another on ext4
     paths = [os.path.join(item, rel) for rel in written]
     with ThreadPoolExecutor(16, initializer=initializer) as pool:
-        list(pool.map(_fsync, paths))
+        list(pool.map(_fsync, [p for rel, p in zip(written, paths) if rel not in synced]))
     return {rel: os.path.getsize(full) for rel, full in zip(written, paths)}
 
 
