@@ -10,7 +10,11 @@ About 500 MB of state (params + Adam mu/nu, fp32, FSDP Shard(0) over 2 ranks). M
       and the step's update waits at ``before_update=ckpt.staged`` (the trainer on CUDA); DCP ``async_save``
       (stages in the call). ``call_*`` / ``fence_*``: the save call's and the fence's share; the ratios divide
       by a synchronous save's time (``staging_call_over_sync_save``: the call alone, the figure reported
-      before the step was counted). All repetitions of (a) run first, then those of (b) and (c);
+      before the step was counted). ``lost_until_commit_*``: ``blocked_*`` plus what the steps after it lose
+      until the save has committed on every rank (their time beyond as many plain steps; ``steps_in_flight``
+      of them): the whole cost of a save to the loop, which on a host whose cores the ranks' compute already
+      fills includes the CPU time of the background write. All repetitions of (a) run first, then those of
+      (b) and (c);
   (b) save throughput (GB/s, to fsync'd files): functitan Checkpointer.save_sync (steady state) and
       module-level save_sync (one-off: sets up a commit group), DCP save, torch.save per rank;
   (c) load time into the same sharding and resharded (FSDP Shard(0) -> TP Shard(1)), functitan and DCP
@@ -140,6 +144,21 @@ def _bench(root: str, n: int, reps: int, load_rounds: int, blocked_only: bool) -
     step(mgr.staged)
     mgr.wait()
     plain = lambda: statistics.median(_timed(step) for _ in range(PLAIN_STEPS))  # noqa: E731
+
+    def until_commit(done, key: str) -> float:
+        """Run steps while the save is in flight on any rank; return their time beyond as many plain steps
+        (the background write's cost to the loop after the step ``blocked_*`` counts)."""
+        k, t = 0, time.perf_counter()
+        while True:
+            busy = torch.tensor([0.0 if done() else 1.0])
+            dist.all_reduce(busy)  # the ranks agree on the number of steps (each step has collectives)
+            if not busy.item():
+                break
+            step()
+            k += 1
+        add(f"steps_in_flight_{key}", float(k))
+        return time.perf_counter() - t - k * out[f"step_plain_{key}"][-1]
+
     for r in range(reps):
         p = f"{root}/r{r}"
         # (a) what the loop loses to a save: (save call + the next step) - a step without a save in flight;
@@ -147,6 +166,7 @@ def _bench(root: str, n: int, reps: int, load_rounds: int, blocked_only: bool) -
         for key, defer in (("functitan_async", False), ("functitan_async_deferred", True)):
             add(f"step_plain_{key}", plain())
             call = fence = 0.0
+            handle = None
 
             def staged() -> None:
                 nonlocal fence
@@ -155,15 +175,16 @@ def _bench(root: str, n: int, reps: int, load_rounds: int, blocked_only: bool) -
                 fence = time.perf_counter() - t
 
             def ft_async():
-                nonlocal call
+                nonlocal call, handle
                 t = time.perf_counter()
-                mgr.maybe_save(ts, defer_staging=defer)  # noqa: B023 - called in this iteration
+                handle = mgr.maybe_save(ts, defer_staging=defer)  # noqa: B023 - called in this iteration
                 call = time.perf_counter() - t
                 step(staged)  # the update waits for a deferred staging copy (no wait otherwise)
 
             add(f"blocked_{key}", _timed(ft_async) - out[f"step_plain_{key}"][-1])
             add(f"call_{key}", call)
             add(f"fence_{key}", fence)
+            add(f"lost_until_commit_{key}", out[f"blocked_{key}"][-1] + until_commit(handle.done, key))
             add(f"commit_{key}", _timed(mgr.wait))
         add("step_plain_dcp_async", plain())
         fut = None
@@ -177,6 +198,7 @@ def _bench(root: str, n: int, reps: int, load_rounds: int, blocked_only: bool) -
 
         add("blocked_dcp_async", _timed(dcp_async) - out["step_plain_dcp_async"][-1])
         add("call_dcp_async", call)
+        add("lost_until_commit_dcp_async", out["blocked_dcp_async"][-1] + until_commit(fut.done, "dcp_async"))
         _timed(lambda: fut.result())
         if blocked_only:  # the ratios' unit, measured here for a quick look
             add("save_functitan_sync", _timed(lambda: ck.save_sync(f"{p}/ft_sync", state)))
@@ -253,6 +275,15 @@ def main() -> None:
         "blocked_functitan_over_sync_save": ("blocked_functitan_async", "save_functitan_sync"),
         "blocked_deferred_over_sync_save": ("blocked_functitan_async_deferred", "save_functitan_sync"),
         "staging_call_over_sync_save": ("call_functitan_async", "save_functitan_sync"),
+        "lost_until_commit_functitan_over_sync_save": ("lost_until_commit_functitan_async", "save_functitan_sync"),
+        "lost_until_commit_deferred_over_sync_save": (
+            "lost_until_commit_functitan_async_deferred",
+            "save_functitan_sync",
+        ),
+        "lost_until_commit_functitan_over_dcp_async": (
+            "lost_until_commit_functitan_async",
+            "lost_until_commit_dcp_async",
+        ),
         "throughput_functitan_over_dcp": ("save_dcp", "save_functitan_sync"),
         "throughput_functitan_over_torch_save": ("save_torch", "save_functitan_sync"),
         "load_functitan_over_dcp_same": ("load_functitan_same", "load_dcp_same"),

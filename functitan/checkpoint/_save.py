@@ -234,12 +234,13 @@ def _stage(plan: list[_Leaf], named: list, *, copy: bool = True) -> list[torch.c
 def _lower_priority() -> None:
     """Run the calling thread (a writer of an asynchronous save's pool) at the lowest CPU priority.
 
-    The write (checksums, copies into the page cache) then takes the CPU only when the training loop leaves
-    it idle: on a busy host the commit waits, not the step (and the next save waits for the commit). On 2
-    busy CPU cores the step after a save (benchmarks/checkpoint_vs_dcp.py's) took ~365 ms longer than a
-    plain one with the writers at the training's priority, ~100 ms at this one, staging included. Linux
-    only: there a thread's nice value is its own (``setpriority`` on its thread id); the pool's threads end
-    with the save.
+    The write (checksums, copies into the page cache) then takes the CPU mostly when the training loop leaves
+    it idle: on a busy host the commit waits rather than the step. On 2 CPU cores the ranks fill, the step
+    after a save (benchmarks/checkpoint_vs_dcp.py's) took ~365 ms longer than a plain one with the writers at
+    the training's priority, ~100 ms at this one, staging included; the total over the steps until the
+    commit stayed the same (0.41-0.42 s against 0.33-0.43 s: the write's CPU time is spent either way), spread
+    over 6-10 steps instead of 1-2. Linux only: there a thread's nice value is its own (``setpriority`` on
+    its thread id); the pool's threads end with the save.
     """
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):
