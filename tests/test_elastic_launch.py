@@ -42,7 +42,7 @@ def wait_for_step(path, step: int, proc, timeout: float) -> dict:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_to_nproc_cli_saves_a_checkpoint_and_leaves_no_process(sig, tmp_path):
+def test_signal_to_nproc_cli_saves_a_checkpoint_and_leaves_no_process_or_file(sig, tmp_path):
     cmd = [
         sys.executable,
         "-m",
@@ -58,7 +58,10 @@ def test_signal_to_nproc_cli_saves_a_checkpoint_and_leaves_no_process(sig, tmp_p
         f"--metrics.run_dir={tmp_path}",
         "--metrics.run_name=pre",
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    scratch = tmp_path / "tmp"  # the temporary directory of the launcher, torchrun and the workers
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     tree: set[int] = set()
     try:
         wait_for_step(tmp_path / "pre" / "metrics.jsonl", 2, proc, timeout=120)
@@ -70,6 +73,8 @@ def test_signal_to_nproc_cli_saves_a_checkpoint_and_leaves_no_process(sig, tmp_p
         kill_all(tree | {proc.pid})
     assert proc.returncode == 0, err[-3000:]
     assert not alive(tree), f"processes left behind: {alive(tree)}"
+    # torchrun stopped by a signal leaves its torchelastic_* log directory: the launcher gives it one of its own
+    assert not [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")], "files left behind"
     steps = sorted(int(d) for d in os.listdir(tmp_path / "pre" / "checkpoints") if d.isdigit())
     assert len(steps) == 1 and steps[0] >= 2  # the preemption save, at the step boundary after the signal
     assert os.path.exists(tmp_path / "pre" / "checkpoints" / str(steps[0]) / "default" / "_COMMIT")

@@ -50,7 +50,7 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_from_a_fresh_kernel(path, monkeypatch):
+def test_notebook_runs_from_a_fresh_kernel(path, monkeypatch, tmp_path):
     committed = nbformat.read(path, as_version=4)
     code = [c for c in committed.cells if c.cell_type == "code"]
     assert all(c.get("outputs") is not None for c in code)
@@ -58,6 +58,10 @@ def test_notebook_runs_from_a_fresh_kernel(path, monkeypatch):
 
     # the kernel inherits the environment: make the repository importable as it is for `make test`
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    # the kernel's and its subprocesses' temporary files: a notebook removes what it wrote (checked below)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     fresh = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
         fresh, timeout=3 * TIME_LIMIT_S, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
@@ -72,5 +76,9 @@ def test_notebook_runs_from_a_fresh_kernel(path, monkeypatch):
             f"{path.name}, code cell {i} (starts {old.source.splitlines()[0]!r}): outputs were {_kinds(old)}, "
             f"now {_kinds(new)}; if the change is intended, re-run the notebook and commit its outputs"
         )
+    # not the notebook's: inductor's compile cache (kept on purpose) and the kernel's multiprocessing directory
+    # (removed when the kernel's interpreter exits, which may come after this check)
+    left = sorted(p.name for p in scratch.iterdir() if not p.name.startswith(("torchinductor_", "pymp-")))
+    assert not left, f"{path.name} left {left} in the temporary directory; remove its workdir in the last cell"
     if os.environ.get("CI"):  # CI has its 2 cores to itself; a shared workstation's wall time says little
         assert elapsed < TIME_LIMIT_S, f"{path.name} took {elapsed:.0f} s; notebooks must run in under {TIME_LIMIT_S} s"

@@ -132,9 +132,15 @@ def parse_launch_args(argv: Sequence[str]) -> tuple[LaunchSpec | None, list[str]
     return spec, rest
 
 
-def torchrun_command(spec: LaunchSpec, argv: Sequence[str]) -> list[str]:
-    """The torchrun command line that runs ``functitan.train argv`` as ``spec`` says."""
+def torchrun_command(spec: LaunchSpec, argv: Sequence[str], log_dir: str | os.PathLike | None = None) -> list[str]:
+    """The torchrun command line that runs ``functitan.train argv`` as ``spec`` says.
+
+    ``log_dir``: torchrun's directory for its workers' error files (default: a ``torchelastic_*`` directory of
+    its own in /tmp, which it leaves behind when a signal stops it).
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={spec.nproc}"]
+    if log_dir is not None:
+        cmd.append(f"--log-dir={log_dir}")
     if not spec.elastic:
         cmd += ["--standalone", f"--max-restarts={spec.max_restarts}"]
     else:
@@ -217,7 +223,8 @@ def launch(spec: LaunchSpec, argv: Sequence[str]) -> int:
         if spec.elastic:
             env["FUNCTITAN_ELASTIC_RUN"] = spec.rdzv_id
         # its own session: a terminal's Ctrl-C reaches only us, and we decide what torchrun gets
-        proc = subprocess.Popen(torchrun_command(spec, argv), env=env, stderr=subprocess.PIPE, start_new_session=True)
+        cmd = torchrun_command(spec, argv, log_dir=error_dir / "torchrun")  # removed with error_dir, signal or not
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True)
         # a failure ends the job only without restarts: then torchrun's summary may give way to one line
         pump = _StderrPump(proc.stderr, sys.stderr.buffer, hold_on_failure=spec.max_restarts == 0)
         received: list[int] = []

@@ -94,14 +94,15 @@ class Loopback:
     """Processes of one elastic scenario on this machine; ``close()`` leaves none behind.
 
     Args:
-        workdir: where each process's output goes (``<name>.log``).
+        workdir: where each process's output goes (``<name>.log``), and its temporary files (``tmp/``, as
+            ``TMPDIR``): what a killed agent cannot remove (torchrun's, the launcher's) goes with the workdir.
         env: extra environment for every process.
     """
 
     def __init__(self, workdir: str | os.PathLike, env: dict[str, str] | None = None):
         self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, **(env or {})}
+        (self.workdir / "tmp").mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "TMPDIR": str(self.workdir / "tmp"), **(env or {})}
         self.procs: dict[str, subprocess.Popen] = {}
         self._seen: dict[int, int] = {}  # pid -> start time: every process we ever saw in our trees
 
