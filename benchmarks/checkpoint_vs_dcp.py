@@ -6,8 +6,8 @@ About 500 MB of state (params + Adam mu/nu, fp32, FSDP Shard(0) over 2 ranks). M
       copy, the step's wait at the staging fence and the step's slowdown by the background write. The step
       is the trainer's (``make_train_step(donate=True)``: fused AdamW in place on the same params, mu and
       nu; forward and backward of a least-squares loss on each rank's shards). ``functitan_async``: the save
-      stages before it returns (the trainer on CPU); ``functitan_async_deferred``: it stages in the background
-      and the step's update waits at ``before_update=ckpt.staged`` (the trainer on CUDA); DCP ``async_save``
+      stages before it returns; ``functitan_async_deferred``: it stages in the background
+      and the step's update waits at ``before_update=ckpt.staged`` (the trainer); DCP ``async_save``
       (stages in the call). ``call_*`` / ``fence_*``: the save call's and the fence's share; the ratios divide
       by a synchronous save's time (``staging_call_over_sync_save``: the call alone, the figure reported
       before the step was counted). ``lost_until_commit_*``: ``blocked_*`` plus what the steps after it lose
@@ -162,7 +162,7 @@ def _bench(root: str, n: int, reps: int, load_rounds: int, blocked_only: bool) -
     for r in range(reps):
         p = f"{root}/r{r}"
         # (a) what the loop loses to a save: (save call + the next step) - a step without a save in flight;
-        # functitan staging before the call returns (the trainer on CPU) and deferred (on CUDA), then DCP
+        # functitan staging before the call returns and deferred (the trainer), then DCP
         for key, defer in (("functitan_async", False), ("functitan_async_deferred", True)):
             add(f"step_plain_{key}", plain())
             call = fence = 0.0

@@ -130,7 +130,9 @@ def _torch_runner(cfg: llama.LlamaConfig, params: dict, stages: pipeline.Stages,
             mod.zero_grad(set_to_none=True)
         losses: list[Tensor] = []
         args = (batch["inputs"],) if has_first else ()
-        sched.step(*args, target=batch["targets"] if has_last else None, losses=losses if has_last else None)
+        # return_outputs=False: a training step needs the losses, not the last stage's logits merged over microbatches
+        target = batch["targets"] if has_last else None
+        sched.step(*args, target=target, losses=losses if has_last else None, return_outputs=False)
         return float(torch.stack(losses).detach().mean()) if has_last else 0.0
 
     return step

@@ -235,12 +235,12 @@ def _loop(
 ) -> dict[str, Any]:
     """Step until ``training.steps``, or until SIGTERM/SIGINT: then checkpoint at this step boundary and stop.
 
-    On CUDA a save copies the state into its pinned staging buffers in the background (the copy engine) while
-    the next step computes its gradients; that step's in-place update waits for the copy first
-    (``before_update=ckpt.staged``). On CPU the copy would take the step's own cores: there the save stages
-    before it returns, which loses less (benchmarks/checkpoint_vs_dcp.py, ``blocked_functitan_async_deferred``).
+    A save copies the state into its staging buffers in the background (on CUDA: pinned buffers, the copy
+    engine) while the next step computes its gradients; that step's in-place update waits for the copy first
+    (``before_update=ckpt.staged``), so the save call itself blocks for almost nothing. On CPU the copy takes
+    the step's own cores, and staging before the call returns lost no less over the steps until the commit
+    (benchmarks/checkpoint_vs_dcp.py, ``lost_until_commit_*``): one path on every device, the one CPU tests run.
     """
-    defer_staging = device.type == "cuda"
     steps = cfg.training.steps
     lr_at = learning_rate_schedule(cfg.optimizer, steps)
     sinks = M.make_sinks(run_dir, steps, rank=dist.get_rank())
@@ -281,7 +281,7 @@ def _loop(
                     )
                     M.reset_peak_memory(device)
                 if ckpt is not None:
-                    ckpt.maybe_save(state, force=state.step == steps or bool(stop), defer_staging=defer_staging)
+                    ckpt.maybe_save(state, force=state.step == steps or bool(stop), defer_staging=True)
     finally:
         sinks.close()
         if ckpt is not None:
