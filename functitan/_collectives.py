@@ -232,24 +232,26 @@ class PendingReduce:
     autograd's order (later-made nodes run first), so the reduce-scatter overlaps that block's backward and at
     most one is in flight: it is waited on before the next bucket's starts."""
 
-    __slots__ = ("work", "flat", "out", "rank")
+    __slots__ = ("work", "flat", "out", "recv")
 
     def __init__(self) -> None:
         self.work: Any = None
         self.flat: Tensor | None = None  # the collective's input, alive until it finished
         self.out: Tensor | None = None
-        self.rank = -1  # >= 0: ``flat`` is all-reduced in place, then this rank's chunk is copied to ``out``
+        self.recv: Tensor | None = None  # gloo: (world, chunk) every rank's copy of this rank's chunk, summed at wait
 
     def start(self, out: Tensor, flat: Tensor, group: dist.ProcessGroup, *, async_op: bool = True) -> None:
-        """``out`` = this rank's chunk of ``flat`` summed over ``group``; ``flat`` (fresh, ours) may be overwritten.
+        """``out`` = this rank's chunk of ``flat`` summed over ``group``.
 
-        Gloo's reduce-scatter is an all-reduce of a clone of its input followed by a copy of the rank's chunk
-        (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``): on gloo ``flat`` is all-reduced in place
-        instead, the same sums without the clone (the whole bucket, copied on this thread)."""
+        On gloo as an all-to-all: each rank sends every other rank that rank's chunk, and sums the ``world``
+        chunks it receives when waited on, in rank order. Gloo's own reduce-scatter is an all-reduce of a
+        clone of its input followed by a copy of the rank's chunk (``reduce_scatter_tensor_coalesced``): each
+        rank sent and received all of ``flat`` ((world - 1) / world of it twice, over TCP), where the
+        all-to-all moves a reduce-scatter's bytes, (world - 1) / world of it once."""
         self.flat, self.out = flat, out
         if dist.get_backend(group) == "gloo":
-            self.rank = dist.get_rank(group)
-            self.work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            self.recv = flat.new_empty((dist.get_world_size(group), out.numel()))
+            self.work = dist.all_to_all_single(self.recv, flat, group=group, async_op=True)
         else:
             self.work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
         if not async_op:
@@ -258,10 +260,9 @@ class PendingReduce:
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
-            if self.rank >= 0:
-                self.out.copy_(self.flat.view(-1, self.out.numel())[self.rank])  # type: ignore[union-attr]
-        self.work = self.flat = self.out = None
-        self.rank = -1
+            if self.recv is not None:
+                torch.sum(self.recv, dim=0, out=self.out)
+        self.work = self.flat = self.out = self.recv = None
 
 
 class _AwaitReduce(torch.autograd.Function):
