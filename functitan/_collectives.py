@@ -79,7 +79,10 @@ def _scatter(g: Tensor, dim: int, group: dist.ProcessGroup, scale: float) -> Ten
     moved = _pad_to(g.movedim(dim, 0), c * n)
     moved = (moved * scale if scale != 1.0 else moved).contiguous()
     out = moved.new_empty((c, *moved.shape[1:]))
-    dist.reduce_scatter_single(out, moved, op=dist.ReduceOp.SUM, group=group)
+    if torch.compiler.is_compiling():  # traced as a functional collective
+        dist.reduce_scatter_single(out, moved, op=dist.ReduceOp.SUM, group=group)
+    else:
+        PendingReduce().start(out, moved, group, async_op=False)
     return out[: chunk_sizes(full, n)[dist.get_rank(group)]].movedim(0, dim)
 
 
@@ -241,7 +244,7 @@ class PendingReduce:
         self.recv: Tensor | None = None  # gloo: (world, chunk) every rank's copy of this rank's chunk, summed at wait
 
     def start(self, out: Tensor, flat: Tensor, group: dist.ProcessGroup, *, async_op: bool = True) -> None:
-        """``out`` = this rank's chunk of ``flat`` summed over ``group``.
+        """``out`` (contiguous) = this rank's chunk of ``flat`` (split along dim 0) summed over ``group``.
 
         On gloo as an all-to-all: each rank sends every other rank that rank's chunk, and sums the ``world``
         chunks it receives when waited on, in rank order. Gloo's own reduce-scatter is an all-reduce of a
@@ -261,7 +264,7 @@ class PendingReduce:
         if self.work is not None:
             self.work.wait()
             if self.recv is not None:
-                torch.sum(self.recv, dim=0, out=self.out)
+                torch.sum(self.recv, dim=0, out=self.out.view(-1))
         self.work = self.flat = self.out = self.recv = None
 
 
