@@ -238,8 +238,9 @@ def _loop(
     A save copies the state into its staging buffers in the background (on CUDA: pinned buffers, the copy
     engine) while the next step computes its gradients; that step's in-place update waits for the copy first
     (``before_update=ckpt.staged``), so the save call itself blocks for almost nothing. On CPU the copy takes
-    the step's own cores, and staging before the call returns lost no less over the steps until the commit
-    (benchmarks/checkpoint_vs_dcp.py, ``lost_until_commit_*``): one path on every device, the one CPU tests run.
+    the step's own cores either way: staging inside the call cost the loop as much or more over the steps
+    until the commit (benchmarks/checkpoint_vs_dcp.py, ``lost_until_commit_*``). So one path on every device,
+    and CPU tests run the one GPU users take.
     """
     steps = cfg.training.steps
     lr_at = learning_rate_schedule(cfg.optimizer, steps)
