@@ -11,7 +11,9 @@ whole train step fits one GPU), in bf16 compute with fp32 master weights and fp3
   state, so its adamw runs the same fused kernel in place): alternating steps after warm-up, medians, and
   MFU against the device table's bf16 peak (``functitan.metrics.peak_flops``) and a measured 8192^3 GEMM;
 - pinned-memory async checkpoint staging: how long ``functitan.checkpoint.Checkpointer.save`` blocks the
-  loop (GPU -> pinned host copies) and how long the whole save takes, for the params + AdamW state;
+  loop (GPU -> pinned host copies) and how long the whole save takes, for the params + AdamW state; and for
+  the first shape, what a save costs the loop the trainer's way (``checkpoint_loop``: staging deferred to the
+  step's fence, steps until the commit, against a synchronous save);
 - CUDA memory metrics per side: peak allocated / reserved, allocation retries, OOMs
   (``torch.cuda.memory_stats``);
 - the trainer end to end (``functitan train --config configs/debug.toml`` on this device, a checkpoint half
@@ -108,8 +110,8 @@ def functitan_side(
     # donate: the trainer's step (adamw updates the buffers in place in one fused pass)
     step = make_train_step(value_and_grad(functools.partial(llama.loss, cfg=cfg, layout=layout)), opt, donate=True)
 
-    def run() -> float:
-        box[0], out = step(box[0], batch)
+    def run(fence: Callable[[], None] | None = None) -> float:
+        box[0], out = step(box[0], batch, before_update=fence)
         return out["loss"]
 
     return run, lambda: {"params": box[0].params, "opt_state": box[0].opt_state}
@@ -168,7 +170,15 @@ def _alternate(
 
 
 def check_shape(
-    name: str, device: torch.device, *, steps: int, warmup: int, dry: bool, ckpt_dir: str, profile_dir: str | None
+    name: str,
+    device: torch.device,
+    *,
+    steps: int,
+    warmup: int,
+    dry: bool,
+    ckpt_dir: str,
+    profile_dir: str | None,
+    loop_cost: bool = False,
 ) -> dict[str, Any]:
     cfg, batch_size, seq = _config(name, dry)
     full = llama.init(cfg, fold_in(key(0), "params"), device=device)
@@ -227,6 +237,8 @@ def check_shape(
     del fn_t, fn_tf, sides
     _reset_memory(device)
     out["checkpoint"] = _guarded(lambda: _checkpoint_staging(state_of(), device, ckpt_dir, repeats=2))
+    if loop_cost:
+        out["checkpoint_loop"] = _guarded(lambda: _checkpoint_loop(fn_f, state_of, device, ckpt_dir, saves=2))
     return out
 
 
@@ -354,6 +366,61 @@ def _checkpoint_staging(tree: Any, device: torch.device, ckpt_dir: str, *, repea
     }
 
 
+def _checkpoint_loop(
+    step: Callable[..., float], state_of: Callable[[], Any], device: torch.device, ckpt_dir: str, *, saves: int
+) -> dict[str, Any]:
+    """What a save costs the training loop, the trainer's way: staging deferred to the step's fence (on CUDA a
+    side stream's copies into pinned buffers), steps running until the save has committed.
+
+    ``lost_s`` = (the save call + every step until the commit) - as many plain steps (the median of 3 right
+    before); ``lost_over_sync_save`` divides by a synchronous save of the same state (issue 14's target: <= 0.1
+    with the write off the compute path).
+    """
+    with Checkpointer() as ck:
+        ck.save(os.path.join(ckpt_dir, "loop_warm"), state_of(), defer_staging=True)  # allocates, pins the buffers
+        step(ck.staged)
+        ck.wait()
+        shutil.rmtree(os.path.join(ckpt_dir, "loop_warm"), ignore_errors=True)
+        sync, lost, call, in_flight = [], [], [], []
+        for i in range(saves):
+            path = os.path.join(ckpt_dir, f"loop_{i}")
+            plain = []
+            for _ in range(3):
+                _sync(device)
+                t0 = time.perf_counter()
+                step()
+                _sync(device)
+                plain.append(time.perf_counter() - t0)
+            _sync(device)
+            t0 = time.perf_counter()
+            handle = ck.save(path, state_of(), defer_staging=True)
+            call.append(time.perf_counter() - t0)
+            k = 0
+            while True:
+                step(ck.staged)
+                k += 1
+                if handle.done():
+                    break
+            _sync(device)
+            lost.append(time.perf_counter() - t0 - k * statistics.median(plain))
+            in_flight.append(k)
+            ck.wait()
+            shutil.rmtree(path, ignore_errors=True)
+            _sync(device)
+            t0 = time.perf_counter()
+            ck.save_sync(path, state_of())
+            sync.append(time.perf_counter() - t0)
+            shutil.rmtree(path, ignore_errors=True)  # the device disk is small
+    return {
+        "call_s": call,
+        "lost_s": lost,
+        "steps_in_flight": in_flight,
+        "sync_save_s": sync,
+        "lost_over_sync_save": statistics.median(lost) / statistics.median(sync),
+        "call_over_sync_save": statistics.median(call) / statistics.median(sync),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, few steps: checks the script")
@@ -396,6 +463,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 dry=dry,
                 ckpt_dir=os.path.join(tmp, name),
                 profile_dir=a.profile,
+                loop_cost=name == a.shapes.split(",")[0],  # the first (smallest) shape: its saves take seconds
             )
             out["shapes"][name] = r = _guarded(run)
             r["wall_s"] = time.perf_counter() - t0
@@ -420,6 +488,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{r['checkpoint'].get('median_total_s', float('nan')) * 1e3:.1f} ms",
                 flush=True,
             )
+            if "lost_over_sync_save" in r.get("checkpoint_loop", {}):
+                loop = r["checkpoint_loop"]
+                print(
+                    f"{name}: a save costs the loop {loop['lost_over_sync_save']:.3f} of a synchronous save "
+                    f"(steps in flight {loop['steps_in_flight']}); the call {loop['call_over_sync_save']:.3f}",
+                    flush=True,
+                )
         if not a.no_trainer:
             out["trainer"] = _guarded(
                 functools.partial(

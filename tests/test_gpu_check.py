@@ -28,6 +28,9 @@ def test_gpu_check_dry_run_measures_every_part(tmp_path):
         assert shape["ratio"] > 0 and shape["ratio_vs_torch_fused_adamw"] > 0  # tiny CPU shapes: no target
         assert shape["checkpoint"]["bytes"] > 0 and shape["checkpoint"]["reuse_blocked_s"] >= 0
         assert (tmp_path / f"profile_{name}_functitan.txt").read_text().count("aten::mm") >= 1
+    loop = result["shapes"]["1b"]["checkpoint_loop"]  # the trainer's save path, for the first shape only
+    assert "error" not in loop and len(loop["lost_s"]) == 2 and min(loop["steps_in_flight"]) >= 1
+    assert loop["sync_save_s"][0] > 0 and "checkpoint_loop" not in result["shapes"]["8b"]
     trainer = result["trainer"]  # the CLI as typed, then a run resumed from its half-way checkpoint
     assert trainer["resumed_steps"] == [3, 4] and trainer["resume_max_abs_loss_diff"] == 0.0
     assert trainer["last_loss"] < trainer["first_loss"]

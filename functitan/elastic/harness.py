@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from functitan.testing import TINY_RUN_ARGS
+from functitan.testing import TINY_RUN_ARGS, free_port
 
 __all__ = [
     "Loopback",
@@ -169,14 +169,6 @@ class Loopback:
 
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text(errors="replace")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _last_step(path: Path, world: int | None = None, after: int = 0) -> int:
