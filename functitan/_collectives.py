@@ -263,7 +263,7 @@ class PendingReduce:
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
-            if self.recv is not None:
+            if self.recv is not None and self.out is not None:
                 torch.sum(self.recv, dim=0, out=self.out.view(-1))
         self.work = self.flat = self.out = self.recv = None
 
