@@ -235,37 +235,50 @@ class PendingReduce:
     autograd's order (later-made nodes run first), so the reduce-scatter overlaps that block's backward and at
     most one is in flight: it is waited on before the next bucket's starts."""
 
-    __slots__ = ("work", "flat", "out", "recv")
+    __slots__ = ("work", "flat", "out", "recv", "mine")
 
     def __init__(self) -> None:
         self.work: Any = None
         self.flat: Tensor | None = None  # the collective's input, alive until it finished
         self.out: Tensor | None = None
-        self.recv: Tensor | None = None  # gloo: (world, chunk) every rank's copy of this rank's chunk, summed at wait
+        self.recv: Tensor | None = None  # gloo: (world - 1, chunk) the other ranks' copies of this rank's chunk
+        self.mine: Tensor | None = None  # gloo: this rank's own copy of its chunk
 
     def start(self, out: Tensor, flat: Tensor, group: dist.ProcessGroup, *, async_op: bool = True) -> None:
         """``out`` (contiguous) = this rank's chunk of ``flat`` (split along dim 0) summed over ``group``.
 
-        On gloo as an all-to-all: each rank sends every other rank that rank's chunk, and sums the ``world``
-        chunks it receives when waited on, in rank order. Gloo's own reduce-scatter is an all-reduce of a
-        clone of its input followed by a copy of the rank's chunk (``reduce_scatter_tensor_coalesced``): each
-        rank sent and received all of ``flat`` ((world - 1) / world of it twice, over TCP), where the
-        all-to-all moves a reduce-scatter's bytes, (world - 1) / world of it once."""
+        On gloo by point-to-point: each rank sends every other rank that rank's chunk and, when waited on, adds
+        the chunks it received to its own. Gloo's own reduce-scatter is an all-reduce of a clone of its input
+        followed by a copy of the rank's chunk (``reduce_scatter_tensor_coalesced``): each rank sent and
+        received all of ``flat`` ((world - 1) / world of it twice, over TCP), where this moves a
+        reduce-scatter's bytes, (world - 1) / world of it once, into (world - 1) / world of a bucket of memory."""
         self.flat, self.out = flat, out
         if dist.get_backend(group) == "gloo":
-            self.recv = flat.new_empty((dist.get_world_size(group), out.numel()))
-            self.work = dist.all_to_all_single(self.recv, flat, group=group, async_op=True)
+            n, me = dist.get_world_size(group), dist.get_rank(group)
+            chunks = flat.view(n, -1)
+            self.mine = chunks[me]
+            self.recv = flat.new_empty((n - 1, chunks.shape[1]))
+            peers = [p for p in range(n) if p != me]
+            ops = [dist.P2POp(dist.isend, chunks[p], group=group, group_peer=p) for p in peers]
+            ops += [dist.P2POp(dist.irecv, r, group=group, group_peer=p) for p, r in zip(peers, self.recv)]
+            self.work = dist.batch_isend_irecv(ops)
         else:
-            self.work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            self.work = [dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)]
         if not async_op:
             self.wait()
 
     def wait(self) -> None:
         if self.work is not None:
-            self.work.wait()
-            if self.recv is not None and self.out is not None:
-                torch.sum(self.recv, dim=0, out=self.out.view(-1))
-        self.work = self.flat = self.out = self.recv = None
+            for work in self.work:
+                work.wait()
+            if self.recv is not None and self.out is not None and self.mine is not None:
+                out = self.out.view(-1)
+                if len(self.recv) == 1:
+                    torch.add(self.mine, self.recv[0], out=out)
+                else:
+                    torch.sum(self.recv, dim=0, out=out)
+                    out.add_(self.mine)
+        self.work = self.flat = self.out = self.recv = self.mine = None
 
 
 class _AwaitReduce(torch.autograd.Function):

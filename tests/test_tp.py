@@ -24,8 +24,8 @@ def _grads_and_collectives(sp: bool):
     params = place(llama.init(cfg, key(0), dtype=torch.float64), llama.specs(cfg), layout.rules, mesh)
     tokens = torch.arange(2 * 16).reshape(2, 16) % cfg.vocab_size
     calls: dict[str, int] = {}
-    # a reduce-scatter is reduce_scatter_single, or all_to_all_single on gloo (functitan._collectives.PendingReduce)
-    names = ("all_gather_single", "reduce_scatter_single", "all_to_all_single", "all_reduce")
+    # a reduce-scatter is reduce_scatter_single, or batch_isend_irecv on gloo (functitan._collectives.PendingReduce)
+    names = ("all_gather_single", "reduce_scatter_single", "batch_isend_irecv", "all_reduce")
     originals = {n: getattr(dist, n) for n in names}
 
     def counting(name):
@@ -72,7 +72,7 @@ def test_shared_input_is_gathered_once_per_attention_and_mlp(sp):
         # per block: one all-gather for q/k/v's input, one for gate/up's (was 3 + 2); one more for the head's
         assert forward.get("all_gather_single") == 2 * layers + 1
         # backward: one reduce-scatter per shared input (the dual), plus the head's
-        assert backward.get("all_to_all_single", 0) + backward.get("reduce_scatter_single", 0) == 2 * layers + 1
+        assert backward.get("batch_isend_irecv", 0) + backward.get("reduce_scatter_single", 0) == 2 * layers + 1
     else:
         # no sequence parallelism: the shared input's gradient is all-reduced once per attention and MLP
         # (2 a block, was 5), plus once for the head's input; forward all-reduces (wo, w_down, embedding,
