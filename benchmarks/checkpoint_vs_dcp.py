@@ -10,7 +10,8 @@ About 500 MB of state (params + Adam mu/nu, fp32, FSDP Shard(0) over 2 ranks). M
       and the step's update waits at ``before_update=ckpt.staged`` (the trainer); DCP ``async_save``
       (stages in the call). ``call_*`` / ``fence_*``: the save call's and the fence's share; the ratios divide
       by a synchronous save's time (``staging_call_over_sync_save``: the call alone, the figure reported
-      before the step was counted). ``lost_until_commit_*``: ``blocked_*`` plus what the steps after it lose
+      before the step was counted; ``deferred_call_over_sync_save``: the same for the trainer's call, staging
+      deferred, the time the loop is blocked per save). ``lost_until_commit_*``: ``blocked_*`` plus what the steps after it lose
       until the save has committed on every rank (their time beyond as many plain steps; ``steps_in_flight``
       of them): the whole cost of a save to the loop, which on a host whose cores the ranks' compute already
       fills includes the CPU time of the background write. All repetitions of (a) run first, then those of
@@ -275,6 +276,9 @@ def main() -> None:
         "blocked_functitan_over_sync_save": ("blocked_functitan_async", "save_functitan_sync"),
         "blocked_deferred_over_sync_save": ("blocked_functitan_async_deferred", "save_functitan_sync"),
         "staging_call_over_sync_save": ("call_functitan_async", "save_functitan_sync"),
+        # what the trainer's save call blocks (staging deferred to the step's fence), and DCP async_save's call
+        "deferred_call_over_sync_save": ("call_functitan_async_deferred", "save_functitan_sync"),
+        "deferred_call_over_dcp_async_call": ("call_functitan_async_deferred", "call_dcp_async"),
         "lost_until_commit_functitan_over_sync_save": ("lost_until_commit_functitan_async", "save_functitan_sync"),
         "lost_until_commit_deferred_over_sync_save": (
             "lost_until_commit_functitan_async_deferred",
