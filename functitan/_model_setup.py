@@ -4,6 +4,8 @@ any collective. ``run()`` (functitan/train.py) calls ``init_model`` then ``check
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,11 +13,11 @@ import torch
 from .checkpoint import is_hf_dir, load_hf, recorded_model_config
 from .config import ConfigError
 from .job_config import JobConfig
-from .model import Model, check_names, config_from_dict, load_model
+from .model import Model, check_names, config_from_dict, config_to_dict, load_model
 from .model import init as init_params
 from .random import fold_in
 
-__all__ = ["DEFAULT_MODEL", "init_model", "check_model"]
+__all__ = ["DEFAULT_MODEL", "init_model", "check_model", "check_resumed_model"]
 
 DEFAULT_MODEL = "llama"
 
@@ -84,3 +86,31 @@ def check_model(model: Model, model_cfg: Any, *, tp: int, pp: int, seq_len: int,
     if model.check_layout is not None:
         model.check_layout(model_cfg, tp=tp, seq_len=seq_len, sequence_parallel=sequence_parallel)
     check_names(model, model_cfg)
+
+
+def check_resumed_model(run_dir: Path, name: str, model_cfg: Any) -> None:
+    """A run resumes the model its checkpoints hold. Another ``--model.name`` or shape is one line naming the
+    fields and the run's record (``model_config.json``), before the restore meets missing keys or shapes."""
+    recorded = recorded_model_config(run_dir) if (Path(run_dir) / "model_config.json").is_file() else None
+    if recorded is None:
+        return
+    fix = "drop the flags that differ, or start another run with a new metrics.run_name"
+    where = f"the checkpoints of {run_dir} ({Path(run_dir) / 'model_config.json'})"
+    if not _same_model_name(recorded[0], name):
+        raise ConfigError(f"model.name={name!r} differs from {where}, which hold model {recorded[0]!r}; {fix}")
+    ours = json.loads(json.dumps(config_to_dict(model_cfg)))  # as the record stores it (tuples as lists)
+    keys = [k for k, v in ours.items() if recorded[1].get(k) != v]
+    if keys:
+        raise ConfigError(
+            f"{', '.join(f'model.{k}={ours[k]!r}' for k in keys)} differ{'s' if len(keys) == 1 else ''} from "
+            f"{where}, which hold {', '.join(f'{k}={recorded[1].get(k)!r}' for k in keys)}; {fix}"
+        )
+
+
+def _same_model_name(a: str, b: str) -> bool:
+    """Two spellings of one model: the same name, or the same model file (``path.py[:ATTR]``)."""
+    if a == b:
+        return True
+    fa, _, attr_a = a.partition(":")
+    fb, _, attr_b = b.partition(":")
+    return fa.endswith(".py") and fb.endswith(".py") and attr_a == attr_b and Path(fa).resolve() == Path(fb).resolve()

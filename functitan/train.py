@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import metrics as M
 from . import optim, pipeline
-from ._model_setup import check_model, init_model
+from ._model_setup import check_model, check_resumed_model, init_model
 from .checkpoint import CheckpointManager, is_hf_dir, restore_params, write_model_config
 from .config import parse_config, to_dict
 from .data import build_loader
@@ -83,11 +83,6 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
 
     # 5. checkpoint: resume from the newest complete checkpoint of this run, else a weights-only load_path
     run_dir = _run_dir(cfg, name)
-    ran = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=name, overrides=config_to_dict(model_cfg)))
-    if dist.get_rank() == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(to_dict(ran), indent=2, default=str))  # what ran
-    write_model_config(name, model_cfg, run_dir)  # lets `functitan export hf` rebuild the model
     ckpt = None
     if cfg.checkpoint.enable:
         ckpt = CheckpointManager(
@@ -96,6 +91,8 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
             keep_last=cfg.checkpoint.keep_last,
             mesh=mesh,
         )
+    if ckpt is not None and ckpt.latest_step() is not None:
+        check_resumed_model(run_dir, name, model_cfg)
     restored = (
         ckpt.restore_latest(state, in_place=True) if ckpt is not None else None
     )  # reuses the fresh state's memory
@@ -103,6 +100,8 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
         state = restored
     elif cfg.checkpoint.load_path and not is_hf_dir(cfg.checkpoint.load_path):
         state = state._replace(params=restore_params(cfg.checkpoint.load_path, state.params, partial=par.pp > 1))
+    # recorded once the checkpoint took this model: a resume refused (another model or shape) keeps the run's record
+    _record_run(cfg, name, model_cfg, run_dir)
 
     # 6. metrics, and the loop
     meter = M.Meter(
@@ -112,6 +111,16 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     )
     with _stepper(cfg, train_step, loader, device, loss_grad=loss_grad, optimizer=optimizer) as advance:
         return _loop(cfg, state, advance, loader, meter, ckpt, run_dir, device)
+
+
+def _record_run(cfg: JobConfig, name: str, model_cfg: Any, run_dir: Path) -> None:
+    """Write what ran (``config.json``) and the model (``model_config.json``, which ``functitan export hf`` and
+    ``--checkpoint.load_path`` rebuild the model from) into the run directory."""
+    ran = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=name, overrides=config_to_dict(model_cfg)))
+    if dist.get_rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(to_dict(ran), indent=2, default=str))
+    write_model_config(name, model_cfg, run_dir)
 
 
 def make_layout(cfg: JobConfig, mesh: Any) -> tuple[Layout, Any]:

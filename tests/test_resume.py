@@ -129,3 +129,49 @@ def test_a_restarted_trainer_removes_leftovers_and_resaves_a_damaged_newest_step
     # leftovers gone; step 4 saved again in place of the damaged one; keep_last=2 counts intact steps only
     assert sorted(e.name for e in ckpts.iterdir()) == ["4", "6"]
     assert _files(ckpts / "4") == good4  # the resumed run is bit-exact, so its step 4 is the original's, byte for byte
+
+
+def test_resuming_with_another_model_is_one_line_and_keeps_the_runs_record(tmp_path):
+    # a resume refused (another model, another shape) must not rewrite the run's record of its model: export hf and
+    # --checkpoint.load_path rebuild the model from it
+    import subprocess
+    import sys
+
+    tiny = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=8", "--model.ffn_dim=128"]  # llama's and gpt2's
+    run = [*tiny, "--data.max_corpus_bytes=400000", "--training.seq_len=32", "--checkpoint.enable=true"]
+    run += [f"--metrics.run_dir={tmp_path}", "--metrics.run_name=r"]
+    procs: list[subprocess.Popen] = []
+
+    def train(*args: str, steps: int = 2) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "functitan.cli", "train", *run, f"--training.steps={steps}", *args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return procs[-1]
+
+    record = tmp_path / "r" / "model_config.json"
+    wrong = {
+        ("--model.name=gpt2",): f"model.name='gpt2' differs from the checkpoints of {tmp_path / 'r'} ({record}), "
+        "which hold model 'llama'",
+        ("--model.dim=32", "--model.n_layers=3"): "model.dim=32, model.n_layers=3 differ from the checkpoints of "
+        f"{tmp_path / 'r'} ({record}), which hold dim=64, n_layers=2",
+    }
+    fix = "; drop the flags that differ, or start another run with a new metrics.run_name"
+    try:
+        first = train()
+        _, err = first.communicate(timeout=180)
+        assert first.returncode == 0, err[-3000:]
+        records = {p.name: p.read_bytes() for p in (tmp_path / "r").glob("*.json")}
+        assert set(records) == {"config.json", "model_config.json"}
+        refused = [train(*args, steps=3) for args in wrong]  # at once: each mostly waits for torch's import
+        for (args, message), proc in zip(wrong.items(), refused):
+            _, err = proc.communicate(timeout=180)
+            assert proc.returncode == 2, err[-3000:]
+            assert err.splitlines() == [f"functitan: error: {message}{fix}"], args
+        assert {p.name: p.read_bytes() for p in (tmp_path / "r").glob("*.json")} == records
+        again = train(steps=3)
+        out, err = again.communicate(timeout=180)
+        assert again.returncode == 0, err[-3000:]
+        assert "functitan: 3 steps (resumed at step 2)" in out
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
