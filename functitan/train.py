@@ -298,7 +298,7 @@ def _loop(
             ckpt.close()  # waits for the last async save
     rejoin = bool(stop) and not preemption.signum and "FUNCTITAN_ELASTIC_RUN" in os.environ
     if stop:
-        _report_stop(stop, state.step, ckpt, rejoin=rejoin)
+        _report_stop(stop, state.step, ckpt, rejoin=rejoin, resume=_resume_hint(cfg, ckpt, run_dir))
     elif dist.get_rank() == 0:
         print(_summary_line(start, state.step, steps, first_loss, last_loss, run_dir), flush=True)
     return {
@@ -322,7 +322,16 @@ def _position(data_state: Any, batch_seqs: int, cfg: JobConfig, world: int) -> d
     }
 
 
-def _report_stop(signum: int, step: int, ckpt: Any, *, rejoin: bool) -> None:
+def _resume_hint(cfg: JobConfig, ckpt: Any, run_dir: Path) -> str:
+    """How to resume: a run finds its checkpoints by its name, and an unnamed run is named by the clock."""
+    if ckpt is None:
+        return "nothing to resume from (add --checkpoint.enable=true to save one)"
+    if cfg.metrics.run_name or os.environ.get("FUNCTITAN_ELASTIC_RUN"):
+        return "run the same command to resume"
+    return f"run the same command with --metrics.run_name={run_dir.name} to resume"
+
+
+def _report_stop(signum: int, step: int, ckpt: Any, *, rejoin: bool, resume: str) -> None:
     saved = (
         f"checkpoint saved in {ckpt.step_dir(step)}" if ckpt is not None else "no checkpoint (checkpoint.enable=false)"
     )
@@ -330,7 +339,7 @@ def _report_stop(signum: int, step: int, ckpt: Any, *, rejoin: bool) -> None:
         print(f"functitan: a peer stopped after step {step}; {saved}; restarting to re-form the group", flush=True)
     elif dist.get_rank() == 0:
         why = "interrupted (SIGINT)" if Preemption.name(signum) == "SIGINT" else f"stopped by {Preemption.name(signum)}"
-        print(f"functitan: {why} after step {step}; {saved}; run the same command to resume", flush=True)
+        print(f"functitan: {why} after step {step}; {saved}; {resume}", flush=True)
     report_stopped(step)
 
 

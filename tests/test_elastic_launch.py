@@ -82,7 +82,53 @@ def test_signal_to_nproc_cli_saves_a_checkpoint_and_leaves_no_process_or_file(si
         assert json.loads(f.readlines()[-1])["step"] == steps[0]
     word = "interrupted (SIGINT)" if sig == signal.SIGINT else "stopped by SIGTERM"
     assert f"functitan: {word} after step {steps[0]}; checkpoint saved in" in out
+    assert out.rstrip().endswith("; run the same command to resume")  # the run is named: it finds its checkpoints
     assert "Traceback" not in err and "SignalException" not in err
+
+
+def test_a_stopped_run_says_how_to_resume_it_and_that_command_resumes(tmp_path):
+    # an unnamed run is named by the clock, so "the same command" would start another run: the line names the
+    # flag that finds this one; a run without checkpoints has nothing to resume from
+    saved = ["--checkpoint.enable=true", "--checkpoint.interval=100000", f"--metrics.run_dir={tmp_path / 'saved'}"]
+    runs = {"saved": saved, "unsaved": [f"--metrics.run_dir={tmp_path / 'unsaved'}"]}
+
+    def train(*args: str) -> list[str]:
+        return [sys.executable, "-m", "functitan.cli", "train", *SMALL, *args]
+
+    procs = {
+        k: subprocess.Popen(
+            train("--training.steps=100000", *a), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for k, a in runs.items()
+    }
+    last = {}
+    try:
+        for k, proc in procs.items():
+            deadline = time.monotonic() + 120
+            while not list((tmp_path / k).glob("*/metrics.jsonl")):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+                time.sleep(0.2)
+            wait_for_step(next((tmp_path / k).glob("*/metrics.jsonl")), 1, proc, timeout=120)
+            proc.send_signal(signal.SIGTERM)
+        for k, proc in procs.items():
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err[-3000:]
+            last[k] = out.strip().splitlines()[-1]
+    finally:
+        kill_all({p.pid for p in procs.values()})
+    (run_dir,) = (tmp_path / "saved").iterdir()
+    (step,) = [int(d.name) for d in (run_dir / "checkpoints").iterdir()]
+    assert last["saved"] == (
+        f"functitan: stopped by SIGTERM after step {step}; checkpoint saved in {run_dir / 'checkpoints' / str(step)}; "
+        f"run the same command with --metrics.run_name={run_dir.name} to resume"
+    )
+    assert last["unsaved"].endswith(
+        "; no checkpoint (checkpoint.enable=false); nothing to resume from (add --checkpoint.enable=true to save one)"
+    )
+    again = train(f"--training.steps={step + 1}", *saved, f"--metrics.run_name={run_dir.name}")
+    out = subprocess.run(again, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"functitan: {step + 1} steps (resumed at step {step})" in out.stdout
 
 
 def test_rank_user_error_is_one_line_and_exit_2(tmp_path):

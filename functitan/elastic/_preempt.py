@@ -1,7 +1,7 @@
 """Preemption: SIGTERM or SIGINT stops training at the next step boundary, after a checkpoint.
 
 A scheduler sends SIGTERM (and SIGKILL a grace period later); a user presses Ctrl-C. Either way the trainer
-finishes the step in flight, saves a checkpoint and exits 0, and the same command resumes the run. A second
+finishes the step in flight, saves a checkpoint and exits 0, and the same command resumes a named run. A second
 signal, at least ``DUPLICATE_S`` after the first, kills the process at once with the default action; the
 checkpoint commit is one atomic rename, so nothing that was committed can be damaged by it. (Within
 ``DUPLICATE_S`` a repeat is the same stop delivered twice: a scheduler that signals every process of the job
