@@ -45,5 +45,6 @@ def test_every_command_help_has_an_example(command, capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "example" in out
+    assert out.count("usage:") == 1 and out.startswith(f"usage: functitan {command}"), out[:200]
     example = out.split("example", 1)[1]
     assert f"functitan {command}" in example

@@ -156,6 +156,17 @@ def test_rank_user_error_is_one_line_and_exit_2(tmp_path):
     assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
 
 
+def test_an_error_under_nproc_is_exactly_one_line(tmp_path):
+    # nothing of torchrun's around it: neither its OMP_NUM_THREADS banner nor "Sending process N closing signal"
+    cmd = [sys.executable, "-m", "functitan.cli", "train", "--nproc", "2", "--parallelism.dp_shard=3", *SMALL]
+    out = subprocess.run([*cmd, f"--metrics.run_dir={tmp_path}"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [
+        "functitan: error: parallelism: pp=1 x dp_replicate=1 x dp_shard=3 x tp=1 = 3 ranks, but the world size is "
+        "2; make the product 2 (for example set dp_shard=-1 to take the remaining ranks)"
+    ]
+
+
 def test_bad_launcher_flags_are_named():
     with pytest.raises(LaunchError, match=r"--nproc='abc': the number of processes is an integer >= 1, e.g. --nproc 2"):
         parse_launch_args(["--nproc", "abc"])

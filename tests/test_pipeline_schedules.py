@@ -403,6 +403,18 @@ def test_cli_show_prints_timeline_and_bubble_and_writes_png(tmp_path, capsys):
     assert out.read_bytes()[:8] == PNG_SIGNATURE
 
 
+def test_cli_show_makes_the_folder_of_its_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "not" / "yet" / "timeline.png"  # as `report --out` and `plan --png` do
+    assert cli_main(["show", "--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert cli_main(["show", "--schedule", "1f1b", "--pp", "2", "--out", str(blocked / "t.png")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("functitan pipeline show: error: ") and str(blocked) in err[0]
+
+
 def test_cli_reports_bad_input(tmp_path, capsys):
     assert cli_main(["show", "--schedule", "zb_v", "--stages-per-rank", "3"]) == 2
     assert "--stages-per-rank applies to --schedule interleaved_1f1b only" in capsys.readouterr().err

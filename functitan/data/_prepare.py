@@ -355,7 +355,13 @@ def main(argv: Sequence[str]) -> int:
     if not args or args[0] != "prepare":
         print(USAGE, file=sys.stderr if args else sys.stdout)
         return 2 if args else 0
-    ap = argparse.ArgumentParser(prog="functitan data prepare", usage=USAGE)
+    synopsis, _, about = USAGE.removeprefix("usage: ").partition("\n\n")  # argparse writes "usage: " itself
+    ap = argparse.ArgumentParser(
+        prog="functitan data prepare",
+        usage=synopsis,
+        description=about,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("sources", nargs="+")
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokenizer", default=None)

@@ -167,7 +167,8 @@ class _StderrPump:
     traceback). ``release()`` prints what was held, for failures that are not user errors.
     """
 
-    FAILURE_MARKS = ("failed (exitcode:", "ChildFailedError", "SignalException")
+    # the agent stopping the other workers after one failed comes first ("Sending process N closing signal")
+    FAILURE_MARKS = ("closing signal SIG", "failed (exitcode:", "ChildFailedError", "SignalException")
 
     def __init__(self, src: IO[bytes], dst: IO[bytes], *, hold_on_failure: bool):
         self.src, self.dst, self.hold_on_failure = src, dst, hold_on_failure
@@ -222,6 +223,8 @@ def launch(spec: LaunchSpec, argv: Sequence[str]) -> int:
         env = {**os.environ, "FUNCTITAN_ERROR_DIR": str(error_dir), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         if spec.elastic:
             env["FUNCTITAN_ELASTIC_RUN"] = spec.rdzv_id
+        if spec.nproc > 1:  # what torchrun sets itself, without the three-line banner it prints then
+            env.setdefault("OMP_NUM_THREADS", "1")
         # its own session: a terminal's Ctrl-C reaches only us, and we decide what torchrun gets
         cmd = torchrun_command(spec, argv, log_dir=error_dir / "torchrun")  # removed with error_dir, signal or not
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from functitan.pipeline._csvfile import load_csv
 from functitan.pipeline._generators import SCHEDULE_NAMES, make_schedule
@@ -77,9 +78,10 @@ def main(argv: list[str]) -> int:
     print(summary(schedule, sim))
     print(f"bubble fraction: {float(sim.bubble_fraction):.4f}")
     if args.out:
-        try:
+        try:  # like `report --out` and `plan --png`: a missing folder is made
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             render_png(schedule, sim, args.out)
-        except ImportError as e:
+        except (ImportError, OSError) as e:
             print(f"functitan pipeline show: error: {e}", file=sys.stderr)
             return 2
         print(f"wrote {args.out}")
