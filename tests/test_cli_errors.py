@@ -185,6 +185,26 @@ def test_export_hf_names_a_missing_checkpoint_and_a_bad_output(tmp_path):
         assert _one_line_error(result).startswith(message), message
 
 
+def test_a_load_path_that_is_a_run_directory_names_its_steps(tmp_path):
+    # the run directory is the usual mistake: train names the steps under it, as export hf does
+    ckpts = tmp_path / "run" / "checkpoints"
+    for step in ("2", "4"):
+        (ckpts / step / "default").mkdir(parents=True)
+    (tmp_path / "run" / "model_config.json").write_text('{"name": "llama", "config": {}}')
+    cases = {
+        str(tmp_path / "run"): f"functitan: error: {tmp_path}/run is not a functitan checkpoint (no _METADATA in it "
+        f"or in {tmp_path}/run/default) (steps in {ckpts}: 2, 4); pass a step directory such as "
+        "runs/<run>/checkpoints/<step>",
+        str(
+            ckpts / "9"
+        ): f"functitan: error: checkpoint {ckpts}/9 does not exist (steps in {ckpts}: 2, 4); pass a step "
+        "directory such as runs/<run>/checkpoints/<step>, or import hf's output",
+    }
+    commands = [["train", *SMALL, f"--checkpoint.load_path={path}", f"--metrics.run_dir={tmp_path}"] for path in cases]
+    for message, result in zip(cases.values(), _clis(commands)):
+        assert _one_line_error(result) == message
+
+
 def _sys_is_writable() -> bool:
     try:
         os.rmdir(tempfile.mkdtemp(dir="/sys"))

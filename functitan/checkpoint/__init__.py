@@ -22,7 +22,7 @@ from ._hf import (
     to_hf_state_dict,
     write_model_config,
 )
-from ._manager import CheckpointManager, restore_params
+from ._manager import CheckpointManager, check_checkpoint_path, restore_params
 from ._restore import CheckpointError, restore, verify
 from ._save import Checkpointer, SaveHandle, save, save_sync
 
@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "restore_params",
+    "check_checkpoint_path",
     "export_hf",
     "import_hf",
     "save_hf",

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..errors import UserError, pop_debug, user_errors_exit
 from ._hf import MAX_SHARD_BYTES
+from ._manager import check_checkpoint_path
 
 
 def _model_of(hf_dir: str, name: str | None):
@@ -30,26 +31,6 @@ def _model_of(hf_dir: str, name: str | None):
     if not archs:
         raise ValueError(f"{config} names no architectures; pass --model NAME")
     return model_for_architecture(archs[0])
-
-
-def _steps_in(d: Path) -> str:
-    steps = sorted((e.name for e in d.iterdir() if e.name.isdigit()), key=int) if d.is_dir() else []
-    return f" (steps in {d}: {', '.join(steps)})" if steps else ""
-
-
-def _checkpoint_in(path: str) -> None:
-    p = Path(path)
-    if not p.exists():
-        raise UserError(
-            f"checkpoint {path} does not exist{_steps_in(p.parent)}; pass a step directory such as "
-            f"runs/<run>/checkpoints/<step>, or import hf's output"
-        )
-    if not ((p / "_METADATA").is_file() or (p / "default" / "_METADATA").is_file()):
-        raise UserError(
-            f"{path} is not a functitan checkpoint (no _METADATA in it or in {path}/default)"
-            f"{_steps_in(p / 'checkpoints') or _steps_in(p)}; pass a step directory such as "
-            f"runs/<run>/checkpoints/<step>"
-        )
 
 
 def _hf_in(path: str) -> None:
@@ -136,7 +117,7 @@ def main(command: str, argv: Sequence[str]) -> int:
         from ._hf import export_hf, import_hf, recorded_model
 
         if command == "export":
-            _checkpoint_in(ns.checkpoint)
+            check_checkpoint_path(ns.checkpoint)
             _writable_dir(ns.out)
             model, cfg = recorded_model(ns.checkpoint)
             export_hf(ns.checkpoint, ns.out, model=model, cfg=cfg, max_shard_bytes=ns.max_shard_bytes)

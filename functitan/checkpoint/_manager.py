@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -293,10 +294,33 @@ def restore_names(meta_file: str) -> list[str]:
     return list(L.names_in_metadata(_read_json(meta_file)))
 
 
+def _steps_in(d: Path) -> str:
+    steps = sorted((e.name for e in d.iterdir() if e.name.isdigit()), key=int) if d.is_dir() else []
+    return f" (steps in {d}: {', '.join(steps)})" if steps else ""
+
+
+def check_checkpoint_path(path: str | os.PathLike) -> None:
+    """A path given as a checkpoint (``export hf``, ``checkpoint.load_path``) that holds none is one line that
+    lists the steps beside or under it: a run directory is the usual mistake."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(
+            f"checkpoint {path} does not exist{_steps_in(p.parent)}; pass a step directory such as "
+            f"runs/<run>/checkpoints/<step>, or import hf's output"
+        )
+    if not ((p / L.METADATA).is_file() or (p / ITEM / L.METADATA).is_file()):
+        raise CheckpointError(
+            f"{path} is not a functitan checkpoint (no _METADATA in it or in {path}/default)"
+            f"{_steps_in(p / 'checkpoints') or _steps_in(p)}; pass a step directory such as "
+            f"runs/<run>/checkpoints/<step>"
+        )
+
+
 def restore_params(path: str | os.PathLike, exemplar: Any, *, partial: bool = False) -> Any:
     """A weights-only load of the ``params`` subtree from a checkpoint: a manager's step directory, its item
     directory, or ``import_hf``'s output. ``exemplar`` is the params tree with the target placements
     (``partial``: a pipeline rank's part of it)."""
+    check_checkpoint_path(path)
     path = os.fspath(path)
     if os.path.isdir(os.path.join(path, ITEM)):
         path = os.path.join(path, ITEM)
