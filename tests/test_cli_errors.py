@@ -100,6 +100,25 @@ def test_each_bad_value_is_one_named_line_and_exit_code_2():
         assert _one_line_error(out) == message, args
 
 
+def test_a_pipeline_error_names_the_config_keys_and_values_to_type(tmp_path):
+    # the fix of a layout the pipeline refuses is typed on the command line: keys and schedule names as train takes
+    pp = [
+        "--nproc",
+        "2",
+        "--parallelism.pp=2",
+        "--parallelism.dp_shard=1",
+        "--training.microbatches=2",
+        "--model.n_layers=4",
+    ]
+    args = [*pp, "--parallelism.pipeline_schedule=zb_v", "--training.remat=selective", f"--metrics.run_dir={tmp_path}"]
+    assert _one_line_error(_cli("train", *SMALL, *args)) == (
+        "functitan: error: schedule 'zb_v' splits the backward into B and W, two backward passes through each stage, "
+        "but the stages use selective activation checkpointing (remat='selective'), which allows one; build the "
+        "Layout with remat 'none' or 'full' (training.remat), or use a schedule without B/W "
+        "(parallelism.pipeline_schedule gpipe, 1f1b or interleaved_1f1b)"
+    )
+
+
 def test_debug_shows_the_traceback():
     out = _cli("train", "--metrics.log_every=0", "--debug")
     assert out.returncode != 0 and "Traceback" in out.stderr and "ConfigError: metrics.log_every=0" in out.stderr

@@ -219,8 +219,8 @@ def make_stages(
         raise ValueError(
             f"schedule {schedule.name!r} splits the backward into B and W, two backward passes through each "
             f"stage, but the stages use selective activation checkpointing (remat='selective'), which allows one; "
-            f"build the Layout with remat 'none' or 'full', or use a schedule without B/W (gpipe, one_f_one_b, "
-            f"interleaved_1f1b)"
+            f"build the Layout with remat 'none' or 'full' (training.remat), or use a schedule without B/W "
+            f"(parallelism.pipeline_schedule gpipe, 1f1b or interleaved_1f1b)"
         )
     shared = set(model.first_keys) & set(model.last_keys)
     if shared and n > 1 and schedule.stage_to_rank[0] != schedule.stage_to_rank[-1]:
