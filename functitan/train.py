@@ -82,7 +82,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=loader.init_state(), rng=rng)
 
     # 5. checkpoint: resume from the newest complete checkpoint of this run, else a weights-only load_path
-    run_dir = _run_dir(cfg, name)
+    run_dir = _run_dir(cfg, model.name)
     ckpt = None
     if cfg.checkpoint.enable:
         ckpt = CheckpointManager(
@@ -391,14 +391,14 @@ def local_batch(cfg: JobConfig, dp_size: int) -> tuple[int, int]:
 
 
 def _run_dir(cfg: JobConfig, model_name: str) -> Path:
+    """``run_dir/<run_name>``; unnamed: the model's own name (gpt2, not the module ``models`` that holds it) and
+    the start time."""
     name = cfg.metrics.run_name or os.environ.get("FUNCTITAN_ELASTIC_RUN")  # an elastic restart finds its run
     if name is None:  # one timestamp for all ranks
         stamp = torch.tensor([int(time.time())], dtype=torch.int64)
         if dist.get_world_size() > 1:
             dist.broadcast(stamp, src=0)
-        name = (
-            f"{Path(model_name.split(':')[0]).stem}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(int(stamp.item())))}"
-        )
+        name = f"{model_name}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(int(stamp.item())))}"
     return Path(cfg.metrics.run_dir) / name
 
 

@@ -58,8 +58,8 @@ def test_load_model_by_plugin_module_and_file():
         load_model("lama")
     with pytest.raises(ValueError, match=r"file 'nope/model.py' does not exist"):
         load_model("nope/model.py")
-    with pytest.raises(ValueError, match=r"has no attribute 'NOPE'"):
-        load_model(f"{TINY}:NOPE")
+    with pytest.raises(ValueError, match=rf"model.name='{TINY}:NOPE': {TINY} has no attribute 'NOPE'; define"):
+        load_model(f"{TINY}:NOPE")  # the file, not the module name it was imported under
     m = load_model("llama")
     assert m.config("debug", n_layers="3").n_layers == 3  # strings from the command line are converted
     with pytest.raises(

@@ -157,3 +157,18 @@ def test_compiled_blocks_train_like_eager(reference, tmp_path):
         timeout=600,
     )[0]
     torch.testing.assert_close(torch.tensor(compiled[0]), torch.tensor(reference[0][:2]), atol=1e-5, rtol=1e-5)
+
+
+def test_an_unnamed_run_is_named_after_the_model(tmp_path):
+    # whatever spells it: a module path names the run after the model (gpt2-...), not the package (models-...)
+    import subprocess
+    import sys
+
+    tiny = ["--model.n_layers=1", "--model.dim=32", "--model.n_heads=2", "--model.ffn_dim=64"]
+    args = [*tiny, "--training.steps=1", "--training.seq_len=16", "--data.max_corpus_bytes=100000"]
+    cmd = [sys.executable, "-m", "functitan.cli", "train", "--model.name=models.gpt2", *args]
+    out = subprocess.run([*cmd, f"--metrics.run_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = tmp_path.iterdir()
+    assert run.name.startswith("gpt2-20") and len(run.name) == len("gpt2-20261201-061433"), run.name
+    assert f"logs in {run}" in out.stdout

@@ -72,7 +72,7 @@ def load_run(run_dir: str | os.PathLike) -> Run:
     """
     path = Path(run_dir)
     if not path.is_dir():
-        raise ReportError(f"{path}: no such run directory; pass a folder under runs/ (e.g. runs/debug-20260101-120000)")
+        raise ReportError(f"{path}: no such run directory; pass a folder under runs/ (e.g. runs/llama-20260101-120000)")
     file = path / "metrics.jsonl"
     if not file.is_file():
         raise ReportError(f"{file}: not found; a run directory holds the metrics.jsonl that `functitan train` writes")

@@ -51,7 +51,7 @@ def load_model(name: str | Model) -> Model:
         return _check(value, name)
     if not hasattr(module, attr):
         raise ValueError(
-            f"model.name={name!r}: {module.__name__} has no attribute {attr!r}; define "
+            f"model.name={name!r}: {where} has no attribute {attr!r}; define "
             f"`{attr} = functitan.model.Model(...)` there or name the attribute after ':'"
         )
     return _check(getattr(module, attr), name)
