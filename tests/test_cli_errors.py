@@ -163,7 +163,10 @@ def test_each_failing_rank_reports_its_line(tmp_path):
     codes = run_distributed(_train_main, 2, argv, str(tmp_path))
     assert codes == [2, 2]
     for rank in (0, 1):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == f"{tmp_path}/missing is not a checkpoint directory\n"
+        assert (tmp_path / f"rank{rank}.txt").read_text() == (
+            f"checkpoint {tmp_path}/missing does not exist; pass a step directory such as "
+            "runs/<run>/checkpoints/<step>, or import hf's output\n"
+        )
 
 
 def test_a_bug_keeps_its_traceback_and_a_user_error_does_not(capsys):
