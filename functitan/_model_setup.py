@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import check_checkpoint_path, is_hf_dir, load_hf, recorded_model_config
+from .checkpoint import is_hf_dir, load_hf, recorded_model_config
 from .config import ConfigError
 from .job_config import JobConfig
 from .model import Model, check_names, config_from_dict, config_to_dict, load_model
@@ -31,8 +31,6 @@ def init_model(
     functitan ``load_path`` (flags that contradict it are an error naming both values), else from ``[model]``.
     """
     mcfg, load_path = cfg.model, cfg.checkpoint.load_path
-    if load_path and not is_hf_dir(load_path):
-        check_checkpoint_path(load_path)  # before a run directory's record would be read as the checkpoint's
     recorded = recorded_model_config(load_path) if load_path and not is_hf_dir(load_path) else None
     name = mcfg.name or (recorded[0] if recorded else DEFAULT_MODEL)
     model = model or load_model(name)

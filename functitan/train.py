@@ -22,7 +22,7 @@ import torch.distributed as dist
 from . import metrics as M
 from . import optim, pipeline
 from ._model_setup import check_model, check_resumed_model, init_model
-from .checkpoint import CheckpointManager, is_hf_dir, restore_params, write_model_config
+from .checkpoint import CheckpointManager, check_checkpoint_path, is_hf_dir, restore_params, write_model_config
 from .config import parse_config, to_dict
 from .data import build_loader
 from .elastic import Preemption, launch, parse_launch_args, report_stopped, split_batch
@@ -49,6 +49,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     ``model``: the Model value to train (default: the one ``cfg.model.name`` resolves to).
     """
     _check_degrees_and_batch(cfg)
+    _check_load_path(cfg)
     device = _init_process(cfg.training)
     par, tcfg = cfg.parallelism, cfg.training
     # 1. mesh: every layout is a choice of degrees; pipeline stages compute on the mesh without pp
@@ -376,6 +377,13 @@ def _check_degrees_and_batch(cfg: JobConfig) -> None:
     par = cfg.parallelism
     degrees = resolve_degrees(world, pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp)
     local_batch(cfg, degrees["dp_replicate"] * degrees["dp_shard"])
+
+
+def _check_load_path(cfg: JobConfig) -> None:
+    """A ``checkpoint.load_path`` that holds no checkpoint (a run directory, a missing step), named before any
+    process group forms, for the reason above; a run directory's model_config.json would be read as its model."""
+    if cfg.checkpoint.load_path and not is_hf_dir(cfg.checkpoint.load_path):
+        check_checkpoint_path(cfg.checkpoint.load_path)
 
 
 def local_batch(cfg: JobConfig, dp_size: int) -> tuple[int, int]:
