@@ -131,7 +131,7 @@ def test_jsonl_documents_and_errors(tmp_path: Path):
     bad = _write(tmp_path / "bad.jsonl", '{"text": "ok"}\n{"text": "ok"}\n{"text": oops}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl, line 3: not valid JSON"):
         read_documents(bad)
-    missing_key = r"good\.jsonl, line 1: no key 'text' \(keys: \['body', 'n'\]\); pass text_key="
+    missing_key = r"good\.jsonl, line 1: no key 'text' \(keys: \['body', 'n'\]\); name the field .* in data\.text_key"
     with pytest.raises(ValueError, match=missing_key):
         read_documents(good)
     nonstr = _write(tmp_path / "n.jsonl", '{"text": 5}\n')

@@ -114,7 +114,8 @@ def _jsonl_text(line: str, path: Path, lineno: int, text_key: str) -> str:
         raise ValueError(f"{where}: expected a JSON object, found {type(obj).__name__}")
     if text_key not in obj:
         raise ValueError(
-            f"{where}: no key {text_key!r} (keys: {sorted(obj)[:10]}); pass text_key= naming the field with the text"
+            f"{where}: no key {text_key!r} (keys: {sorted(obj)[:10]}); name the field with the text in data.text_key "
+            f"(functitan data prepare: --text-key)"
         )
     text = obj[text_key]
     if not isinstance(text, str):

@@ -227,7 +227,8 @@ def make_stages(
         raise ValueError(
             f"params {sorted(shared)} are read by both the first and the last stage (tied embeddings), which "
             f"schedule {schedule.name!r} puts on ranks {schedule.stage_to_rank[0]} and {schedule.stage_to_rank[-1]}; "
-            f"untie them (model.tie_embeddings=false) or use a V-placed schedule (zb_v) that keeps both on rank 0"
+            f"untie them in the model's config (the bundled models: model.tie_embeddings=false) or use a V-placed "
+            f"schedule (zb_v) that keeps both on rank 0"
         )
     pp_mesh = mesh["pp"]
     return Stages(
