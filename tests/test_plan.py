@@ -180,3 +180,36 @@ def test_plan_writes_a_config_the_trainer_runs(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "2 steps" in r.stdout
+
+
+def test_top_shows_fewer_rows_but_recommends_the_same_layout(monkeypatch):
+    """``--top`` only chooses how many rows to show: a smaller one traces as many candidates (MIN_TRACED), so
+    the recommendation cannot change with it (it did: --top 3 traced fewer than --top 8 and recommended other
+    microbatches). Traces are stubbed: the n-th traced candidate is the n-th fastest from the last, so the
+    fastest is the last one a smaller budget would have traced."""
+    import functitan.plan._plan as planner
+    from functitan.plan import Cluster, device
+
+    def run(top: int):
+        traced = []
+
+        def fake_trace(base, model, model_cfg, shape, c, mem, cluster, *rest):
+            traced.append(c.label())
+            t = planner.step_time(c, cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)._replace(
+                total=10.0 - len(traced)
+            )
+            return planner.Row(cand=c, peak=1.0, parts={}, analytic=mem, time=t, fits=True)
+
+        monkeypatch.setattr(planner, "_traced_row", fake_trace)
+        cluster = Cluster(device=device("h100"), nodes=1, per_node=4)
+        result = planner.plan(
+            model_name="llama", flavor="debug", overrides=TINY, cluster=cluster, global_batch_tokens=BATCH * SEQ,
+            seq_len=SEQ, top=top, log=lambda *a: None,
+        )  # fmt: skip
+        return result, traced
+
+    (one, traced_one), (four, traced_four) = run(1), run(4)
+    assert len(one.rows) == 1 and len(four.rows) == 4
+    assert traced_one == traced_four and len(traced_one) == planner.MIN_TRACED
+    assert one.rows[0].cand == four.rows[0].cand and one.rows[0].cand.label() == traced_one[-1]
+    assert one.cfg == four.cfg

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from ._devices import DEVICES, Cluster, calibrate, device
-from ._plan import PlanError, plan
+from ._plan import MIN_TRACED, PlanError, plan
 from ._report import render_png, table, write_toml
 
 __all__ = ["main"]
@@ -38,7 +38,13 @@ def _parser() -> argparse.ArgumentParser:
         "--global-batch-tokens", type=int, default=None, help="tokens per step (default: 8 sequences per device)"
     )
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default 8192; 256 on cpu)")
-    p.add_argument("--top", type=int, default=4, help="how many fitting candidates to trace and show")
+    p.add_argument(
+        "--top",
+        type=int,
+        default=MIN_TRACED,
+        help=f"how many fitting candidates to show; at least {MIN_TRACED} are traced, so a smaller --top recommends "
+        "the same layout, and a larger one traces more and may find a faster one",
+    )
     p.add_argument("--calibrate", action="store_true", help="measure this machine's matmul FLOP/s and gloo collectives")
     p.add_argument("--out", default=None, help="write the recommended config (functitan train --config FILE)")
     p.add_argument("--png", default=None, help="draw the memory and time breakdown of the top candidates")

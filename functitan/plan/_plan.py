@@ -20,6 +20,7 @@ from ._predict import ModelShape, model_shape, predict
 __all__ = ["Row", "Plan", "plan", "PlanError"]
 
 _GIB = float(1 << 30)
+MIN_TRACED = 4  # fitting candidates traced however few --top shows (a trace takes 0.5-5 s)
 
 
 class PlanError(ValueError):
@@ -104,7 +105,7 @@ def plan(
     cluster: Cluster,
     global_batch_tokens: int,
     seq_len: int,
-    top: int = 4,
+    top: int = MIN_TRACED,
     base: JobConfig | None = None,
     param_dtypes: tuple[str, ...] | None = None,
     log=print,
@@ -162,9 +163,12 @@ def plan(
         )
         screen.append((c, mem, t, blocks))
     fitting = sorted((s for s in screen if s[1]["total"] <= dev.usable * 1.1), key=lambda s: s[2].total)
+    # how many to trace does not depend on how many are shown (``top`` up to MIN_TRACED): the recommendation
+    # must not change with a display option, as it did when --top 3 traced fewer candidates than --top 8
+    traced = max(top, MIN_TRACED)
     rows: list[Row] = []
     for c, mem, _, blocks in fitting:
-        if sum(r.fits for r in rows) >= top or len(rows) >= 2 * top:
+        if sum(r.fits for r in rows) >= traced or len(rows) >= 2 * traced:
             break
         row = _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks, log)
         if row is not None:
@@ -184,6 +188,7 @@ def plan(
             f"included): use devices with that much memory, more devices, or a smaller batch"
         )
     rows.sort(key=lambda r: (not r.fits, r.time.total))
+    rows = [r for r in rows if r.fits][:top] + [r for r in rows if not r.fits][:top]
     best = rows[0].cand
     cfg = job_config(base, best, batch_size=batch_size, seq_len=seq_len)
     assumptions = [
