@@ -38,6 +38,7 @@ __all__ = [
     "start_bucket_gather",
     "PendingGather",
     "PendingReduce",
+    "reduce_scatter_now",
     "await_reduce",
     "reduce_scatter",
     "all_reduce",
@@ -79,10 +80,7 @@ def _scatter(g: Tensor, dim: int, group: dist.ProcessGroup, scale: float) -> Ten
     moved = _pad_to(g.movedim(dim, 0), c * n)
     moved = (moved * scale if scale != 1.0 else moved).contiguous()
     out = moved.new_empty((c, *moved.shape[1:]))
-    if torch.compiler.is_compiling():  # traced as a functional collective
-        dist.reduce_scatter_single(out, moved, op=dist.ReduceOp.SUM, group=group)
-    else:
-        PendingReduce().start(out, moved, group, async_op=False)
+    reduce_scatter_now(out, moved, group)
     return out[: chunk_sizes(full, n)[dist.get_rank(group)]].movedim(0, dim)
 
 
@@ -281,6 +279,15 @@ class PendingReduce:
         self.work = self.flat = self.out = self.recv = self.mine = None
 
 
+def reduce_scatter_now(out: Tensor, flat: Tensor, group: dist.ProcessGroup) -> None:
+    """``PendingReduce.start`` waited on at once; under ``torch.compile`` the functional collective that dynamo
+    traces (an async handle or point-to-point ops would break the graph)."""
+    if torch.compiler.is_compiling():
+        dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group)
+    else:
+        PendingReduce().start(out, flat, group, async_op=False)
+
+
 class _AwaitReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, box, *xs):
@@ -349,10 +356,8 @@ class _BucketGather(torch.autograd.Function):
         # dtype differs from its input's, which would read it before the collective finished
         if box is not None and all(dtype == out.dtype for dtype in ctx.in_dtypes):
             box.start(out, flat, ctx.group)
-        elif torch.compiler.is_compiling():  # traced as a functional collective; an async handle breaks the graph
-            dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=ctx.group)
         else:
-            PendingReduce().start(out, flat, ctx.group, async_op=False)
+            reduce_scatter_now(out, flat, ctx.group)
         results, off = [], 0
         for (c, rest), dim, full, dtype in zip(ctx.layout, ctx.dims, ctx.fulls, ctx.in_dtypes):
             size = c * math.prod(rest)
