@@ -83,6 +83,10 @@ BAD_VALUES = {  # the command line as typed -> the one line it must print
     ): "functitan: error: optimizer.lr=-1.0: a learning rate is a finite number > 0, e.g. 3e-4",
     ("--checkpoint.keep_last=0",): "functitan: error: checkpoint.keep_last=0: must be >= 1",
     ("--training.batch_size=0",): "functitan: error: training.batch_size=0: must be >= 1",
+    (
+        "--data.path=no/such/shards",
+    ): "functitan: error: data.path=no/such/shards: no such directory; make the shards with `functitan data "
+    "prepare SRC ... --out no/such/shards`, or use data.paths for text / JSONL / parquet files",
     ("--parallelism.tp=0",): "functitan: error: parallelism.tp=0: must be >= 1",
     (
         "--optimizer.schedule=wsd",

@@ -187,6 +187,10 @@ def test_global_batch_split_follows_the_world_size():
     assert world_sizes_for(12, microbatch_size=2, fixed=2) == [2, 4, 6, 12]
     with pytest.raises(BatchSplitError, match=r"world sizes that keep it: 2, 4, 6, 12;"):
         split_batch(12, 4, microbatch_size=2, fixed=2)
+    with pytest.raises(
+        BatchSplitError, match=r"\(world size 1\); no world size keeps it with training.microbatches=4; use"
+    ):
+        split_batch(2, 1, microbatches=4)  # fewer sequences than microbatches: no world size can help
 
 
 _SECOND_SIGNAL = """

@@ -355,6 +355,11 @@ def build_loader(
     if cfg.path is not None:
         if cfg.paths:
             raise ValueError(f"data.path={cfg.path} and data.paths={list(cfg.paths)}: give one (path: prepared shards)")
+        if not Path(cfg.path).is_dir():
+            raise FileNotFoundError(
+                f"data.path={cfg.path}: no such directory; make the shards with `functitan data prepare SRC ... "
+                f"--out {cfg.path}`, or use data.paths for text / JSONL / parquet files"
+            )
         shards = ShardSet(cfg.path, tokenizer=cfg.tokenizer, max_open=cfg.max_open_shards)
         paths, tokenizer = None, None
     else:

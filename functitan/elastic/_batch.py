@@ -48,6 +48,11 @@ def split_batch(
     ok = world_sizes_for(global_batch, microbatches=microbatches, microbatch_size=microbatch_size, fixed=fixed)
     raise BatchSplitError(
         f"training.batch_size={global_batch} must split evenly over {dp_size} data-parallel ranks x {unit} "
-        f"(world size {dp_size * fixed}); world sizes that keep it: {', '.join(map(str, ok)) or 'none'}; or use a "
-        f"batch_size that is a multiple of {dp_size * (microbatch_size or microbatches)}"
+        f"(world size {dp_size * fixed}); "
+        + (
+            f"world sizes that keep it: {', '.join(map(str, ok))}; or use a "
+            if ok
+            else f"no world size keeps it with {unit}; use a "
+        )
+        + f"batch_size that is a multiple of {dp_size * (microbatch_size or microbatches)}"
     )
