@@ -233,7 +233,7 @@ class PendingReduce:
     autograd's order (later-made nodes run first), so the reduce-scatter overlaps that block's backward and at
     most one is in flight: it is waited on before the next bucket's starts."""
 
-    __slots__ = ("work", "flat", "out", "recv", "mine")
+    __slots__ = ("work", "flat", "out", "recv", "mine", "behind")
 
     def __init__(self) -> None:
         self.work: Any = None
@@ -241,6 +241,7 @@ class PendingReduce:
         self.out: Tensor | None = None
         self.recv: Tensor | None = None  # gloo: (world - 1, chunk) the other ranks' copies of this rank's chunk
         self.mine: Tensor | None = None  # gloo: this rank's own copy of its chunk
+        self.behind: PendingReduce | None = None  # waited on before this one starts (the bucket in flight)
 
     def start(self, out: Tensor, flat: Tensor, group: dist.ProcessGroup, *, async_op: bool = True) -> None:
         """``out`` (contiguous) = this rank's chunk of ``flat`` (split along dim 0) summed over ``group``.
@@ -250,6 +251,9 @@ class PendingReduce:
         followed by a copy of the rank's chunk (``reduce_scatter_tensor_coalesced``): each rank sent and
         received all of ``flat`` ((world - 1) / world of it twice, over TCP), where this moves a
         reduce-scatter's bytes, (world - 1) / world of it once, into (world - 1) / world of a bucket of memory."""
+        if self.behind is not None:
+            self.behind.wait()
+            self.behind = None
         self.flat, self.out = flat, out
         if dist.get_backend(group) == "gloo":
             n, me = dist.get_world_size(group), dist.get_rank(group)

@@ -223,22 +223,25 @@ class Layout:
                 group,
                 compute_dtype=self.param_dtype if cast else None,
                 reduce_dtype=self.reduce_dtype if cast else None,
-                pending=pending.gathers[bucket] if pending else None,
+                pending=pending.gathers.get(bucket) if pending else None,
                 reduce_box=pending.reduces.get(bucket) if pending else None,
             )
             for (i, *_), g in zip(items, gathered):
                 out[i] = g
         return optree.tree_unflatten(treedef, out)
 
-    def prefetch(self, tree: Any) -> _Prefetched | None:
+    def prefetch(self, tree: Any, *, gather: bool = True) -> _Prefetched | None:
         """Start the FSDP all-gathers of ``tree`` (the next block's params) now, asynchronously, so they
         overlap this block's compute; pass the result to ``params(tree, pending=...)``.
 
         With gradients on, the shards' autograd nodes (``_ToLocal``, the await of the bucket's reduce-scatter)
         are made here, before this block's compute, so autograd runs them after this block's backward: the
-        next block's reduce-scatter overlaps it."""
+        next block's reduce-scatter overlaps it. ``gather=False``: only those nodes, for a checkpointed next
+        block, which gathers inside its remat region (a prefetched gather would be kept for its backward)."""
         if not self._fsdp or torch.compiler.is_compiling():
             return None  # compiled: the compiler schedules the collectives (an async handle breaks the graph)
+        if not gather and not torch.is_grad_enabled():
+            return None
         leaves, treedef, buckets = self._buckets(tree)
         gathers, reduces = {}, {}
         for bucket, items in buckets.items():
@@ -246,6 +249,8 @@ class Layout:
                 reduces[bucket] = _collectives.PendingReduce()
                 shards = _collectives.await_reduce(reduces[bucket], [x for _, x, _, _ in items])
                 items[:] = [(i, x, d, f) for (i, _, d, f), x in zip(items, shards)]
+            if not gather:
+                continue
             with torch.no_grad():
                 gathers[bucket] = _collectives.start_bucket_gather(
                     [x for _, x, _, _ in items],
@@ -307,17 +312,20 @@ class Layout:
     ) -> Tensor:
         """``x = fn(compute_params, x, *args)`` for each block's params in ``layers``, in order.
 
-        Each block's params are gathered inside its remat region (``block``); under FSDP without activation
-        checkpointing the next block's all-gather starts once this block's has, and overlaps its compute.
-        ``remat``: a policy per block (None entries: the layout's), e.g. ``["full"] * 4 + [None] * 12``.
+        Each block's params are gathered inside its remat region (``block``); under FSDP the next block's
+        all-gather starts once this block's has, and overlaps its compute, unless the next block is
+        checkpointed (it gathers inside its remat region). Each block's backward reduce-scatter, checkpointed
+        or not, runs under the previous block's backward (``prefetch``). ``remat``: a policy per block (None
+        entries: the layout's), e.g. ``["full"] * 4 + [None] * 12``.
         """
         pending, regather = None, None
+        if layers and self._policy(remat, 0).checkpoints:  # its reduce-scatter waits for block 1's (depth one)
+            pending = self.prefetch(layers[0], gather=False)
         for i, p in enumerate(layers):
             nxt = layers[i + 1] if i + 1 < len(layers) else None
-            if nxt is not None and self._policy(remat, i + 1).checkpoints:
-                nxt = None  # a checkpointed block gathers inside its remat region: nothing to prefetch
+            gather_next = nxt is not None and not self._policy(remat, i + 1).checkpoints
             x, pending, regather = self._block(
-                fn, p, (x, *args), pending, nxt, remat[i] if remat is not None else None, regather
+                fn, p, (x, *args), pending, nxt, remat[i] if remat is not None else None, regather, gather_next
             )
         return x
 
@@ -342,14 +350,20 @@ class Layout:
         nxt: Any,
         remat: str | _remat.Policy | None = None,
         prev: _Regather | None = None,
+        gather_next: bool = True,
     ) -> tuple[Tensor, _Prefetched | None, _Regather | None]:
-        """One block: its output, the next block's prefetch and its ``_Regather`` (the next block's ``prev``)."""
+        """One block: its output, the next block's prefetch and its ``_Regather`` (the next block's ``prev``).
+
+        ``pending``: this block's prefetch (made by the previous block); ``nxt``: the next block's params, whose
+        prefetch is made here (its gather only if ``gather_next``)."""
         policy = _remat.as_policy(self.remat if remat is None else remat)
         if self.compile:
             fn = torch.compile(fn)  # dynamo's cache lives with fn's code: compiled once, whatever the wrapper
 
         def run(p: Any, *a: Any) -> Tensor:
-            return fn(self.params(p), *a)
+            # ``pending`` holds this block's shards (outside the region) and its reduce-scatter box; its gather
+            # is issued here, in the forward and again in the recompute
+            return fn(self.params(p, pending), *a)
 
         if not torch.is_grad_enabled():
             return run(params, *args), None, None
@@ -370,9 +384,13 @@ class Layout:
                 compute = self.params(params, pending)
                 if regather is not None:
                     regather.track(optree.tree_leaves(compute))
-                started = self.prefetch(nxt) if nxt is not None else None
+                started = self.prefetch(nxt, gather=gather_next) if nxt is not None else None
+                _chain(pending, started)
                 return fn(compute, *args), started, regather
-        return _remat.apply(policy, run, params, *args), None, None
+        # made before the region, so autograd runs the next block's await after this block's whole backward
+        started = self.prefetch(nxt, gather=gather_next) if nxt is not None else None
+        _chain(pending, started)
+        return _remat.apply(policy, run, params, *args), started, None
 
     # -- activations
     def einsum(self, pattern: str, *operands: Tensor) -> Tensor:
@@ -445,6 +463,17 @@ class Layout:
                 i = names.index(a)
                 rank = rank * self.mesh.size(i) + self.mesh.get_local_rank(i)
         return rank
+
+
+def _chain(pending: _Prefetched | None, started: _Prefetched | None) -> None:
+    """This block's reduce-scatters start only once the next block's (which backward runs first) finished:
+    one bucket in flight, as FSDP2. Without remat autograd's order already ensures it (the next block's await
+    runs before this block's gather node); a checkpointed block's gather is inside its region, so the await
+    comes after it."""
+    if pending is None or started is None:
+        return
+    for bucket, box in pending.reduces.items():
+        box.behind = started.reduces.get(bucket)
 
 
 class _Prefetched(NamedTuple):

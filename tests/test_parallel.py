@@ -147,8 +147,8 @@ def test_reshard_after_forward_frees_gathered_params():
     assert gathered == 4 * 9 and alive == 0  # resharded: every block's gathered params died after its forward
 
 
-def _async_reduce_scatter_events() -> tuple[list[str], float]:
-    """(the reduce-scatter starts / waits and re-gathers of one FSDP-2 backward in order, the largest gradient
+def _async_reduce_scatter_events(remat: str = "none") -> tuple[list[str], float]:
+    """(the reduce-scatter starts / waits and (re-)gathers of one FSDP-2 backward in order, the largest gradient
     difference from one process's on the global batch)."""
     from functitan import _collectives
     from functitan.mesh import make_mesh
@@ -161,8 +161,11 @@ def _async_reduce_scatter_events() -> tuple[list[str], float]:
     start, wait = box.start, box.wait
 
     def logged_start(self, out, flat, group, *, async_op=True):
-        events.append("async" if async_op else "sync")
+        if not async_op:
+            events.append("sync")  # then its own "wait"
         start(self, out, flat, group, async_op=async_op)
+        if async_op:
+            events.append("async")  # issued at the end of start, after any wait on the one in flight
 
     def logged_wait(self):
         if self.work is not None:
@@ -179,7 +182,7 @@ def _async_reduce_scatter_events() -> tuple[list[str], float]:
     tokens = torch.randint(0, cfg.vocab_size, (4, 9), generator=torch.Generator().manual_seed(0))
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     mesh = make_mesh(dp_shard=2)
-    layout = Layout(mesh, default_rules())
+    layout = Layout(mesh, default_rules(), remat=remat)
     params = place(full, llama.specs(cfg), layout.rules, mesh)
     rank = torch.distributed.get_rank()
     mine = {k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}
@@ -194,13 +197,22 @@ def _async_reduce_scatter_events() -> tuple[list[str], float]:
     return events, diff
 
 
-def test_backward_reduce_scatter_is_async_one_deep_and_exact():
-    events, diff = run_distributed(_async_reduce_scatter_events, 2)[0]
-    # blocks 3, 2, 1 (prefetched in forward) start theirs asynchronously; each runs under the previous block's
-    # backward (its re-gather) and is waited on before the next starts. Block 0's and the top bucket's (made
-    # without a prefetch) run synchronously
-    overlapped = ["gather", "async"] + ["gather", "wait", "async"] * 2 + ["gather", "wait"]
-    assert events == overlapped + ["sync", "wait", "sync", "wait"], events
+@pytest.mark.parametrize("remat", ["none", "full", "selective"])
+def test_backward_reduce_scatter_is_async_one_deep_and_exact(remat):
+    events, diff = run_distributed(_async_reduce_scatter_events, 2, remat)[0]
+    if remat == "none":
+        # blocks 3, 2, 1 (prefetched in forward) start theirs asynchronously; each runs under the previous
+        # block's backward (its re-gather) and is waited on before the next starts. Block 0's and the top
+        # bucket's (made without a prefetch) run synchronously
+        overlapped = ["gather", "async"] + ["gather", "wait", "async"] * 2 + ["gather", "wait"]
+        assert events == overlapped + ["sync", "wait", "sync", "wait"], events
+    else:
+        # each checkpointed block gathers again in its recompute ("forward": with grad), and starts its
+        # reduce-scatter asynchronously once the one before it (block i + 1's, which ran under this block's
+        # recompute and backward) finished: one in flight; block 0's is waited on by its await, the top
+        # bucket's is synchronous
+        overlapped = ["forward", "async"] + ["forward", "wait", "async"] * 3 + ["wait"]
+        assert events == overlapped + ["sync", "wait"], events
     assert diff < 1e-6
 
 

@@ -18,8 +18,8 @@ Time per step: compute = model FLOPs of the rank / (peak x achievable fraction),
 bubble of functitan's own schedule simulator; each collective costs ``alpha * (n-1) + bytes * (n-1)/n / bw``
 (an all-reduce twice that) on the link level its group spans (NVLink inside a node, InfiniBand across). The
 FSDP all-gather of the next block is prefetched (forward and backward), so it hides behind compute, and so does
-a block's reduce-scatter without activation checkpointing (it runs under the previous block's backward); other
-reduce-scatters, tensor-parallel, DDP and pipeline transfers are synchronous in functitan and add up. Host time
+a block's reduce-scatter, with or without activation checkpointing (it runs under the previous block's
+backward); tensor-parallel, DDP and pipeline transfers are synchronous in functitan and add up. Host time
 is the ops the trace dispatches on the rank times the device's seconds per op (Python, dispatcher, autograd,
 launch): on a GPU the host queues kernels ahead, so compute and host time overlap (the larger counts); on a CPU
 the host is the device, so they add (tiny models on CPU are mostly host time). Where local processes outnumber the cores (a calibrated CPU,
@@ -124,7 +124,7 @@ def step_time(
         for kind, (nbytes, count) in kinds.items():
             t = _collective_s(kind, nbytes, count, n, bw, alpha)
             by_axis[axes] = by_axis.get(axes, 0.0) + t
-            if axes == ("dp_shard",) and (kind == "all_gather" or (kind == "reduce_scatter" and c.remat == "none")):
+            if axes == ("dp_shard",) and kind in ("all_gather", "reduce_scatter"):
                 hidden += t
             else:
                 exposed += t
