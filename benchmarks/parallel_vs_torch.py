@@ -9,6 +9,8 @@ thread each):
   every block and on the root, ``torch.optim.AdamW(foreach=True)`` (torchtitan's default), and the same
   metrics (``get_total_norm`` of the DTensor grads, loss and norm all-reduced, one host sync). Both reshard
   a block's params after its forward (FSDP2's default; ``--no-reshard`` turns it off on both sides).
+  ``--remat full`` checkpoints every block on both sides (functitan ``Layout(remat="full")``; torch
+  ``checkpoint_wrapper`` on each block before ``fully_shard``, as torchtitan).
 - ``tp`` / ``tp_sp``: functitan ``make_mesh(dp_shard=1, tp=N)``, ``default_rules(sequence_parallel=...)`` vs
   torchtitan's plan: ``ColwiseParallel`` wq/wk/wv/w1/w3, ``RowwiseParallel`` wo/w2, ``PrepareModuleInput`` on
   attention and feed_forward (one gather of the block input, one gradient reduction), a vocab-parallel
@@ -74,6 +76,7 @@ class Setup:
     warmup: int = 2
     threads: int = 1
     reshard_after_forward: bool = True
+    remat: str = "none"  # "full": every block checkpointed on both sides
     profile: int = 0  # profile this many steps of each side on rank 0 (after timing)
     profile_dir: str = str(RESULTS)
 
@@ -102,7 +105,7 @@ def functitan_side(case: str, s: Setup, cfg: llama.LlamaConfig, full: Any, batch
     sp = case == "tp_sp"
     mesh = make_mesh(dp_shard=n) if case == "fsdp" else make_mesh(dp_shard=1, tp=n)
     rules = default_rules(sequence_parallel=sp)
-    layout = Layout(mesh, rules, reshard_after_forward=s.reshard_after_forward)
+    layout = Layout(mesh, rules, reshard_after_forward=s.reshard_after_forward, remat=s.remat)
     params = place(full, llama.specs(cfg), rules, mesh)
     optimizer = optim.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)
     box = [TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=None, rng=key(0))]
@@ -156,6 +159,15 @@ def _torch_tp(model: Llama, tp_mesh: Any, sp: bool) -> None:
         parallelize_module(block, tp_mesh, plan)
 
 
+def _checkpoint_blocks(model: Llama, remat: str) -> None:
+    """torchtitan's full activation checkpointing: each block wrapped, after TP and before ``fully_shard``."""
+    if remat == "full":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
 def torch_side(case: str, s: Setup, cfg: llama.LlamaConfig, full: Any, batches: list) -> Callable[[], list[float]]:
     """The module step: zero_grad, forward, backward, grad norm + one host sync (as functitan's), AdamW."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -165,6 +177,7 @@ def torch_side(case: str, s: Setup, cfg: llama.LlamaConfig, full: Any, batches: 
     n = dist.get_world_size()
     model = from_functional(full, cfg)
     if case == "fsdp":
+        _checkpoint_blocks(model, s.remat)
         mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("dp_shard",))
         for block in model.layers:
             fully_shard(block, mesh=mesh, reshard_after_forward=s.reshard_after_forward)
@@ -173,6 +186,7 @@ def torch_side(case: str, s: Setup, cfg: llama.LlamaConfig, full: Any, batches: 
     else:
         mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("tp",))
         _torch_tp(model, mesh, sp=case == "tp_sp")
+        _checkpoint_blocks(model, s.remat)
         ctx = loss_parallel
     # param groups by decay and by DTensor-ness: foreach kernels reject a mix of plain tensors and DTensors
     # (TP without SP leaves the norm weights plain)
@@ -314,6 +328,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {CASES}")
     ap.add_argument("--no-reshard", action="store_true", help="reshard_after_forward=False on both sides (FSDP)")
     ap.add_argument(
+        "--remat", choices=("none", "full"), default="none", help="full: checkpoint every block, both sides"
+    )
+    ap.add_argument(
         "--runs",
         type=int,
         default=3,
@@ -333,6 +350,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         steps=a.steps,
         warmup=a.warmup,
         reshard_after_forward=not a.no_reshard,
+        remat=a.remat,
         profile=a.profile,
         profile_dir=str(Path(a.out).parent),
     )
@@ -378,6 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "warmup": a.warmup,
             "runs": a.runs,
             "reshard_after_forward": s.reshard_after_forward,
+            "remat": s.remat,
             "optimizer": {"lr": LR, "b1": B1, "b2": B2, "eps": EPS, "weight_decay": WD},
         },
         "env": _common.environment(s.threads, torch.device("cpu")),
