@@ -501,3 +501,48 @@ def test_clip_to_norm_in_place_scales_the_given_buffers():
     for k in grads:
         torch.testing.assert_close(out[k], expected[k], rtol=0, atol=0)
         assert float(out[k].flatten()[0]) == 1.0  # halved: max_norm 3 over norm 6
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 1.0])
+def test_the_donated_step_equals_the_functional_one_for_gradients_laid_out_unlike_their_params(max_norm):
+    """torch's fused AdamW walks its operands as flat buffers: a permuted gradient (strides unlike its
+    param's) or an expanded one (a param used through ``.sum()``: stride 0) was read in the wrong order or
+    past its storage, so ``donate=True`` trained silently wrong (0.02 off after one step; garbage), and the
+    in-place clip refused the expanded one."""
+    from functitan.random import key
+    from functitan.step import make_train_step
+    from functitan.train_state import TrainState
+    from functitan.transforms import value_and_grad
+
+    g = torch.Generator().manual_seed(0)
+    cases = [  # (loss, params, batch)
+        (
+            lambda p, b: (p["w"].permute(1, 0, 2) * b).sum() ** 2 / 100,  # grad of w: strides (4, 12, 1)
+            {"w": torch.randn(3, 4, 4, generator=g)},
+            torch.randn(4, 3, 4, generator=g),
+        ),
+        (
+            lambda p, b: (p["w"] * b).sum() + 0.5 * p["b"].sum(),  # grad of b: expanded, stride 0
+            {"w": torch.randn(4, generator=g), "b": torch.zeros(4)},
+            torch.randn(4, generator=g),
+        ),
+    ]
+    for loss, params, batch in cases:
+        assert any(x.stride() != params[k].stride() for k, x in _grads(loss, params, batch))
+        finals = []
+        for donate in (False, True):
+            opt = optim.adamw(0.1, weight_decay=0.1)
+            ps = {k: v.clone() for k, v in params.items()}
+            state = TrainState(step=0, params=ps, opt_state=opt.init(ps), data_state=None, rng=key(0))
+            step = make_train_step(value_and_grad(loss), opt, max_norm=max_norm, donate=donate)
+            for _ in range(3):
+                state, _ = step(state, batch)
+            finals.append(state.params)
+        for k in params:
+            torch.testing.assert_close(finals[1][k], finals[0][k], rtol=0, atol=1e-6)
+
+
+def _grads(loss, params, batch):
+    from functitan.transforms import value_and_grad
+
+    return value_and_grad(loss)(params, batch)[1].items()

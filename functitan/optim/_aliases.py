@@ -96,6 +96,9 @@ def adamw(
         p = _local.flatten_like(mu, params, ("optimizer state", "params"))
         if not _fusable(p.locals, g.locals, mu.locals, nu.locals):
             return None
+        grads_like_p = [
+            x if x.stride() == y.stride() else torch.empty_like(y).copy_(x) for x, y in zip(g.locals, p.locals)
+        ]
         t = step_number(adam.count, 1)
         lr = (
             learning_rate_at(learning_rate, step_number(sched.count))
@@ -110,7 +113,7 @@ def adamw(
                 if idx:
                     torch._fused_adamw_(
                         [p.locals[i] for i in idx],
-                        [g.locals[i] for i in idx],
+                        [grads_like_p[i] for i in idx],
                         [mu.locals[i] for i in idx],
                         [nu.locals[i] for i in idx],
                         [],
@@ -138,16 +141,20 @@ def adamw(
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _fusable(*groups: list[torch.Tensor]) -> bool:
-    """Whether torch's fused AdamW kernel takes these local tensors: one device (CPU or CUDA), and p, g,
-    mu and nu of one float dtype per leaf (fp32 grads of bf16 params go the functional way)."""
-    ps = groups[0]
+def _fusable(ps: list[torch.Tensor], gs: list[torch.Tensor], *states: list[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW kernel takes these local tensors: one device (CPU or CUDA), p, g, mu and
+    nu of one float dtype per leaf (fp32 grads of bf16 params go the functional way), and p, mu and nu laid
+    out alike in memory, each element once. The kernel walks its operands as flat buffers, ignoring strides:
+    a gradient laid out otherwise (autograd gives an expanded one for a param used through ``.sum()``, a
+    permuted one for some views) is copied into the param's layout first (``update_in_place``)."""
     if not ps or ps[0].device.type not in ("cpu", "cuda"):
         return False
     dev = ps[0].device
     return all(
-        x.device == dev and x.dtype == leaf[0].dtype and x.dtype in _FUSED_DTYPES for leaf in zip(*groups) for x in leaf
-    )
+        x.device == dev and x.dtype == leaf[0].dtype and x.dtype in _FUSED_DTYPES
+        for leaf in zip(ps, gs, *states)
+        for x in leaf
+    ) and all(_local.dense(p) and all(s.stride() == p.stride() for s in leaf) for p, *leaf in zip(ps, *states))
 
 
 def sgd(learning_rate: float | Schedule, *, momentum: float = 0.0, nesterov: bool = False) -> GradientTransformation:

@@ -34,7 +34,10 @@ class Flat(NamedTuple):
     specs: list[DTensorSpec | None]
 
 
-def _split(leaves: list[Any], tree: Any, what: str) -> tuple[list[Tensor], list[DTensorSpec | None]]:
+def _split(leaves: list[Any], names_of: Any, what: str) -> tuple[list[Tensor], list[DTensorSpec | None]]:
+    """(local shards, specs) of ``leaves``; ``names_of``: the tree whose leaves ``leaves`` are, in order, to name
+    a bad one (for ``flatten_like``, the reference: ``flatten_up_to`` keeps a None where the tree has one, which
+    ``flatten_with_names`` of the tree itself would skip)."""
     locals_, specs = [], []
     for i, x in enumerate(leaves):
         if isinstance(x, _dt.DTensor):
@@ -44,12 +47,26 @@ def _split(leaves: list[Any], tree: Any, what: str) -> tuple[list[Tensor], list[
             locals_.append(x)
             specs.append(None)
         else:
-            name = flatten_with_names(tree)[0][i][0]
+            name = flatten_with_names(names_of)[0][i][0]
             raise TypeError(
                 f"{what} leaf {name!r} is a {type(x).__name__}, not a tensor; optimizer trees hold only tensors "
                 f"(leave non-trainable values out of the tree, e.g. with functitan.tree.partition)"
             )
     return locals_, specs
+
+
+def dense(t: Tensor) -> bool:
+    """Whether ``t`` uses each element of its memory span exactly once, in any order of dims: what a kernel that
+    walks its operands as flat buffers (torch's fused AdamW) or writes them in place may be given. False for
+    an expanded tensor (a stride 0), which autograd gives for a param used through ``.sum()``."""
+    if t.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def flatten(tree: Any, what: str = "params") -> Flat:
@@ -67,7 +84,7 @@ def flatten_like(ref: Flat, tree: Any, what: tuple[str, str]) -> Flat:
     except (ValueError, TypeError):
         check_same_structure(ref.tree, tree, *what)
         raise
-    locals_, specs = _split(leaves, tree, what[1])
+    locals_, specs = _split(leaves, ref.tree, what[1])
     for i, (a, b) in enumerate(zip(ref.specs, specs)):
         same_spec = a is b or (
             a is not None and b is not None and (a.mesh is b.mesh or a.mesh == b.mesh) and a.placements == b.placements

@@ -330,7 +330,9 @@ def add_decayed_weights(weight_decay: float, *, mask: Mask | None = None) -> Gra
 def clip_to_norm(tree: Any, norm: Tensor, max_norm: float, *, in_place: bool = False) -> Any:
     """Scale every leaf by ``min(1, max_norm / norm)``, given the tree's global norm (computed once, e.g. by
     the train step, which also reports it). Foreach over local shards; placements are kept. ``in_place``
-    scales the given buffers (a step that owns its gradients) instead of allocating new ones."""
+    scales the given buffers (a step that owns its gradients) instead of allocating new ones, except a leaf
+    whose elements share memory (an expanded gradient, as autograd gives for a param used through ``.sum()``),
+    which is scaled into a new tensor."""
     u = _local.flatten(tree, "updates")
     if not u.locals:
         return tree
@@ -339,15 +341,20 @@ def clip_to_norm(tree: Any, norm: Tensor, max_norm: float, *, in_place: bool = F
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(u.locals):
             by_device.setdefault(t.device, []).append(i)
-        out: list[Tensor] = [None] * len(u.locals)  # type: ignore[list-item]
+        out: list[Tensor] = list(u.locals)
+        replaced = False
         for device, idx in by_device.items():
-            group = [u.locals[i] for i in idx]
             if in_place:
-                torch._foreach_mul_(group, factor.to(device))
-                continue
-            for i, t in zip(idx, torch._foreach_mul(group, factor.to(device))):
-                out[i] = t
-        return tree if in_place else _local.unflatten(u, out)
+                dense = [_local.dense(u.locals[i]) for i in idx]
+                own = [i for i, d in zip(idx, dense) if d]
+                if own:
+                    torch._foreach_mul_([u.locals[i] for i in own], factor.to(device))
+                idx = [i for i, d in zip(idx, dense) if not d]
+                if not idx:
+                    continue
+            for i, t in zip(idx, torch._foreach_mul([u.locals[i] for i in idx], factor.to(device))):
+                out[i], replaced = t, True
+        return _local.unflatten(u, out) if replaced else tree
 
 
 def clip_by_global_norm(max_norm: float, *, across: Any = None) -> GradientTransformation:
