@@ -141,9 +141,9 @@ def test_init_runs_on_the_meta_device():
 def test_docstring_examples_run():
     import doctest
 
-    from functitan.optim import _base, _norm, _transforms
+    from functitan.optim import _base, _combinators, _norm, _transforms
 
-    for module in (_base, _norm, _transforms):
+    for module in (_base, _norm, _transforms, _combinators):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 
@@ -546,3 +546,43 @@ def _grads(loss, params, batch):
     from functitan.transforms import value_and_grad
 
     return value_and_grad(loss)(params, batch)[1].items()
+
+
+def test_inner_transforms_of_masked_and_multi_transform_see_the_params_names():
+    """A decay mask by spec or by name inside ``masked`` / ``multi_transform`` (they used to hand the inner
+    transform a list, named "0", "1", ...: the embedding was decayed, 0.1158 off after one step)."""
+    params = {"embed": torch.ones(6, 4), "wq": torch.ones(4, 4), "norm": torch.ones(4)}
+    specs = {"embed": ("vocab", "embed"), "wq": ("embed", "heads"), "norm": ("embed",)}
+    zeros = {k: torch.zeros_like(v) for k, v in params.items()}
+    by_spec = optim.adamw(0.1, weight_decay=0.5, mask=optim.decay_mask_from_specs(specs))
+    by_name = optim.adamw(0.1, weight_decay=0.5, mask=lambda name, p: name == "wq")
+    for opt in (
+        by_spec,
+        optim.masked(by_spec, lambda name, p: True),
+        optim.multi_transform({"a": by_spec}, lambda name, p: "a"),
+        optim.masked(by_name, lambda name, p: name != "norm"),
+        optim.multi_transform({"a": by_name, "b": optim.sgd(0.1)}, lambda name, p: "b" if name == "norm" else "a"),
+    ):
+        updates, _ = opt.update(zeros, opt.init(params), params)
+        moved = {k: float(u.abs().max()) for k, u in updates.items()}
+        assert moved == {"embed": 0.0, "wq": pytest.approx(0.05), "norm": 0.0}, opt
+
+
+def test_a_group_without_leaves_is_left_alone_and_set_to_zero_freezes():
+    params = {"embed": torch.ones(3, 2), "w": torch.ones(2, 2)}
+    grads = {k: torch.full_like(v, 0.5) for k, v in params.items()}
+    for opt in (
+        optim.masked(optim.adamw(0.1), lambda name, p: False),  # selects nothing: updates pass through
+        optim.multi_transform({"x": optim.scale(1.0), "y": optim.adamw(0.1)}, lambda name, p: "x"),
+    ):
+        state = opt.init(params)
+        for _ in range(2):
+            updates, state = opt.update(grads, state, params)
+        assert all(torch.equal(updates[k], grads[k]) for k in params)
+    frozen = optim.multi_transform(
+        {"train": optim.adamw(0.1), "frozen": optim.set_to_zero()},
+        lambda name, p: "frozen" if name.startswith("embed") else "train",
+    )
+    updates, _ = frozen.update(grads, frozen.init(params), params)
+    new = optim.apply_updates(params, updates)
+    assert torch.equal(new["embed"], params["embed"]) and float((new["w"] - params["w"]).abs().min()) > 0.09

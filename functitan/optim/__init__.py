@@ -51,6 +51,7 @@ from functitan.optim._transforms import (
     scale,
     scale_by_adam,
     scale_by_learning_rate,
+    set_to_zero,
     trace,
 )
 
@@ -63,6 +64,7 @@ __all__ = [
     "global_norm",
     "scale",
     "scale_by_learning_rate",
+    "set_to_zero",
     "scale_by_adam",
     "trace",
     "add_decayed_weights",

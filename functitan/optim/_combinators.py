@@ -1,8 +1,10 @@
 """Combinators over optimizers, with optax's semantics: ``masked``, ``multi_transform``, ``inject_hyperparams``,
 ``apply_every``, ``multi_steps`` (``optax.MultiSteps``), ``ema`` and ``param_ema``.
 
-Inner transforms see a *list* of the selected leaves (a pytree like any other), so a fused ``adamw`` keeps its
-fast path inside ``masked`` or ``multi_transform``, and DTensor leaves keep their placements.
+Inner transforms see the params' own tree with the leaves they do not own replaced by None (optax's
+``MaskedNode``), so a mask that goes by name (``decay_mask_from_specs``, ``lambda name, p: ...``) sees the
+params' names, a fused ``adamw`` keeps its fast path, and DTensor leaves keep their placements. A group that
+selects no leaf is not updated (its state stays as it is).
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ def _leaves(tree: Any) -> tuple[list[Any], Any]:
     return optree.tree_flatten(tree)
 
 
+def _holed(leaves: list[Any], treedef: Any, idx: list[int]) -> Any:
+    """The tree with only the leaves at ``idx``; None (no leaf) elsewhere."""
+    keep = set(idx)
+    return optree.tree_unflatten(treedef, [x if i in keep else None for i, x in enumerate(leaves)])
+
+
 def _zero_count() -> Tensor:
     return torch.zeros((), dtype=torch.int64)
 
@@ -71,7 +79,7 @@ def _lerp(a: list[Tensor], b: list[Tensor], w: Any) -> list[Tensor]:
 
 
 class MaskedState(NamedTuple):
-    inner_state: Any  # the inner transform's state over the selected leaves (a list)
+    inner_state: Any  # the inner transform's state over the selected leaves (the params' tree, None elsewhere)
 
 
 def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
@@ -87,15 +95,17 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
         return [i for i, m in enumerate(keep) if m], leaves, treedef
 
     def init(params: Any) -> MaskedState:
-        idx, leaves, _ = select(params, params)
-        return MaskedState(inner.init([leaves[i] for i in idx]))
+        idx, leaves, treedef = select(params, params)
+        return MaskedState(inner.init(_holed(leaves, treedef, idx)))
 
     def update(updates: Any, state: MaskedState, params: Any = None) -> tuple[Any, MaskedState]:
         idx, leaves, treedef = select(updates, params if params is not None else updates)
-        sub_params = None if params is None else [_leaves(params)[0][i] for i in idx]
-        new, inner_state = inner.update([leaves[i] for i in idx], state.inner_state, sub_params)
+        if not idx:
+            return updates, state
+        sub_params = None if params is None else _holed(treedef.flatten_up_to(params), treedef, idx)
+        new, inner_state = inner.update(_holed(leaves, treedef, idx), state.inner_state, sub_params)
         out = list(leaves)
-        for i, u in zip(idx, new):
+        for i, u in zip(idx, optree.tree_leaves(new)):
             out[i] = u
         return optree.tree_unflatten(treedef, out), MaskedState(inner_state)
 
@@ -106,7 +116,7 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
 
 
 class MultiTransformState(NamedTuple):
-    inner_states: dict[str, Any]  # label -> that transform's state over its leaves
+    inner_states: dict[str, Any]  # label -> that transform's state over its leaves (the params' tree, None elsewhere)
 
 
 def multi_transform(
@@ -117,8 +127,9 @@ def multi_transform(
     ``param_labels`` is ``(name, param) -> label`` or a pytree of labels mirroring the params; every label
     must be a key of ``transforms``. Each transform sees (and keeps state for) only its leaves.
 
+    >>> from functitan.optim import adamw, set_to_zero
     >>> opt = multi_transform({"adam": adamw(1e-3), "frozen": set_to_zero()},
-    ...                       lambda name, p: "frozen" if name.startswith("embed") else "adam")  # doctest: +SKIP
+    ...                       lambda name, p: "frozen" if name.startswith("embed") else "adam")
     """
     if not transforms:
         raise ValueError("multi_transform needs at least one transform: pass {label: transformation}")
@@ -144,17 +155,21 @@ def multi_transform(
         return out
 
     def init(params: Any) -> MultiTransformState:
-        leaves, _ = _leaves(params)
-        return MultiTransformState({k: t.init([leaves[i] for i in groups(params)[k]]) for k, t in transforms.items()})
+        leaves, treedef = _leaves(params)
+        by_label = groups(params)
+        return MultiTransformState({k: t.init(_holed(leaves, treedef, by_label[k])) for k, t in transforms.items()})
 
     def update(updates: Any, state: MultiTransformState, params: Any = None) -> tuple[Any, MultiTransformState]:
         leaves, treedef = _leaves(updates)
-        plist = _leaves(params)[0] if params is not None else None
+        plist = treedef.flatten_up_to(params) if params is not None else None
         out, new_states = list(leaves), {}
         for k, idx in groups(params if params is not None else updates).items():
-            sub_p = None if plist is None else [plist[i] for i in idx]
-            new, new_states[k] = transforms[k].update([leaves[i] for i in idx], state.inner_states[k], sub_p)
-            for i, u in zip(idx, new):
+            if not idx:  # e.g. a pipeline rank that holds none of this label's params
+                new_states[k] = state.inner_states[k]
+                continue
+            sub_p = None if plist is None else _holed(plist, treedef, idx)
+            new, new_states[k] = transforms[k].update(_holed(leaves, treedef, idx), state.inner_states[k], sub_p)
+            for i, u in zip(idx, optree.tree_leaves(new)):
                 out[i] = u
         return optree.tree_unflatten(treedef, out), MultiTransformState(new_states)
 

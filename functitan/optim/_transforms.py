@@ -31,6 +31,7 @@ __all__ = [
     "decay_mask_from_specs",
     "scale",
     "scale_by_learning_rate",
+    "set_to_zero",
     "scale_by_adam",
     "trace",
     "add_decayed_weights",
@@ -142,6 +143,18 @@ def scale(factor: float) -> GradientTransformation:
         u = _local.flatten(updates, "updates")
         with torch.no_grad():
             return _local.unflatten(u, torch._foreach_mul(u.locals, factor)), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def set_to_zero() -> GradientTransformation:
+    """Zero updates (``optax.set_to_zero``): the leaves it gets do not move; with ``multi_transform``, frozen
+    params (a JAX-style step differentiates every float leaf, whatever its ``requires_grad``)."""
+
+    def update(updates: Any, state: EmptyState, params: Any = None) -> tuple[Any, EmptyState]:
+        u = _local.flatten(updates, "updates")
+        with torch.no_grad():
+            return _local.unflatten(u, [torch.zeros_like(x) for x in u.locals]), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
 
