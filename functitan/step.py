@@ -90,7 +90,8 @@ def make_train_step(
     copying them in the background finishes first); a functional step never changes them and never calls it.
 
     ``metrics`` holds ``loss`` (mean over data-parallel ranks), ``grad_norm`` (of the full gradient, before
-    clipping) and ``skipped``.
+    clipping) and ``skipped``; with ``value_and_grad(loss_fn, has_aux=True)``, also ``aux``: this rank's
+    auxiliary outputs, detached.
     """
     if on_nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"training.on_nonfinite={on_nonfinite!r}; choose one of {NONFINITE_POLICIES}")
@@ -106,7 +107,8 @@ def make_train_step(
     def train_step(
         state: TrainState, batch: Any, *, before_update: Callable[[], None] | None = None
     ) -> tuple[TrainState, dict[str, float]]:
-        loss, grads = grad_fn(state.params, batch)
+        value, grads = grad_fn(state.params, batch)
+        loss, aux = _loss_and_aux(value)
         with torch.no_grad():
             gnorm = optim.global_norm(grads, across=norm_across)
             stats = _mean_over_ranks(torch.stack([loss.float(), gnorm.float().to(loss.device)]))
@@ -116,7 +118,7 @@ def make_train_step(
             if on_nonfinite == "stop":
                 raise NonFiniteLossError(_nonfinite_message(loss_v, gnorm_v, state.step + 1))
             nxt = state._replace(step=state.step + 1, rng=fold_in(state.rng, state.step))
-            return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": 1}
+            return nxt, _metrics(loss_v, gnorm_v, 1, aux)
         if max_norm > 0:
             grads = optim.clip_to_norm(grads, gnorm, max_norm, in_place=donate)  # the step owns its grads
         if in_place is not None and before_update is not None:
@@ -130,7 +132,7 @@ def make_train_step(
         nxt = state._replace(
             step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step)
         )
-        return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": 0}
+        return nxt, _metrics(loss_v, gnorm_v, 0, aux)
 
     return train_step
 
@@ -156,8 +158,9 @@ def _compiled_step(
     """
     skip = on_nonfinite == "skip"
 
-    def update(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Tensor]:
-        loss, grads = grad_fn(params, batch)
+    def update(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Tensor, Any]:
+        value, grads = grad_fn(params, batch)
+        loss, aux = _loss_and_aux(value)
         with torch.no_grad():
             gnorm = optim.global_norm(grads, across=norm_across)
             stats = _mean_over_ranks(torch.stack([loss.float(), gnorm.float().to(loss.device)]))
@@ -169,7 +172,7 @@ def _compiled_step(
                 finite = torch.isfinite(stats).all()
                 new_params = _select(finite, new_params, params)
                 new_opt_state = _select(finite, new_opt_state, opt_state)
-        return new_params, new_opt_state, stats
+        return new_params, new_opt_state, stats, aux
 
     compiled = torch.compile(update, backend=backend)
     # dynamo traces torch.autograd.grad only when asked: the gradient then stays in the graph on any leaves,
@@ -184,7 +187,7 @@ def _compiled_step(
         # come out without the flag, which is set again here (in place, on leaves: no copy, no dispatch)
         _set_requires_grad(state.params, False)
         with config:
-            params, opt_state, stats = compiled(state.params, state.opt_state, batch)
+            params, opt_state, stats, aux = compiled(state.params, state.opt_state, batch)
         _set_requires_grad(params, True)
         loss_v, gnorm_v = stats.tolist()
         finite = math.isfinite(loss_v) and math.isfinite(gnorm_v)
@@ -193,7 +196,7 @@ def _compiled_step(
         nxt = state._replace(
             step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step)
         )
-        return nxt, {"loss": loss_v, "grad_norm": gnorm_v, "skipped": int(not finite)}
+        return nxt, _metrics(loss_v, gnorm_v, int(not finite), aux)
 
     def explain(params: Any, opt_state: Any, batch: Any) -> Any:
         """``torch._dynamo.explain`` of the step's graph (its ``graph_break_count`` is 0), as compiled."""
@@ -208,6 +211,25 @@ def _compiled_step(
     train_step.update = update  # type: ignore[attr-defined]
     train_step.explain = explain  # type: ignore[attr-defined]
     return train_step
+
+
+def _loss_and_aux(value: Any) -> tuple[Tensor, Any]:
+    """(loss, aux or None) from what the gradient function returned as its value."""
+    if isinstance(value, Tensor):
+        return value, None
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], Tensor):
+        return value[0], optree.tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, value[1])
+    raise TypeError(
+        f"the gradient function returned a {type(value).__name__} as its value; make_train_step takes "
+        f"(loss, grads) or, from value_and_grad(..., has_aux=True), ((loss, aux), grads), with a 0-d tensor loss"
+    )
+
+
+def _metrics(loss: float, gnorm: float, skipped: int, aux: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"loss": loss, "grad_norm": gnorm, "skipped": skipped}
+    if aux is not None:
+        out["aux"] = aux
+    return out
 
 
 def _set_requires_grad(tree: Any, flag: bool) -> None:

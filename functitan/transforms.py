@@ -159,6 +159,11 @@ def _eager_value_and_grad(
     finally:
         if token is not None:
             _EAGER_DEPTH.reset(token)
+    if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            f"value_and_grad(..., has_aux=True): {getattr(fn, '__name__', fn)!r} returned a "
+            f"{type(out).__name__}; with has_aux it returns (loss, aux), else drop has_aux"
+        )
     loss, aux = out if has_aux else (out, None)
     _check_loss(loss, fn)
     diff = [leaves[i] for leaves, _, idx in flat for i in idx]

@@ -62,6 +62,30 @@ def test_compiled_step_trains_like_the_eager_step_and_compiles_once():
     assert int(b.opt_state[0].count) == 4
 
 
+def test_a_loss_with_aux_outputs_trains_and_reports_them_eager_donated_and_compiled():
+    """``value_and_grad(loss, has_aux=True)`` into the step (it failed on ``tuple.float``): the aux outputs come
+    back detached in the metrics, the same on every path, and the training matches the aux-free loss."""
+    torch._dynamo.reset()
+
+    def with_aux(params, batch):
+        loss = llama.loss(params, batch, CFG)
+        return loss, {"twice": 2 * loss, "tokens": batch["targets"].numel()}
+
+    opt = optim.adamw(1e-2)
+    plain = make_train_step(value_and_grad(functools.partial(llama.loss, cfg=CFG)), opt, max_norm=1.0)
+    ref, _ = plain(_state(opt), _batch(0))
+    for kwargs in ({}, {"donate": True}, {"compile": "aot_eager"}):
+        step = make_train_step(value_and_grad(with_aux, has_aux=True), opt, max_norm=1.0, **kwargs)
+        state, metrics = step(_state(opt), _batch(0))
+        aux = metrics["aux"]
+        assert aux["tokens"] == 16 and not aux["twice"].requires_grad, kwargs
+        assert float(aux["twice"]) == pytest.approx(2 * metrics["loss"], rel=1e-6), kwargs
+        for x, y in zip(tree_leaves(ref.params), tree_leaves(state.params)):
+            torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-5)
+    with pytest.raises(TypeError, match=r"has_aux=True\): 'loss' returned a Tensor; with has_aux it returns"):
+        value_and_grad(llama.loss, has_aux=True)(llama.init(CFG, key(0)), _batch(0), CFG)
+
+
 # ------------------------------------------------------------------------------------ under FSDP and TP + SP
 # Two gloo processes, params sharded over dp_shard=2 (or tp=2 with sequence parallelism): the compiled step still
 # traces as one graph (the FSDP all-gathers and reduce-scatters or the TP gathers and reduce-scatters, the gradient,
