@@ -7,9 +7,14 @@ so each start costs a fork, not a fresh interpreter.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
+import queue as queue_mod
+import signal
 import socket
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -41,9 +46,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, queue, threads: int):
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, queue, threads: int, crash_log: str
+):
     import torch
     import torch.distributed as dist
+
+    # a crash that skips the except below (a signal, a fatal error) leaves its Python traceback here for the parent
+    crash_file = open(crash_log, "w")  # noqa: SIM115 - open until the process ends, as faulthandler needs
+    faulthandler.enable(file=crash_file)
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -70,6 +81,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kw
 
 
 INIT_ATTEMPTS = 3
+POLL_S = 0.5  # how often the parent checks, while it waits for results, that no worker has died without reporting
 
 
 def run_distributed(
@@ -78,7 +90,9 @@ def run_distributed(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo processes; return the per-rank results in rank order.
 
     ``fn`` must be importable (a module-level function) and its result picklable. A failure on any rank raises
-    RuntimeError carrying that rank's traceback; a hang past ``timeout`` seconds kills every process. When the
+    RuntimeError carrying that rank's traceback; a rank that dies without reporting (``os._exit``, a signal) raises
+    within a second, naming its exit code or signal, since the others may wait for it in a collective until
+    ``timeout``; a hang past ``timeout`` seconds kills every process. When the
     process group cannot form (the free port was taken between choosing and binding it, which happens on a
     busy machine), the whole run starts again on a new port, up to ``INIT_ATTEMPTS`` times; ``fn`` has not
     run then.
@@ -107,38 +121,83 @@ def _run_once(
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
     queue = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, queue, threads), daemon=False)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    init_failed = False
-    try:
-        for _ in range(world_size):
-            try:
-                rank, status, value = queue.get(timeout=timeout)
-            except Exception as exc:  # queue.Empty
-                raise RuntimeError(f"distributed run of {fn.__name__} timed out after {timeout}s") from exc
-            if status == "ok":
-                results[rank] = pickle.loads(value)
-            elif status == "init":
-                errors.append(f"rank {rank}:\n{value}")
-                init_failed = True
-                break
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-                break
-    finally:
+    with tempfile.TemporaryDirectory(prefix="functitan-run-") as logs:
+        crash_logs = [os.path.join(logs, f"rank{r}.crash") for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, port, fn, args, kwargs, queue, threads, crash_logs[r]),
+                daemon=False,
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            p.start()
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        failed: set[int] = set()  # the ranks whose failure is in errors
+        init_failed = False
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) < world_size and not errors:
+                try:
+                    rank, status, value = queue.get(timeout=POLL_S)
+                except queue_mod.Empty:
+                    # a worker that died without reporting (os._exit, a signal, the OOM killer) never will: the
+                    # others may be blocked in a collective with it, so waiting out the timeout would learn nothing
+                    died = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+                    if died:
+                        try:  # its report may have reached the pipe just before it exited
+                            rank, status, value = queue.get(timeout=POLL_S)
+                        except queue_mod.Empty:
+                            errors.append(_death(died[0], procs[died[0]].exitcode, crash_logs[died[0]]))
+                            failed.add(died[0])
+                            break
+                    elif time.monotonic() > deadline:
+                        raise RuntimeError(f"distributed run of {fn.__name__} timed out after {timeout}s") from None
+                    else:
+                        continue
+                if status == "ok":
+                    results[rank] = pickle.loads(value)
+                else:
+                    errors.append(f"rank {rank}:\n{value}")
+                    failed.add(rank)
+                    init_failed = status == "init"
+        finally:
+            killed = set()
+            for r, p in enumerate(procs):
+                p.join(timeout=5 if not errors and len(results) == world_size else 0.5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+                    killed.add(r)
+            queue.close()
+        if errors and not init_failed:
+            # a rank that died without reporting is the likely cause of the others' errors (a peer gone): first
+            errors[:0] = [
+                _death(r, p.exitcode, crash_logs[r])
+                for r, p in enumerate(procs)
+                if r not in results and r not in failed and r not in killed and p.exitcode != 0
+            ]
     if init_failed:
         raise _InitFailed("\n".join(errors))
     if errors:
         raise RuntimeError(f"distributed run of {fn.__name__} failed on " + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _death(rank: int, exitcode: int, crash_log: str) -> str:
+    """One rank's death without a report: its exit code or signal, and the traceback faulthandler left, if any."""
+    if exitcode < 0:
+        try:
+            how = f"was killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            how = f"was killed by signal {-exitcode}"
+    else:
+        how = f"exited with exit code {exitcode}"
+    try:
+        with open(crash_log) as f:
+            text = f.read().strip()
+    except OSError:
+        text = ""
+    return f"rank {rank}:\nthe process {how} before reporting a result" + (f"\n{text}" if text else "")

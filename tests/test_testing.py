@@ -1,3 +1,7 @@
+import os
+import signal
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -43,3 +47,51 @@ def test_run_distributed_retries_when_the_port_was_taken(monkeypatch):
         assert run_distributed(_allreduce_rank, 2, timeout=120) == [(0, 3.0), (1, 3.0)]
     finally:
         busy.close()
+
+
+def _exit_on_one():
+    if dist.get_rank() == 1:
+        os._exit(3)  # dies without reporting, as a crash or the OOM killer would
+    return 0  # rank 0 reports: the parent used to wait for rank 1's report until the timeout
+
+
+def test_run_distributed_raises_at_once_when_a_rank_dies_without_reporting():
+    import multiprocessing
+
+    import pytest
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="(?s)rank 1:.*exit code 3"):
+        run_distributed(_exit_on_one, 2, timeout=300)
+    assert time.monotonic() - start < 30  # not the 300 s timeout
+    assert not multiprocessing.active_children()
+
+
+def _exit_on_one_in_a_collective():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.barrier()  # gloo sees the peer gone and raises on rank 0: a consequence, not the cause
+    return 0
+
+
+def test_run_distributed_names_the_rank_that_died_when_another_fails_because_of_it():
+    import multiprocessing
+
+    import pytest
+
+    with pytest.raises(RuntimeError, match="(?s)rank 1:.*exit code 3.*rank 0:"):
+        run_distributed(_exit_on_one_in_a_collective, 2, timeout=300)
+    assert not multiprocessing.active_children()
+
+
+def _segfault_on_one():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return 0
+
+
+def test_run_distributed_names_the_signal_and_the_traceback_of_a_killed_rank():
+    import pytest
+
+    with pytest.raises(RuntimeError, match="(?s)rank 1:.*signal SIGSEGV.*_segfault_on_one"):
+        run_distributed(_segfault_on_one, 2, timeout=300)

@@ -3,7 +3,7 @@
     ckpt = CheckpointManager("runs/x/ckpt", interval=500, keep_last=3)
     state = ckpt.restore_latest(state) or state     # exemplar: the freshly initialised TrainState
     for ...:
-        state = train_step(state, batch)
+        state, metrics = train_step(state, batch)
         ckpt.maybe_save(state)                       # blocks only while staging
     ckpt.close()
 
