@@ -186,9 +186,11 @@ def _run_once(
     return [results[r] for r in range(world_size)]
 
 
-def _death(rank: int, exitcode: int, crash_log: str) -> str:
+def _death(rank: int, exitcode: int | None, crash_log: str) -> str:
     """One rank's death without a report: its exit code or signal, and the traceback faulthandler left, if any."""
-    if exitcode < 0:
+    if exitcode is None:
+        how = "stopped"
+    elif exitcode < 0:
         try:
             how = f"was killed by signal {signal.Signals(-exitcode).name}"
         except ValueError:
