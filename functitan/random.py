@@ -9,6 +9,7 @@ or the order in which leaves are created.
 from __future__ import annotations
 
 import hashlib
+import operator
 
 import torch
 
@@ -19,14 +20,21 @@ _MASK = (1 << 63) - 1
 
 
 def key(seed: int) -> PRNGKey:
-    """A key from a seed (any int)."""
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    """A key from a seed (any integer, numpy's included)."""
+    try:
+        if isinstance(seed, bool):
+            raise TypeError
+        seed = operator.index(seed)
+    except TypeError:
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}") from None
     return fold_in(0x5EED, seed)
 
 
 def fold_in(k: PRNGKey, data: int | str) -> PRNGKey:
-    """A new key from ``k`` and ``data`` (an int such as a step, or a name such as a key path)."""
+    """A new key from ``k`` and ``data`` (an int such as a step, or a name such as a key path).
+
+    ``data`` is hashed as text: an int and its decimal string (``3`` and ``"3"``) give the same key, and so do
+    ``split(k)[i]`` and ``fold_in(k, f"split{i}")``; keep one kind of data per key (steps, or names)."""
     h = hashlib.blake2b(f"{int(k)}/{data}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & _MASK
 

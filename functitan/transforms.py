@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _dtensor as _dt
 from ._remat import Policy, remat
+from .tree import flatten_with_names
 
 __all__ = [
     "grad",
@@ -309,6 +310,12 @@ def split_batch(batch: Any, n: int) -> list[Any]:
     """Split every tensor leaf of ``batch`` into ``n`` equal microbatches along dim 0."""
     leaves, treedef = optree.tree_flatten(batch)
     for x in leaves:
+        if isinstance(x, Tensor) and x.dim() == 0:
+            name = next(k for k, v in flatten_with_names(batch)[0] if v is x)
+            raise ValueError(
+                f"batch leaf {name!r} is a 0-d tensor: microbatches split every tensor of the batch along dim 0; "
+                f"give it a batch dim, or pass it as a Python number (numbers go to every microbatch)"
+            )
         if isinstance(x, Tensor) and x.shape[0] % n:
             raise ValueError(
                 f"a batch of {x.shape[0]} rows does not split into {n} microbatches; make training.batch_size "

@@ -102,6 +102,17 @@ def is_param(x: object) -> bool:
     return isinstance(x, Param)
 
 
+def _declared(name: str, p: Any) -> Param:
+    """``p``, a leaf of a declaration tree, checked: a tensor or a number there is the usual slip."""
+    if not isinstance(p, Param):
+        raise TypeError(
+            f"declaration leaf {name!r} is a {type(p).__name__}, not a functitan.model.Param: a model's params(cfg) "
+            f"declares each parameter as Param(shape, names, init), e.g. Param((vocab, dim), ('vocab', 'embed'), "
+            f"normal(0.02)); init(decl, key) makes the tensors"
+        )
+    return p
+
+
 def init(decl: Any, key: PRNGKey, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Any:
     """Fresh values for a declaration tree. Each leaf is drawn on the CPU from ``fold_in(key, its dotted
     name)``, so values are bit-identical whatever the device, mesh or creation order; on ``device="meta"``
@@ -109,6 +120,7 @@ def init(decl: Any, key: PRNGKey, *, device: str | torch.device = "cpu", dtype: 
     device = torch.device(device)
 
     def one(name: str, p: Param) -> Tensor:
+        p = _declared(name, p)
         if device.type == "meta":
             return torch.empty(p.shape, device=device, dtype=dtype)
         if isinstance(p.init, constant):
@@ -120,14 +132,14 @@ def init(decl: Any, key: PRNGKey, *, device: str | torch.device = "cpu", dtype: 
 
 def specs(decl: Any) -> Any:
     """The spec tree (logical names per dim) of a declaration tree, for ``sharding.place`` and the planner."""
-    return map_with_names(lambda _, p: p.names, decl, is_leaf=is_param)
+    return map_with_names(lambda name, p: _declared(name, p).names, decl, is_leaf=is_param)
 
 
 def shapes(decl: Any) -> Any:
-    return map_with_names(lambda _, p: p.shape, decl, is_leaf=is_param)
+    return map_with_names(lambda name, p: _declared(name, p).shape, decl, is_leaf=is_param)
 
 
 def count(decl: Any, *, exclude: Callable[[str, Param], bool] | None = None) -> int:
     """Number of parameters, leaving out the leaves ``exclude(name, param)`` picks (e.g. embedding tables)."""
     named, _ = flatten_with_names(decl, is_leaf=is_param)
-    return sum(math.prod(p.shape) for name, p in named if exclude is None or not exclude(name, p))
+    return sum(math.prod(_declared(name, p).shape) for name, p in named if exclude is None or not exclude(name, p))

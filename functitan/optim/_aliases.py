@@ -60,6 +60,7 @@ def adamw(
         # the composed update at ~1.8x torch.optim.AdamW's step on the debug model).
         if params is None:
             raise ValueError("adamw needs the params for weight decay: call update(grads, state, params)")
+        _check_state(state)
         adam, empty, sched = state
         mu = _local.flatten(adam.mu, "state.mu")
         nu = _local.flatten_like(mu, adam.nu, ("state.mu", "state.nu"))
@@ -89,6 +90,7 @@ def adamw(
         # above makes ~25 passes over memory: 13 ms vs 1.4 ms for 1.4M params on 2 CPU cores; on an H200,
         # 42 vs ~10 ms per step for an 8B-shaped model). Same arithmetic as ``update`` + ``apply_updates``:
         # the decay multiplies p by (1 - lr * wd) before Adam's step, which is adding -lr * wd * p to it.
+        _check_state(state)
         adam, empty, sched = state
         mu = _local.flatten(adam.mu, "state.mu")
         nu = _local.flatten_like(mu, adam.nu, ("state.mu", "state.nu"))
@@ -136,6 +138,14 @@ def adamw(
 
     mask_cache: dict[str, Any] = {}
     return GradientTransformation(init, update, update_in_place)
+
+
+def _check_state(state: Any) -> None:
+    if not (isinstance(state, tuple) and len(state) == 3 and isinstance(state[0], ScaleByAdamState)):
+        raise TypeError(
+            f"adamw.update got a {type(state).__name__} as its state, not adamw's (ScaleByAdamState, EmptyState, "
+            f"ScaleByScheduleState): pass the state this optimizer's init returned"
+        )
 
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -9,6 +9,7 @@ selects no leaf is not updated (its state stays as it is).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -211,7 +212,8 @@ def inject_hyperparams(
         numeric = {
             k: v
             for k, v in kwargs.items()
-            if k not in fixed and (isinstance(v, (int, float)) and not isinstance(v, bool) or callable(v))
+            if k not in fixed
+            and (isinstance(v, (int, float)) and not isinstance(v, bool) or callable(v) and _takes_a_number(factory, k))
         }
         static = {k: v for k, v in kwargs.items() if k not in numeric}
 
@@ -238,6 +240,20 @@ def inject_hyperparams(
         return GradientTransformation(init, update)
 
     return build
+
+
+def _takes_a_number(factory: Callable[..., Any], name: str) -> bool:
+    """Whether a callable passed as ``name`` is a schedule: the factory's parameter is required (a learning
+    rate) or defaults to a number. A callable for one that defaults to something else (``adamw``'s ``mask``,
+    None) is passed through as it is."""
+    try:
+        param = inspect.signature(factory).parameters.get(name)
+    except (TypeError, ValueError):
+        return True
+    if param is None:
+        return True
+    default = param.default
+    return default is inspect.Parameter.empty or isinstance(default, (int, float)) and not isinstance(default, bool)
 
 
 # ------------------------------------------------------------------------------------------ apply_every, MultiSteps

@@ -1,0 +1,55 @@
+"""The library API given what users get wrong: one message naming the leaf or argument and the fix (each of
+these was a deep traceback or a silently wrong result in a user's review)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from functitan import optim
+from functitan.model import count, init, specs
+from functitan.random import key
+from functitan.transforms import split_batch
+
+
+def test_a_0d_tensor_in_a_batch_that_is_split_into_microbatches_is_named():
+    batch = {"inputs": torch.ones(4, 2), "scale": torch.tensor(2.0)}
+    with pytest.raises(ValueError, match=r"batch leaf 'scale' is a 0-d tensor: microbatches split every tensor"):
+        split_batch(batch, 2)
+    # a Python number goes to every microbatch
+    assert [m["scale"] for m in split_batch({"inputs": torch.ones(4, 2), "scale": 2.0}, 2)] == [2.0, 2.0]
+
+
+def test_adamw_given_another_optimizers_state_says_so():
+    p = {"w": torch.ones(2)}
+    sgd_state = optim.sgd(0.1, momentum=0.9).init(p)
+    with pytest.raises(TypeError, match=r"adamw.update got a tuple as its state, not adamw's"):
+        optim.adamw(0.1).update(p, sgd_state, p)
+
+
+def test_inject_hyperparams_passes_a_mask_through_and_schedules_the_learning_rate():
+    # a callable mask used to be taken for a schedule (called with the step count: "missing argument 'param'")
+    params = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+    opt = optim.inject_hyperparams(optim.adamw)(
+        learning_rate=lambda step: 0.1 * (step + 1), weight_decay=0.5, mask=lambda name, p: name == "w"
+    )
+    state = opt.init(params)
+    assert sorted(state.hyperparams) == ["learning_rate", "weight_decay"]
+    zeros = {k: torch.zeros_like(v) for k, v in params.items()}
+    for lr in (0.1, 0.2):
+        updates, state = opt.update(zeros, state, params)
+        assert float(updates["w"].abs().max()) == pytest.approx(lr * 0.5) and float(updates["b"].abs().max()) == 0
+
+
+def test_a_declaration_holding_a_tensor_names_the_leaf_and_param():
+    for fn in (specs, count, lambda d: init(d, key(0))):
+        with pytest.raises(TypeError, match=r"declaration leaf 'w' is a Tensor, not a functitan.model.Param"):
+            fn({"w": torch.zeros(3)})
+
+
+def test_keys_take_any_integer_and_refuse_the_rest():
+    assert key(np.int64(3)) == key(3)
+    for bad in (1.5, True, "3"):
+        with pytest.raises(TypeError, match=r"seed must be an int, got"):
+            key(bad)
