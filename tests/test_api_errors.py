@@ -53,3 +53,23 @@ def test_keys_take_any_integer_and_refuse_the_rest():
     for bad in (1.5, True, "3"):
         with pytest.raises(TypeError, match=r"seed must be an int, got"):
             key(bad)
+
+
+def test_a_model_whose_loss_cannot_take_the_trainers_arguments_is_refused_when_declared():
+    import dataclasses
+
+    from functitan.model import Model
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        vocab_size: int = 8
+
+    with pytest.raises(TypeError, match=r"model 'x': loss <lambda>\(p, b\) cannot be called as loss\(params, batch, "):
+        Model(
+            name="x",
+            configs={"debug": Cfg()},
+            params=lambda c: {},
+            loss=lambda p, b: p,  # the trainer calls loss(params, batch, cfg, layout)
+            apply=lambda p, tokens, cfg, layout: p,
+            flops_per_token=lambda c, s: 1.0,
+        )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -109,6 +110,19 @@ class Model:
         object.__setattr__(self, "config_type", types.pop())
         if "vocab_size" not in {f.name for f in dataclasses.fields(self.config_type)}:
             raise TypeError(f"model {self.name!r}: {self.config_type.__name__} needs a vocab_size field")
+        for what, fn, args in (
+            ("loss", self.loss, "params, batch, cfg, layout"),
+            ("apply", self.apply, "params, tokens, cfg, layout"),
+        ):
+            try:
+                inspect.signature(fn).bind(*args.split(", "))
+            except TypeError:
+                raise TypeError(
+                    f"model {self.name!r}: {what} {getattr(fn, '__name__', fn)}{inspect.signature(fn)} cannot be "
+                    f"called as {what}({args}); the trainer and every tool call it so"
+                ) from None
+            except ValueError:  # a builtin or C function without a signature: called as is
+                pass
 
     def config(self, flavor: str, **overrides: Any) -> Any:
         """The named flavor with field overrides (strings from the command line are converted by type).
