@@ -113,6 +113,10 @@ def value_and_grad(
     each floating-point tensor leaf (zeros where the loss does not depend on it), ``None`` for other leaves.
     With ``has_aux=True``, ``fn`` returns ``(loss, aux)`` and the result is ``((loss, aux), grads)``. At the
     outermost level the loss and aux are detached. DTensor leaves get gradients with their placements.
+
+    As ``jax.grad``, every floating-point leaf is differentiated, whatever its ``requires_grad``: freeze
+    params in the optimizer (``optim.multi_transform({..., "frozen": optim.set_to_zero()}, labels)``), or
+    pass them in another argument than ``argnums``.
     """
 
     @functools.wraps(fn)
