@@ -209,6 +209,9 @@ def test_grads_with_another_layout_than_params_raise_with_the_fix():
         opt.update({"w": torch.ones(4, 2)}, state, params)
     with pytest.raises(ValueError, match=r"optimizer state and grads differ at '<root>'.*only in the second: \['v'\]"):
         opt.update({"v": torch.ones(4, 2)}, state, params)
+    plain = {"w": torch.ones(4, 2)}  # plain tensors: the fix is the shape, not a redistribution
+    with pytest.raises(ValueError, match=r"shape \(3,\).*Fix: give grads the shapes of optimizer state"):
+        opt.update({"w": torch.ones(3)}, opt.init(plain), plain)
 
 
 def test_global_norm_refuses_partial_leaves():

@@ -102,10 +102,14 @@ def _raise_layout(ref: Flat, i: int, spec: DTensorSpec | None, local: Tensor, wh
             return f"a plain tensor of shape {tuple(t.shape)}"
         return f"a DTensor {tuple(s.shape)} with placements {tuple(s.placements)} on {s.mesh}"
 
+    fix = (
+        f"Fix: give {what[1]} the shapes of {what[0]} (a gradient mirrors its param)."
+        if spec is None and ref.specs[i] is None
+        else f"Fix: redistribute {what[1]} to the {what[0]} placements (x.redistribute(placements=p.placements))."
+    )
     raise ValueError(
         f"{what[1]} leaf {name!r} is {show(spec, local)}, but the {what[0]} leaf is "
-        f"{show(ref.specs[i], ref.locals[i])}; the optimizer works shard by shard, so both need the same layout. "
-        f"Fix: redistribute {what[1]} to the {what[0]} placements (x.redistribute(placements=p.placements))."
+        f"{show(ref.specs[i], ref.locals[i])}; the optimizer works shard by shard, so both need the same layout. " + fix
     )
 
 
