@@ -28,6 +28,31 @@ def test_adamw_given_another_optimizers_state_says_so():
         optim.adamw(0.1).update(p, sgd_state, p)
 
 
+def test_inject_hyperparams_schedules_a_learning_rate_that_defaults_to_none():
+    state = optim.inject_hyperparams(optim.adafactor)(learning_rate=lambda t: 0.1 / (1 + t)).init(
+        {"w": torch.ones(4, 4)}
+    )
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.1)
+
+
+def test_masked_and_multi_transform_take_the_none_gradients_of_integer_leaves():
+    from functitan.transforms import value_and_grad
+
+    params = {"a": torch.ones(4, 4), "n": torch.tensor(3), "z": torch.ones(4)}
+    _, grads = value_and_grad(lambda p: p["a"].sum() * p["n"] + p["z"].sum())(params)
+    assert grads["n"] is None
+    for opt, z_step in (
+        (optim.masked(optim.sgd(0.1), lambda name, p: p.ndim == 2), 1.0),  # z passes through unchanged
+        (
+            optim.multi_transform({"s": optim.sgd(0.1), "t": optim.sgd(0.2)}, lambda n, p: "s" if p.ndim == 2 else "t"),
+            0.2,
+        ),
+    ):
+        updates, _ = opt.update(grads, opt.init(params), params)
+        assert updates["n"] is None and float(updates["a"].abs().max()) == pytest.approx(0.3)
+        assert float(updates["z"].abs().max()) == pytest.approx(z_step)
+
+
 def test_inject_hyperparams_passes_a_mask_through_and_schedules_the_learning_rate():
     # a callable mask used to be taken for a schedule (called with the step count: "missing argument 'param'")
     params = {"w": torch.ones(2, 2), "b": torch.ones(2)}
@@ -43,9 +68,12 @@ def test_inject_hyperparams_passes_a_mask_through_and_schedules_the_learning_rat
 
 
 def test_a_declaration_holding_a_tensor_names_the_leaf_and_param():
-    for fn in (specs, count, lambda d: init(d, key(0))):
+    for fn in (specs, lambda d: init(d, key(0))):
         with pytest.raises(TypeError, match=r"declaration leaf 'w' is a Tensor, not a functitan.model.Param"):
             fn({"w": torch.zeros(3)})
+    assert count({"w": torch.zeros(3, 4), "b": torch.zeros(4)}) == 16  # counting a tree of tensors is fine
+    with pytest.raises(TypeError, match=r"declaration leaf 'w' is a int, not a functitan.model.Param"):
+        count({"w": 3})
 
 
 def test_keys_take_any_integer_and_refuse_the_rest():

@@ -127,6 +127,7 @@ def test_plan_help():
             ["--gpus-per-node", "7", "--global-batch-tokens", "2048", "--seq-len", "256"],
             "no layout uses all 7 devices (1 x 7)",
         ),
+        (["--top", "0"], "--top=0: show at least one candidate, e.g. --top 4"),
     ],
 )
 def test_plan_bad_input(argv, message, capsys):
@@ -213,3 +214,17 @@ def test_top_shows_fewer_rows_but_recommends_the_same_layout(monkeypatch):
     assert traced_one == traced_four and len(traced_one) == planner.MIN_TRACED
     assert one.rows[0].cand == four.rows[0].cand and one.rows[0].cand.label() == traced_one[-1]
     assert one.cfg == four.cfg
+
+
+def test_a_model_file_whose_loss_takes_positional_arguments_is_traced():
+    """The planner called ``loss(params, batch, cfg=..., layout=...)`` by keyword; the Model contract (and
+    tests/assets/tiny_gpt.py) name them otherwise: ``loss(params, batch, c, layout)``."""
+    from functitan.model import load_model
+    from functitan.plan import trace_rank
+
+    model = load_model(str(ROOT / "tests" / "assets" / "tiny_gpt.py"))
+    mcfg = model.config("debug")
+    base = JobConfig(model=ModelConfig(name=str(ROOT / "tests" / "assets" / "tiny_gpt.py"), flavor="debug"))
+    cfg = job_config(base, Candidate(dp_shard=2, param_dtype="float32"), batch_size=4, seq_len=16)
+    traced = trace_rank(cfg, model, mcfg, world=2, rank=0)
+    assert traced.ops > 0 and traced.peak > 0

@@ -136,10 +136,16 @@ def specs(decl: Any) -> Any:
 
 
 def shapes(decl: Any) -> Any:
-    return map_with_names(lambda name, p: _declared(name, p).shape, decl, is_leaf=is_param)
+    """The shape tree of a declaration tree (or of a tree of tensors)."""
+    return map_with_names(lambda name, p: _shape(name, p), decl, is_leaf=is_param)
 
 
 def count(decl: Any, *, exclude: Callable[[str, Param], bool] | None = None) -> int:
-    """Number of parameters, leaving out the leaves ``exclude(name, param)`` picks (e.g. embedding tables)."""
+    """Number of parameters of a declaration tree (or of a tree of tensors), leaving out the leaves
+    ``exclude(name, param)`` picks (e.g. embedding tables)."""
     named, _ = flatten_with_names(decl, is_leaf=is_param)
-    return sum(math.prod(_declared(name, p).shape) for name, p in named if exclude is None or not exclude(name, p))
+    return sum(math.prod(_shape(name, p)) for name, p in named if exclude is None or not exclude(name, p))
+
+
+def _shape(name: str, p: Any) -> tuple[int, ...]:
+    return tuple(p.shape) if isinstance(p, Tensor) else _declared(name, p).shape

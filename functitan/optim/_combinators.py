@@ -49,6 +49,16 @@ def _holed(leaves: list[Any], treedef: Any, idx: list[int]) -> Any:
     return optree.tree_unflatten(treedef, [x if i in keep else None for i, x in enumerate(leaves)])
 
 
+def _aligned(updates: Any, params: Any) -> tuple[list[Any], Any, list[Any] | None, list[int]]:
+    """``updates``' leaves with its Nones kept (``value_and_grad`` gives None for an integer leaf), their
+    treedef, ``params``' leaves at the same positions (None without params), and the positions of the leaves
+    a mask or label list speaks of: the params' (or, without params, the updates') non-None ones, in order."""
+    leaves, treedef = optree.tree_flatten(updates, none_is_leaf=True)
+    plist = treedef.flatten_up_to(params) if params is not None else None
+    ref = plist if plist is not None else leaves
+    return leaves, treedef, plist, [i for i, x in enumerate(ref) if x is not None]
+
+
 def _zero_count() -> Tensor:
     return torch.zeros((), dtype=torch.int64)
 
@@ -90,20 +100,18 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
     state holds only the selected leaves.
     """
 
-    def select(tree: Any, params_like: Any) -> tuple[list[int], list[Any], Any]:
-        leaves, treedef = _leaves(tree)
-        keep = _resolve_mask(mask, params_like)
-        return [i for i, m in enumerate(keep) if m], leaves, treedef
-
     def init(params: Any) -> MaskedState:
-        idx, leaves, treedef = select(params, params)
+        leaves, treedef, _, present = _aligned(params, None)
+        idx = [i for i, m in zip(present, _resolve_mask(mask, params)) if m]
         return MaskedState(inner.init(_holed(leaves, treedef, idx)))
 
     def update(updates: Any, state: MaskedState, params: Any = None) -> tuple[Any, MaskedState]:
-        idx, leaves, treedef = select(updates, params if params is not None else updates)
+        leaves, treedef, plist, present = _aligned(updates, params)
+        keep = _resolve_mask(mask, params if params is not None else updates)
+        idx = [i for i, m in zip(present, keep) if m and leaves[i] is not None]
         if not idx:
             return updates, state
-        sub_params = None if params is None else _holed(treedef.flatten_up_to(params), treedef, idx)
+        sub_params = None if plist is None else _holed(plist, treedef, idx)
         new, inner_state = inner.update(_holed(leaves, treedef, idx), state.inner_state, sub_params)
         out = list(leaves)
         for i, u in zip(idx, optree.tree_leaves(new)):
@@ -149,22 +157,22 @@ def multi_transform(
                 )
         return flat
 
-    def groups(params: Any) -> dict[str, list[int]]:
+    def groups(params: Any, present: list[int]) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {k: [] for k in transforms}
-        for i, lab in enumerate(labels(params)):
+        for i, lab in zip(present, labels(params)):
             out[lab].append(i)
         return out
 
     def init(params: Any) -> MultiTransformState:
-        leaves, treedef = _leaves(params)
-        by_label = groups(params)
+        leaves, treedef, _, present = _aligned(params, None)
+        by_label = groups(params, present)
         return MultiTransformState({k: t.init(_holed(leaves, treedef, by_label[k])) for k, t in transforms.items()})
 
     def update(updates: Any, state: MultiTransformState, params: Any = None) -> tuple[Any, MultiTransformState]:
-        leaves, treedef = _leaves(updates)
-        plist = treedef.flatten_up_to(params) if params is not None else None
+        leaves, treedef, plist, present = _aligned(updates, params)
         out, new_states = list(leaves), {}
-        for k, idx in groups(params if params is not None else updates).items():
+        for k, idx in groups(params if params is not None else updates, present).items():
+            idx = [i for i in idx if leaves[i] is not None]
             if not idx:  # e.g. a pipeline rank that holds none of this label's params
                 new_states[k] = state.inner_states[k]
                 continue
@@ -244,16 +252,22 @@ def inject_hyperparams(
 
 def _takes_a_number(factory: Callable[..., Any], name: str) -> bool:
     """Whether a callable passed as ``name`` is a schedule: the factory's parameter is required (a learning
-    rate) or defaults to a number. A callable for one that defaults to something else (``adamw``'s ``mask``,
-    None) is passed through as it is."""
+    rate), defaults to a number, or is annotated as a number or a ``Schedule`` (``adafactor``'s
+    ``learning_rate``, None by default). A callable for any other (``adamw``'s ``mask``) is passed through."""
     try:
         param = inspect.signature(factory).parameters.get(name)
     except (TypeError, ValueError):
         return True
     if param is None:
         return True
-    default = param.default
-    return default is inspect.Parameter.empty or isinstance(default, (int, float)) and not isinstance(default, bool)
+    default, annotation = param.default, str(param.annotation)
+    return (
+        default is inspect.Parameter.empty
+        or isinstance(default, (int, float))
+        and not isinstance(default, bool)
+        or "float" in annotation
+        or "Schedule" in annotation
+    )
 
 
 # ------------------------------------------------------------------------------------------ apply_every, MultiSteps

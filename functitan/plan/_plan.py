@@ -111,6 +111,8 @@ def plan(
     log=print,
 ) -> Plan:
     t0, c0 = time.perf_counter(), time.process_time()
+    if top < 1:
+        raise PlanError(f"--top={top}: show at least one candidate, e.g. --top {MIN_TRACED}")
     name, model, model_cfg = load(model_name, flavor, overrides)
     if global_batch_tokens % seq_len or global_batch_tokens < seq_len:
         raise PlanError(

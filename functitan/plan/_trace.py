@@ -266,7 +266,7 @@ def _after_forward(cfg, model, model_cfg, mesh, state, batch) -> int:
     mt = MemTracker()
     mt.track_external(*[x for x in optree.tree_leaves((state.params, state.opt_state)) if isinstance(x, torch.Tensor)])
     with _HostReads(), mt, torch.enable_grad():
-        loss = model.loss(state.params, mb, cfg=model_cfg, layout=layout)
+        loss = model.loss(state.params, mb, model_cfg, layout)  # positional, as Model's contract says
         live = max(v["Total"] for v in mt.get_tracker_snapshot("current").values())
         del loss
     return live
