@@ -96,11 +96,9 @@ def adamw(
         nu = _local.flatten_like(mu, adam.nu, ("state.mu", "state.nu"))
         g = _local.flatten_like(mu, grads, ("optimizer state", "grads"))
         p = _local.flatten_like(mu, params, ("optimizer state", "params"))
-        if not _fusable(p.locals, g.locals, mu.locals, nu.locals):
+        grads_like_p = _fusable_grads(p.locals, g.locals, mu.locals, nu.locals)
+        if grads_like_p is None:
             return None
-        grads_like_p = [
-            x if x.stride() == y.stride() else torch.empty_like(y).copy_(x) for x, y in zip(g.locals, p.locals)
-        ]
         t = step_number(adam.count, 1)
         lr = (
             learning_rate_at(learning_rate, step_number(sched.count))
@@ -151,20 +149,29 @@ def _check_state(state: Any) -> None:
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _fusable(ps: list[torch.Tensor], gs: list[torch.Tensor], *states: list[torch.Tensor]) -> bool:
-    """Whether torch's fused AdamW kernel takes these local tensors: one device (CPU or CUDA), p, g, mu and
-    nu of one float dtype per leaf (fp32 grads of bf16 params go the functional way), and p, mu and nu laid
-    out alike in memory, each element once. The kernel walks its operands as flat buffers, ignoring strides:
-    a gradient laid out otherwise (autograd gives an expanded one for a param used through ``.sum()``, a
-    permuted one for some views) is copied into the param's layout first (``update_in_place``)."""
+def _fusable_grads(
+    ps: list[torch.Tensor], gs: list[torch.Tensor], *states: list[torch.Tensor]
+) -> list[torch.Tensor] | None:
+    """The gradients as torch's fused AdamW kernel takes them, or None where it cannot: it needs one device
+    (CPU or CUDA), p, g, mu and nu of one float dtype per leaf (fp32 grads of bf16 params go the functional
+    way), and p, mu and nu laid out alike in memory, each element once. The kernel walks its operands as flat
+    buffers, ignoring strides: a gradient laid out otherwise (autograd gives an expanded one for a param used
+    through ``.sum()``, a permuted one for some views) is copied into its param's layout. On the step's hot
+    path: one pass of a few attribute reads per leaf (contiguous leaves skip the layout walk)."""
     if not ps or ps[0].device.type not in ("cpu", "cuda"):
-        return False
+        return None
     dev = ps[0].device
-    return all(
-        x.device == dev and x.dtype == leaf[0].dtype and x.dtype in _FUSED_DTYPES
-        for leaf in zip(ps, gs, *states)
-        for x in leaf
-    ) and all(_local.dense(p) and all(s.stride() == p.stride() for s in leaf) for p, *leaf in zip(ps, *states))
+    out = []
+    for p, g, *st in zip(ps, gs, *states):
+        dtype, stride = p.dtype, p.stride()
+        if dtype not in _FUSED_DTYPES or p.device != dev or g.dtype != dtype or g.device != dev:
+            return None
+        if any(s.dtype != dtype or s.device != dev or s.stride() != stride for s in st):
+            return None
+        if not p.is_contiguous() and not _local.dense(p):
+            return None
+        out.append(g if g.stride() == stride else torch.empty_like(p).copy_(g))
+    return out
 
 
 def sgd(learning_rate: float | Schedule, *, momentum: float = 0.0, nesterov: bool = False) -> GradientTransformation:

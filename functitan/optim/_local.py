@@ -59,7 +59,7 @@ def dense(t: Tensor) -> bool:
     """Whether ``t`` uses each element of its memory span exactly once, in any order of dims: what a kernel that
     walks its operands as flat buffers (torch's fused AdamW) or writes them in place may be given. False for
     an expanded tensor (a stride 0), which autograd gives for a param used through ``.sum()``."""
-    if t.numel() == 0:
+    if t.is_contiguous() or t.numel() == 0:
         return True
     expected = 1
     for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
