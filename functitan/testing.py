@@ -7,6 +7,8 @@ so each start costs a fork, not a fresh interpreter.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import faulthandler
 import os
 import pickle
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed", "free_port"]
+__all__ = ["run_distributed", "free_port", "WorkerPool"]
 
 
 # The smallest Llama (and corpus) a CLI test or benchmark trains: the bundled default at 2 layers x 64 wide, so a
@@ -203,3 +205,214 @@ def _death(rank: int, exitcode: int | None, crash_log: str) -> str:
     except OSError:
         text = ""
     return f"rank {rank}:\nthe process {how} before reporting a result" + (f"\n{text}" if text else "")
+
+
+class WorkerPool:
+    """``world_size`` gloo processes that stay up between calls: the harness for tests about numbers.
+
+    :func:`run_distributed` starts a process group per call (a fork per rank, a rendezvous, a teardown: about a
+    second on 2 cores, most of it waiting). A pool forms its group once, then each :meth:`run` sends the function
+    to every rank and waits for the results, so a call costs what the function costs. Between calls each rank puts
+    back what a function may have changed: the environment, the working directory, the thread count, the RNG seed,
+    the default dtype, grad mode, torch.compile's caches, and every process group but the default one. A call that
+    fails on any rank, hangs, or loses a rank closes the pool (its group may be mid-collective); the next call
+    starts a new one. Tests of process lifetime (signals, kills, launchers) keep using :func:`run_distributed`.
+
+    Example::
+
+        with WorkerPool(2) as pool:
+            assert pool.run(_allreduce_rank) == [(0, 3.0), (1, 3.0)]
+    """
+
+    def __init__(self, world_size: int, *, threads: int = 1) -> None:
+        self.world_size = world_size
+        self.threads = threads
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._queue: Any = None
+        self._logs: tempfile.TemporaryDirectory | None = None
+        self._calls = 0
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, threads: int | None = None, **kwargs: Any
+    ):
+        """``fn(*args, **kwargs)`` on every rank; the per-rank results in rank order (as :func:`run_distributed`)."""
+        if not self._procs:
+            self._start()
+        self._calls += 1
+        task = pickle.dumps((self._calls, fn, args, kwargs, self.threads if threads is None else threads))
+        try:
+            for conn in self._conns:
+                conn.send_bytes(task)
+            results, errors, retired = self._collect(fn.__name__, self._calls, timeout)
+        except BaseException:
+            self.close(kill=True)
+            raise
+        if errors:
+            self.close(kill=True)
+            raise RuntimeError(f"distributed run of {fn.__name__} failed on " + "\n".join(errors))
+        if retired:
+            self.close()
+        return [results[r] for r in range(self.world_size)]
+
+    def _collect(self, name: str, call: int, timeout: float) -> tuple[dict[int, Any], list[str], bool]:
+        """``(results by rank, errors, whether a rank retired)`` of one call."""
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        retired = False
+        reported: set[int] = set()
+        deadline = time.monotonic() + timeout
+        grace: float | None = None  # after one rank fails, how long the others get to report
+        while len(results) + len(errors) < self.world_size:
+            try:
+                rank, got, status, value, retire = self._queue.get(timeout=POLL_S)
+            except queue_mod.Empty:
+                died = [r for r, p in enumerate(self._procs) if p.exitcode is not None and r not in reported]
+                if died:
+                    errors[:0] = [_death(r, self._procs[r].exitcode, self._crash_log(r)) for r in died]
+                    break
+                now = time.monotonic()
+                if grace is not None and now > grace:
+                    break  # the others wait in a collective for the failed rank
+                if now > deadline:
+                    raise RuntimeError(f"distributed run of {name} timed out after {timeout}s") from None
+                continue
+            if got != call:
+                continue  # a late report of a call that already failed
+            retired = retired or retire
+            reported.add(rank)
+            if status == "ok":
+                results[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                grace = grace or time.monotonic() + 2.0
+        return results, errors, retired
+
+    def _crash_log(self, rank: int) -> str:
+        assert self._logs is not None
+        return os.path.join(self._logs.name, f"rank{rank}.crash")
+
+    def _start(self) -> None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        for attempt in range(INIT_ATTEMPTS):
+            self._logs = tempfile.TemporaryDirectory(prefix="functitan-pool-")
+            self._queue = ctx.Queue()
+            port = free_port()
+            pipes = [ctx.Pipe(duplex=False) for _ in range(self.world_size)]
+            self._conns = [send for _, send in pipes]
+            self._procs = [
+                ctx.Process(
+                    target=_pool_worker,
+                    args=(r, self.world_size, port, pipes[r][0], self._queue, self.threads, self._crash_log(r)),
+                    daemon=True,
+                )
+                for r in range(self.world_size)
+            ]
+            for p in self._procs:
+                p.start()
+            for recv, _ in pipes:
+                recv.close()  # the worker holds its own end: when this process dies, the worker reads EOF and exits
+            _, errors, _ = self._collect("the pool's start", 0, 120.0)
+            if not errors:
+                return
+            self.close(kill=True)
+            if attempt == INIT_ATTEMPTS - 1:
+                raise RuntimeError(f"a pool of {self.world_size} gloo processes did not start:\n" + "\n".join(errors))
+
+    def close(self, *, kill: bool = False) -> None:
+        """Stop every rank: they exit when their pipe closes; ``kill`` (after a failure, when a rank may be stuck in
+        a collective) or a rank still up after 2 s is killed."""
+        for conn in self._conns:
+            conn.close()
+        deadline = time.monotonic() + (0 if kill else 2)
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if self._queue is not None:
+            self._queue.close()
+        if self._logs is not None:
+            self._logs.cleanup()
+        self._procs, self._conns, self._queue, self._logs = [], [], None, None
+
+
+def _pool_worker(rank: int, world_size: int, port: int, tasks: Any, queue: Any, threads: int, crash_log: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    crash_file = open(crash_log, "w")  # noqa: SIM115 - open until the process ends, as faulthandler needs
+    faulthandler.enable(file=crash_file)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    except BaseException:  # noqa: BLE001 - a lost rendezvous (a port taken meanwhile): the parent retries
+        queue.put((rank, 0, "init", traceback.format_exc(), True))
+        return
+    queue.put((rank, 0, "ok", pickle.dumps(None), False))
+    seed, environ, cwd = torch.initial_seed(), dict(os.environ), os.getcwd()
+    while True:
+        try:
+            call, fn, args, kwargs, task_threads = pickle.loads(tasks.recv_bytes())
+        except EOFError:  # the pool closed, or the process that owns it died
+            break
+        torch.set_num_threads(task_threads)
+        torch.manual_seed(seed)
+        try:
+            report = (rank, call, "ok", pickle.dumps(fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - the parent re-raises with the worker's traceback
+            report = (rank, call, "error", traceback.format_exc())
+        # a function that destroyed the default group (a CLI's main does) leaves this rank nothing to run on: it
+        # says so with its report, and the pool starts anew for the next call
+        retire = not dist.is_initialized()
+        if not retire:
+            _reset(environ, cwd)
+        queue.put((*report, retire))
+        if retire:
+            return
+    dist.destroy_process_group()
+
+
+def _reset(environ: dict[str, str], cwd: str) -> None:
+    """Put back what one call may have changed in a pool rank, so the next call finds a fresh process."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+    _malloc_trim()
+    default = c10d._world.default_pg
+    for pg in list(c10d._world.pg_map):
+        if pg is not default:
+            dist.destroy_process_group(pg)
+
+
+def _malloc_trim() -> None:
+    """Hand the heap a call freed back to the system (glibc; the trainer asks malloc to keep freed memory)."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass

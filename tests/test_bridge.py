@@ -7,7 +7,6 @@ import torch.nn.functional as F
 
 from functitan import optim
 from functitan.bridge import TensorParallelBridgeError, from_module, specs_from_rules
-from functitan.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
@@ -104,9 +103,9 @@ def _bridge_worker():
     return losses, sharded, tp_error
 
 
-def test_transformers_llama_trained_through_the_bridge_under_fsdp_matches_torch_adamw():
+def test_transformers_llama_trained_through_the_bridge_under_fsdp_matches_torch_adamw(gloo):
     want = _torch_losses()
-    (losses, sharded, tp_error), _ = run_distributed(_bridge_worker, 2, timeout=240)
+    (losses, sharded, tp_error), _ = gloo.run(_bridge_worker, 2, timeout=240)
     assert sharded == "DTensor"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), atol=2e-5, rtol=1e-5)
     assert want[-1] < want[0] - 0.5  # it trained

@@ -21,7 +21,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from functitan.checkpoint import CheckpointError, CheckpointManager, restore, save, save_sync, verify
 from functitan.mesh import make_mesh
-from functitan.testing import run_distributed
 from functitan.train_state import TrainState
 
 
@@ -152,11 +151,11 @@ def _reshard_worker(root: str, single_written: str):
     return {"rank": rank, "tp": tp, "fsdp": fs, "data": got.data_state, "files": files}
 
 
-def test_reshard_matrix_2_to_1_1_to_2_fsdp_to_tp_uneven(tmp_path):
+def test_reshard_matrix_2_to_1_1_to_2_fsdp_to_tp_uneven(tmp_path, gloo):
     refs = _refs()
     save_sync(tmp_path / "single", refs)
     root = str(tmp_path / "run")
-    results = run_distributed(_reshard_worker, 2, root, str(tmp_path / "single"))
+    results = gloo.run(_reshard_worker, 2, root, str(tmp_path / "single"))
     for r, res in enumerate(results):
         assert res["data"] == {"i": 7}
         for k, ref in refs.items():

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -29,31 +28,13 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 pytest.importorskip("orbax.checkpoint")
 
 import optree  # noqa: E402
+from support import dump_arrays, orbax  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from functitan import optim  # noqa: E402
 from functitan.checkpoint import CheckpointManager, restore, save_sync  # noqa: E402
 from functitan.checkpoint._layout import as_numpy  # noqa: E402
 from functitan.mesh import make_mesh  # noqa: E402
-from functitan.testing import run_distributed  # noqa: E402
-
-JAX_SIDE = os.path.join(os.path.dirname(__file__), "_orbax_jax.py")
-
-
-def _orbax(*args: str) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run([sys.executable, JAX_SIDE, *args], capture_output=True, text=True, env=env, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _dump(named: dict[str, np.ndarray], d, scalars: tuple[str, ...] = ()) -> None:
-    os.makedirs(d)
-    index = {}
-    for k, a in named.items():
-        index[k] = {"dtype": str(a.dtype), "shape": list(a.shape), "scalar": k in scalars}
-        (d / k).write_bytes(np.ascontiguousarray(a).tobytes())
-    (d / "index.json").write_text(json.dumps(index))
 
 
 def _ref():
@@ -84,9 +65,9 @@ def _write_sharded(path: str) -> int:
     return 0
 
 
-def test_orbax_restores_a_sharded_functitan_checkpoint_bit_for_bit(tmp_path):
+def test_orbax_restores_a_sharded_functitan_checkpoint_bit_for_bit(tmp_path, gloo):
     ck = str(tmp_path / "ck")
-    run_distributed(_write_sharded, 2, ck)
+    gloo.run(_write_sharded, 2, ck)
     ref = _ref()
     want = {f"params.{k}": as_numpy(v) for k, v in ref.items()}
     want.update(
@@ -97,15 +78,15 @@ def test_orbax_restores_a_sharded_functitan_checkpoint_bit_for_bit(tmp_path):
             "flag": np.array(True),
         }
     )
-    _dump(want, tmp_path / "expected")
-    report = _orbax("read", ck, str(tmp_path / "expected"))
+    dump_arrays(want, tmp_path / "expected")
+    report = orbax("read", ck, str(tmp_path / "expected"))
     assert report["pytree"] == {k: True for k in want}
     assert report["standard"] == {k: True for k in want}
     assert report["pytree_types"]["step"] == "int" and report["pytree_types"]["params.emb"] == "ndarray"
 
 
 def test_functitan_restores_orbax_checkpoints_bit_for_bit(tmp_path):
-    versions = _orbax("write", str(tmp_path / "orbax"), str(tmp_path / "expected"))
+    versions = orbax("write", str(tmp_path / "orbax"), str(tmp_path / "expected"))
     assert versions["jax"]
     index = json.loads((tmp_path / "expected" / "index.json").read_text())
     exemplar = {
@@ -146,10 +127,9 @@ def _bf16(tree):
 def _train_fsdp2_and_dump(root: str) -> None:
     """``functitan train`` with FSDP on 2 processes and checkpoints; then the same TrainState cast to bf16, saved
     by a CheckpointManager on the same ranks. Rank 0 dumps both states (full values) as the expected values."""
-    import sys
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from test_train import SMALL
+    from support import SMALL
 
     from functitan.config import apply_overrides
     from functitan.job_config import JobConfig
@@ -178,13 +158,13 @@ def _train_fsdp2_and_dump(root: str) -> None:
             want = {
                 n: as_numpy(x.detach()) if isinstance(x, torch.Tensor) else np.asarray(x, np.int64) for n, x in named
             }
-            _dump(want, Path(root) / f"expected-{tag}", scalars=tuple(n for n, x in named if isinstance(x, int)))
+            dump_arrays(want, Path(root) / f"expected-{tag}", scalars=tuple(n for n, x in named if isinstance(x, int)))
 
 
 @pytest.fixture(scope="module")
-def trainer_run(tmp_path_factory):
+def trainer_run(tmp_path_factory, gloo):
     root = tmp_path_factory.mktemp("trainer")
-    run_distributed(_train_fsdp2_and_dump, 2, str(root))
+    gloo.run(_train_fsdp2_and_dump, 2, str(root))
     return root
 
 
@@ -200,7 +180,7 @@ def test_orbax_restores_the_trainers_fsdp_checkpoint_bit_for_bit(trainer_run, dt
         "value_type": "None",
         "skip_deserialize": True,
     }
-    report = _orbax("trainer", str(trainer_run / dtype / "checkpoints"), "2", str(trainer_run / f"expected-{dtype}"))
+    report = orbax("trainer", str(trainer_run / dtype / "checkpoints"), "2", str(trainer_run / f"expected-{dtype}"))
     methods = ["pytree", "standard", "standard_abstract", "pytree_numpy_target", "manager_abstract", "manager_pytree"]
     for method in methods:
         assert report[method] == {k: True for k in index}, method  # every leaf, and no other, bit for bit
@@ -238,7 +218,7 @@ def _optax_exemplar(dtype: torch.dtype):
 def test_functitan_restores_an_orbax_optax_state_with_empty_nodes(tmp_path, dtype):
     from functitan.tree import flatten_with_names
 
-    report = _orbax("optax", str(tmp_path / "orbax"), str(tmp_path / "expected"), dtype)
+    report = orbax("optax", str(tmp_path / "orbax"), str(tmp_path / "expected"), dtype)
     assert report["opt_state_types"] == ["ScaleByAdamState", "EmptyState", "ScaleByScheduleState"]
     index = json.loads((tmp_path / "expected" / "index.json").read_text())
     opt, exemplar = _optax_exemplar(getattr(torch, dtype))
@@ -280,7 +260,7 @@ def test_empty_nodes_metadata_is_what_orbax_writes(tmp_path):
         "n": None,
     }
     save_sync(tmp_path / "ours", tree)
-    report = _orbax("empties", str(tmp_path / "ours"), str(tmp_path / "theirs"))
+    report = orbax("empties", str(tmp_path / "ours"), str(tmp_path / "theirs"))
     ours = json.loads((tmp_path / "ours" / "_METADATA").read_text())["tree_metadata"]
     assert ours == report["metadata"]  # entry for entry: keys, key types, value types, skip_deserialize
     assert report["restored"] == {

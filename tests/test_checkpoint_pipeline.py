@@ -11,9 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_train import _train
-
-from functitan.testing import run_distributed
+from support import train_small
 
 ROOT = Path(__file__).resolve().parents[1]
 CKPT = {"checkpoint.enable": True, "checkpoint.interval": 3, "checkpoint.keep_last": 3, "training.steps": 6}
@@ -32,20 +30,20 @@ def _losses(run_dir) -> dict[int, float]:
 
 def _run(layout: dict, root: str, name: str):
     """One run; every rank returns (its params as full tensors, the data state)."""
-    _, params, data_state = _train({**layout, **CKPT, "metrics.run_dir": root, "metrics.run_name": name})
+    _, params, data_state = train_small({**layout, **CKPT, "metrics.run_dir": root, "metrics.run_name": name})
     return params, data_state
 
 
 def _crash_then_resume(layout: dict, root: str):
-    from test_resume import _Crash, _crash_at_step
+    from support import Crash, crash_at_step
 
     import functitan.train as train_module
 
     original = train_module.make_train_step
-    _crash_at_step(3)
+    crash_at_step(3)
     try:
         _run(layout, root, "resumed")
-    except _Crash:
+    except Crash:
         pass
     train_module.make_train_step = original
     return _run(layout, root, "resumed")
@@ -62,9 +60,9 @@ def _merged(per_rank) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("world,layout", [(2, PP2), (4, {**PP2, "parallelism.dp_shard": 2})], ids=["pp2", "pp2_fsdp2"])
-def test_pipeline_resume_is_bit_exact(world, layout, tmp_path):
-    straight = run_distributed(_run, world, layout, str(tmp_path), "straight", timeout=600)
-    resumed = run_distributed(_crash_then_resume, world, layout, str(tmp_path), timeout=600)
+def test_pipeline_resume_is_bit_exact(world, layout, tmp_path, gloo):
+    straight = gloo.run(_run, world, layout, str(tmp_path), "straight", timeout=600)
+    resumed = gloo.run(_crash_then_resume, world, layout, str(tmp_path), timeout=600)
     a, b = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
     assert [s for s in b if s > 3] == [4, 5, 6]
     for step in (4, 5, 6):
@@ -94,9 +92,9 @@ def _resume_from(layout: dict, root: str, src: str):
     [(2, PP2, 1, {}), (2, {"parallelism.dp_shard": 2}, 2, PP2)],
     ids=["pp2_to_pp1", "fsdp2_to_pp2"],
 )
-def test_pipeline_checkpoints_reshard_on_load(src_world, src, dst_world, dst, tmp_path):
-    straight = run_distributed(_run, src_world, src, str(tmp_path), "a", timeout=600)
-    resumed = run_distributed(_resume_from, dst_world, dst, str(tmp_path), "a", timeout=600)
+def test_pipeline_checkpoints_reshard_on_load(src_world, src, dst_world, dst, tmp_path, gloo):
+    straight = gloo.run(_run, src_world, src, str(tmp_path), "a", timeout=600)
+    resumed = gloo.run(_resume_from, dst_world, dst, str(tmp_path), "a", timeout=600)
     a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
     assert sorted(b) == [4, 5, 6]
     for step in (4, 5, 6):
@@ -107,9 +105,9 @@ def test_pipeline_checkpoints_reshard_on_load(src_world, src, dst_world, dst, tm
         torch.testing.assert_close(got[name], p, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_hf_export_of_a_pipeline_checkpoint_loads_in_transformers(tmp_path):
+def test_hf_export_of_a_pipeline_checkpoint_loads_in_transformers(tmp_path, gloo):
     transformers = pytest.importorskip("transformers")
-    params = _merged(run_distributed(_run, 2, PP2, str(tmp_path), "a", timeout=600))
+    params = _merged(gloo.run(_run, 2, PP2, str(tmp_path), "a", timeout=600))
     out = subprocess.run(
         [
             sys.executable,
@@ -134,14 +132,15 @@ def test_hf_export_of_a_pipeline_checkpoint_loads_in_transformers(tmp_path):
 
 
 # Orbax rebuilds the tree from _METADATA alone: `layers` comes back as a list, as from an unpipelined run
-def test_orbax_restores_a_pipeline_checkpoint(tmp_path):
+def test_orbax_restores_a_pipeline_checkpoint(tmp_path, gloo):
     pytest.importorskip("orbax.checkpoint")
-    from test_checkpoint_orbax import _dump, _orbax
+
+    from support import dump_arrays, orbax
 
     from functitan.checkpoint import _fastread
     from functitan.checkpoint._layout import names_in_metadata
 
-    params = _merged(run_distributed(_run, 2, PP2, str(tmp_path), "a", timeout=600))
+    params = _merged(gloo.run(_run, 2, PP2, str(tmp_path), "a", timeout=600))
     item = tmp_path / "a" / "checkpoints" / "6" / "default"
     names = names_in_metadata(json.loads((item / "_METADATA").read_text()))
     stored = {}
@@ -150,8 +149,8 @@ def test_orbax_restores_a_pipeline_checkpoint(tmp_path):
         stored[n] = _fastread.read_box(str(item / n), spec, (0,) * len(spec.shape), spec.shape)
     for k, v in params.items():
         assert np.array_equal(stored[f"params.{k}"], v.numpy()), k
-    _dump(stored, tmp_path / "expected", scalars=tuple(n for n, t in names.items() if t == "scalar"))
-    report = _orbax("read", str(item), str(tmp_path / "expected"))
+    dump_arrays(stored, tmp_path / "expected", scalars=tuple(n for n, t in names.items() if t == "scalar"))
+    report = orbax("read", str(item), str(tmp_path / "expected"))
     assert report["pytree"] and all(report["pytree"].values()), [k for k, ok in report["pytree"].items() if not ok]
     assert "params.layers.1.attn.wq" in report["pytree"]
 
@@ -165,7 +164,7 @@ def _chain_run(layout: dict, root: str, name: str, src: str | None, src_step: in
         )
     if src is not None:
         torch.distributed.barrier()
-    _, params, data_state = _train(
+    _, params, data_state = train_small(
         {**layout, **CHAIN, "training.steps": steps, "metrics.run_dir": root, "metrics.run_name": name}
     )
     return params, data_state
@@ -183,12 +182,12 @@ CHAIN = {
 }
 
 
-def test_pipeline_checkpoint_goes_pp4_pp2_pp1_and_back(tmp_path):
+def test_pipeline_checkpoint_goes_pp4_pp2_pp1_and_back(tmp_path, gloo):
     pp = lambda n: {"parallelism.pp": n, "parallelism.dp_shard": 1, "parallelism.pipeline_schedule": "1f1b"}  # noqa: E731
     root = str(tmp_path)
-    straight = _merged(run_distributed(_chain_run, 1, {}, root, "straight", None, 0, 8, timeout=900))
+    straight = _merged(gloo.run(_chain_run, 1, {}, root, "straight", None, 0, 8, timeout=900))
     for i, (world, layout, src) in enumerate([(4, pp(4), None), (2, pp(2), "r0"), (1, {}, "r1"), (4, pp(4), "r2")]):
-        got = _merged(run_distributed(_chain_run, world, layout, root, f"r{i}", src, 2 * i, 2 * (i + 1), timeout=900))
+        got = _merged(gloo.run(_chain_run, world, layout, root, f"r{i}", src, 2 * i, 2 * (i + 1), timeout=900))
     want = _losses(tmp_path / "straight")
     losses = {s: v for i in range(4) for s, v in _losses(tmp_path / f"r{i}").items()}
     assert sorted(losses) == list(range(1, 9))

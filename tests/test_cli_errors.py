@@ -10,9 +10,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from support import cli
 
 from functitan.errors import user_errors_exit
-from functitan.testing import TINY_RUN_ARGS, run_distributed
+from functitan.testing import TINY_RUN_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -35,29 +36,6 @@ def _cli(*args: str, env: dict | None = None, timeout: float = 300) -> subproces
         env=_env(env),
         timeout=timeout,
     )
-
-
-def _clis(commands: list[list[str]], timeout: float = 300) -> list[subprocess.CompletedProcess]:
-    """Run several CLI commands at once (each mostly waits for torch's import) and collect them in order."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "functitan.cli", *c],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env=_env(),
-        )
-        for c in commands
-    ]
-    out = []
-    for c, p in zip(commands, procs):
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        finally:
-            p.kill()
-        out.append(subprocess.CompletedProcess(c, p.returncode, stdout, stderr))
-    return out
 
 
 def _one_line_error(out: subprocess.CompletedProcess) -> str:
@@ -99,9 +77,8 @@ BAD_VALUES = {  # the command line as typed -> the one line it must print
 
 
 def test_each_bad_value_is_one_named_line_and_exit_code_2():
-    results = _clis([["train", *args] for args in BAD_VALUES])
-    for (args, message), out in zip(BAD_VALUES.items(), results):
-        assert _one_line_error(out) == message, args
+    for args, message in BAD_VALUES.items():
+        assert _one_line_error(cli("train", *args)) == message, args
 
 
 def test_a_pipeline_error_names_the_config_keys_and_values_to_type(tmp_path):
@@ -142,8 +119,10 @@ def test_a_diverging_run_names_the_non_finite_value(tmp_path):
     assert _one_line_error(out).startswith("functitan: error: non-finite loss nan and grad norm nan at step 2; ")
 
 
-def test_the_error_line_is_left_for_the_launcher(tmp_path):
-    out = _cli("train", "--training.steps=0", env={"FUNCTITAN_ERROR_DIR": str(tmp_path), "RANK": "3"})
+def test_the_error_line_is_left_for_the_launcher(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUNCTITAN_ERROR_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "3")
+    out = cli("train", "--training.steps=0")
     line = _one_line_error(out)
     assert (tmp_path / "rank3.txt").read_text() == line.removeprefix("functitan: error: ") + "\n"
 
@@ -155,7 +134,7 @@ def _train_main(argv: list[str], error_dir: str) -> int:
     return main(argv)
 
 
-def test_each_failing_rank_reports_its_line(tmp_path):
+def test_each_failing_rank_reports_its_line(tmp_path, gloo):
     # an error found by the ranks once running (a checkpoint that is not there), on 2 processes as torchrun runs them
     argv = [
         *SMALL,
@@ -164,7 +143,7 @@ def test_each_failing_rank_reports_its_line(tmp_path):
         f"--metrics.run_dir={tmp_path}",
         f"--checkpoint.load_path={tmp_path}/missing",
     ]
-    codes = run_distributed(_train_main, 2, argv, str(tmp_path))
+    codes = gloo.run(_train_main, 2, argv, str(tmp_path))
     assert codes == [2, 2]
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.txt").read_text() == (
@@ -207,8 +186,8 @@ def test_export_hf_names_a_missing_checkpoint_and_a_bad_output(tmp_path):
             str(tmp_path / "a_file" / "hf"),
         ): f"functitan: error: output {tmp_path}/a_file/hf: {tmp_path}/a_file is not a directory",
     }
-    for ((_ckpt, _out), message), result in zip(cases.items(), _clis([["export", "hf", c, o] for c, o in cases])):
-        assert _one_line_error(result).startswith(message), message
+    for (ckpt, out), message in cases.items():
+        assert _one_line_error(cli("export", "hf", ckpt, out)).startswith(message), message
 
 
 def test_a_load_path_that_is_a_run_directory_names_its_steps(tmp_path):
@@ -226,9 +205,9 @@ def test_a_load_path_that_is_a_run_directory_names_its_steps(tmp_path):
         ): f"functitan: error: checkpoint {ckpts}/9 does not exist (steps in {ckpts}: 2, 4); pass a step "
         "directory such as runs/<run>/checkpoints/<step>, or import hf's output",
     }
-    commands = [["train", *SMALL, f"--checkpoint.load_path={path}", f"--metrics.run_dir={tmp_path}"] for path in cases]
-    for message, result in zip(cases.values(), _clis(commands)):
-        assert _one_line_error(result) == message
+    for path, message in cases.items():
+        out = cli("train", *SMALL, f"--checkpoint.load_path={path}", f"--metrics.run_dir={tmp_path}")
+        assert _one_line_error(out) == message
 
 
 def _sys_is_writable() -> bool:
@@ -243,7 +222,7 @@ def _sys_is_writable() -> bool:
 def test_export_and_import_hf_name_an_unwritable_output(tmp_path):
     (tmp_path / "ck" / "default").mkdir(parents=True)
     (tmp_path / "ck" / "default" / "_METADATA").write_text("{}")
-    line = _one_line_error(_cli("export", "hf", str(tmp_path / "ck"), "/sys/functitan-test/hf"))
+    line = _one_line_error(cli("export", "hf", str(tmp_path / "ck"), "/sys/functitan-test/hf"))
     assert line.startswith("functitan: error: output /sys/functitan-test/hf: cannot write in /sys (")
-    missing = _one_line_error(_cli("import", "hf", str(tmp_path / "nope"), str(tmp_path / "out")))
+    missing = _one_line_error(cli("import", "hf", str(tmp_path / "nope"), str(tmp_path / "out")))
     assert missing.startswith(f"functitan: error: Hugging Face directory {tmp_path}/nope does not exist")

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from functitan.mesh import make_mesh
 from functitan.random import fold_in, generator, key
 from functitan.sharding import Layout, default_rules, place
-from functitan.testing import run_distributed
 from functitan.transforms import value_and_grad
 from functitan.tree import flatten_with_names, map_with_names
 
@@ -69,10 +68,10 @@ def _grads(degrees, sp):
 @pytest.mark.parametrize(
     "degrees,sp", [(dict(dp_shard=2), False), (dict(dp_shard=1, tp=2), True), (dict(dp_shard=2, tp=2), False)]
 )
-def test_custom_model_gets_every_layout(degrees, sp):
+def test_custom_model_gets_every_layout(degrees, sp, gloo):
     ref_loss, ref_grads = value_and_grad(loss)(init(key(0)), _batch())
     world = degrees.get("dp_shard", 1) * degrees.get("tp", 1)
-    value, grads = run_distributed(_grads, world, degrees, sp)[0]
+    value, grads = gloo.run(_grads, world, degrees, sp)[0]
     assert value == pytest.approx(ref_loss.item(), abs=1e-6)
     for name, g in flatten_with_names(ref_grads)[0]:
         torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
@@ -126,13 +125,13 @@ def _train_in_process(overrides: dict) -> list[float]:
         return [json.loads(line)["loss"] for line in f]
 
 
-def test_model_file_outside_the_package_trains_under_fsdp2_through_the_cli(tmp_path):
+def test_model_file_outside_the_package_trains_under_fsdp2_through_the_cli(tmp_path, gloo):
     model = str(ASSETS / "tiny_gpt.py")
     out = _cli(tmp_path / "fsdp", model, "--parallelism.dp_shard=2")
     assert out.returncode == 0, out.stderr[-3000:]
     with open(tmp_path / "fsdp" / "cli" / "metrics.jsonl") as f:
         losses = [json.loads(line)["loss"] for line in f]
-    ref = run_distributed(
+    ref = gloo.run(
         _train_in_process, 1, {"model.name": model, "metrics.run_dir": str(tmp_path / "ref"), "metrics.run_name": "ref"}
     )[0]
     assert len(losses) == 3 and losses[-1] < losses[0]

@@ -280,20 +280,15 @@ def test_resident_memory_stays_bounded_on_a_multi_gb_corpus(tmp_path: Path):
 
 
 def _train_losses(overrides: dict) -> list[float]:
-    from test_train import _train
+    from support import train_small
 
-    return _train(overrides)[0]
+    return train_small(overrides)[0]
 
 
-def test_training_on_prepared_shards_equals_training_on_the_files(corpus: list[Path], tmp_path: Path):
-    from functitan.testing import run_distributed
+def test_training_on_prepared_shards_equals_training_on_the_files(corpus: list[Path], tmp_path: Path, gloo):
 
     prepare(corpus, tmp_path / "prep", workers=1, progress=False)  # one shard per file: the same stream
     common = {"training.steps": 2, "metrics.run_dir": str(tmp_path)}
-    raw = run_distributed(
-        _train_losses, 1, {**common, "data.paths": ",".join(map(str, corpus)), "metrics.run_name": "raw"}
-    )[0]
-    shards = run_distributed(
-        _train_losses, 1, {**common, "data.path": str(tmp_path / "prep"), "metrics.run_name": "sh"}
-    )[0]
+    raw = gloo.run(_train_losses, 1, {**common, "data.paths": ",".join(map(str, corpus)), "metrics.run_name": "raw"})[0]
+    shards = gloo.run(_train_losses, 1, {**common, "data.path": str(tmp_path / "prep"), "metrics.run_name": "sh"})[0]
     assert len(shards) == 2 and shards == raw

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from functitan.testing import run_distributed
 from functitan.train_state import TrainState
 from functitan.tree import flatten_with_names
 
@@ -107,10 +106,10 @@ def _run_pipeline_block(code: str) -> float:
     return metrics["loss"]
 
 
-def test_the_pipeline_block_trains_a_step():
+def test_the_pipeline_block_trains_a_step(gloo):
     code = block("pipeline.md", 0)
     assert code.count("dp_shard=2") == 1
-    losses = run_distributed(_run_pipeline_block, 2, code.replace("dp_shard=2", "dp_shard=1"), timeout=300)
+    losses = gloo.run(_run_pipeline_block, 2, code.replace("dp_shard=2", "dp_shard=1"), timeout=300)
     assert losses[0] == losses[1] and 5.0 < losses[0] < 6.0  # about log(258): a fresh model on byte tokens
 
 

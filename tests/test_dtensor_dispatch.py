@@ -8,11 +8,9 @@ mesh (gradient accumulation ran foreach ops on DTensor gradients). The count is 
 import time
 
 import torch
-from test_parallel import LAYOUTS
-from test_train import _train
+from support import LAYOUTS, train_small
 
 from functitan import _dtensor as _dt
-from functitan.testing import run_distributed
 
 PIPELINE = {
     "parallelism.pp": 2,
@@ -53,7 +51,7 @@ def _counted_run(layouts: dict, run_dir: str) -> dict:
         for name, layout in layouts.items():
             record.clear()
             ckpt = {} if "parallelism.pp" in layout else {"checkpoint.enable": True, "checkpoint.interval": 1}
-            _train(
+            train_small(
                 {
                     "training.microbatches": 2,
                     "optimizer.max_norm": 1.0,
@@ -70,8 +68,8 @@ def _counted_run(layouts: dict, run_dir: str) -> dict:
     return out
 
 
-def test_no_dtensor_dispatch_after_the_first_step(tmp_path):
-    results = run_distributed(_counted_run, 4, {**LAYOUTS, "pp2_fsdp2_zb": PIPELINE}, str(tmp_path), timeout=600)
+def test_no_dtensor_dispatch_after_the_first_step(tmp_path, gloo):
+    results = gloo.run(_counted_run, 4, {**LAYOUTS, "pp2_fsdp2_zb": PIPELINE}, str(tmp_path), timeout=600)
     for rank, per_layout in enumerate(results):
         assert per_layout.keys() == {*LAYOUTS, "pp2_fsdp2_zb"}
         for name, steps in per_layout.items():
@@ -81,8 +79,8 @@ def test_no_dtensor_dispatch_after_the_first_step(tmp_path):
                 assert count == 0, f"rank {rank} {name}: {count} DTensor ops dispatched: {ops}"
 
 
-def test_counter_sees_dtensor_ops_and_the_shim_round_trips():
-    results = run_distributed(_shim_round_trip, 1)
+def test_counter_sees_dtensor_ops_and_the_shim_round_trips(gloo):
+    results = gloo.run(_shim_round_trip, 1)
     assert results[0] == (1, {"aten.add.Tensor": 1}, 0, True)
 
 

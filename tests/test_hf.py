@@ -14,7 +14,6 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from functitan import checkpoint as ckpt  # noqa: E402
 from functitan.checkpoint import export_hf  # noqa: E402
-from functitan.testing import run_distributed  # noqa: E402
 from models import llama  # noqa: E402
 from models.llama import config_from_hf  # noqa: E402
 
@@ -311,9 +310,9 @@ def _save_sharded_params(out_dir, cfg):
     return dist.get_rank(), sorted(os.listdir(out_dir))
 
 
-def test_save_hf_gathers_dtensors_and_only_rank0_writes(tmp_path):
+def test_save_hf_gathers_dtensors_and_only_rank0_writes(tmp_path, gloo):
     cfg = llama.LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=64)
-    results = run_distributed(_save_sharded_params, 2, str(tmp_path / "dist"), cfg)
+    results = gloo.run(_save_sharded_params, 2, str(tmp_path / "dist"), cfg)
     files = results[0][1]
     assert results == [(0, files), (1, files)]  # rank 1 returns after the files are complete
     assert "model.safetensors.index.json" in files and "config.json" in files

@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import _train
-
-from functitan.testing import run_distributed
+from support import train_small
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +29,7 @@ def _hf_dir(path):
     return model
 
 
-def test_train_from_hf_then_export_and_load_in_transformers(tmp_path):
+def test_train_from_hf_then_export_and_load_in_transformers(tmp_path, gloo):
     os.environ["HF_HUB_OFFLINE"] = "1"
     _hf_dir(tmp_path / "hf")
     common = {
@@ -40,8 +38,8 @@ def test_train_from_hf_then_export_and_load_in_transformers(tmp_path):
         "checkpoint.enable": True,
         "checkpoint.interval": 2,
     }
-    from_hf = run_distributed(
-        _train, 1, {**common, "checkpoint.load_path": str(tmp_path / "hf"), "metrics.run_name": "a"}
+    from_hf = gloo.run(
+        train_small, 1, {**common, "checkpoint.load_path": str(tmp_path / "hf"), "metrics.run_name": "a"}
     )[0]
     # import the same directory as a functitan checkpoint and start from that: the same run
     subprocess.run(
@@ -49,8 +47,8 @@ def test_train_from_hf_then_export_and_load_in_transformers(tmp_path):
         check=True,
         cwd=ROOT,
     )
-    from_ckpt = run_distributed(
-        _train,
+    from_ckpt = gloo.run(
+        train_small,
         1,
         {
             **common,
@@ -63,8 +61,8 @@ def test_train_from_hf_then_export_and_load_in_transformers(tmp_path):
             "model.ffn_dim": 128,
         },
     )[0]
-    scratch = run_distributed(
-        _train,
+    scratch = gloo.run(
+        train_small,
         1,
         {
             **common,

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from functitan.mesh import make_mesh
 from functitan.random import key
 from functitan.sharding import default_rules, place
-from functitan.testing import run_distributed
 from functitan.tree import flatten_with_names, tree_leaves
 from models import llama
 
@@ -59,9 +58,9 @@ def _gathered_init(degrees):
 
 
 @pytest.mark.parametrize("degrees", [dict(dp_shard=4), dict(dp_replicate=2, dp_shard=2), dict(dp_shard=2, tp=2)])
-def test_init_is_identical_across_meshes(degrees):
+def test_init_is_identical_across_meshes(degrees, gloo):
     ref = dict(flatten_with_names(llama.init(TINY, key(7)))[0])
-    for rank_params in run_distributed(_gathered_init, 4, degrees):
+    for rank_params in gloo.run(_gathered_init, 4, degrees):
         assert rank_params.keys() == ref.keys()
         for n, full in rank_params.items():
             assert torch.equal(full, ref[n]), n

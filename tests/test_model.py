@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,20 +10,28 @@ import pytest
 import torch
 
 from functitan.model import Param, check_names, count, gradcheck, init, load_model, normal, ones, specs
-from functitan.testing import run_distributed
+from functitan.tree import flatten_with_names
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = f"{ROOT / 'tests' / 'assets' / 'tiny_gpt.py'}"
 
 
+_IMPORT_ALL = """
+import importlib, pkgutil, sys
+import functitan
+names = [m.name for m in pkgutil.walk_packages(functitan.__path__, "functitan.")]
+for name in names:
+    importlib.import_module(name)
+print(len(names), " ".join(sorted(m for m in sys.modules if m == "models" or m.startswith("models."))))
+"""
+
+
 def test_functitan_imports_no_model():
-    offenders = [
-        f"{p.relative_to(ROOT)}:{i}"
-        for p in (ROOT / "functitan").rglob("*.py")
-        for i, line in enumerate(p.read_text().splitlines(), 1)
-        if re.match(r"\s*(from|import)\s+models\b", line)
-    ]
-    assert offenders == []
+    # every module of the library, imported in a fresh interpreter: none of them may bring in models/
+    out = subprocess.run([sys.executable, "-c", _IMPORT_ALL], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    count, *models = out.stdout.split()
+    assert int(count) > 50 and models == []
 
 
 def test_one_declaration_gives_init_specs_and_counts():
@@ -39,15 +46,72 @@ def test_one_declaration_gives_init_specs_and_counts():
         Param((3, 4), ("mlp",))
 
 
+# the published sizes (Llama 3 paper / HF configs): all params, and without the embedding and output tables
+LLAMA_COUNTS = {
+    "debug": (3_280_128, 3_148_032),
+    "llama3_1b": (1_235_814_400, 973_146_112),
+    "llama3_8b": (8_030_261_248, 6_979_588_096),
+    "llama3_70b": (70_553_706_496, 68_452_360_192),
+    "llama3_405b": (405_853_388_800, 401_650_696_192),
+}
+# name: (shape, sum, sum of squares) of every leaf of init(llama debug, key 0), fp32 drawn, summed in fp64
+LLAMA_DEBUG_INIT = {
+    "embed.weight": ((258, 256), 5.2852553e00, 2.6438156e01),
+    "layers.0.attn.wk": ((128, 256), 2.1721228e00, 1.3072712e01),
+    "layers.0.attn.wo": ((256, 256), 7.7153862e00, 2.6413232e01),
+    "layers.0.attn.wq": ((256, 256), 9.6690011e-01, 2.6225630e01),
+    "layers.0.attn.wv": ((128, 256), -1.2378495e00, 1.2964092e01),
+    "layers.0.attn_norm.weight": ((256,), 2.5600000e02, 2.5600000e02),
+    "layers.0.mlp.w_down": ((256, 768), 8.6000286e00, 7.8575201e01),
+    "layers.0.mlp.w_gate": ((768, 256), 5.4715812e00, 7.8734421e01),
+    "layers.0.mlp.w_up": ((768, 256), -3.5937174e00, 7.8661065e01),
+    "layers.0.mlp_norm.weight": ((256,), 2.5600000e02, 2.5600000e02),
+    "layers.1.attn.wk": ((128, 256), 4.5686791e-01, 1.3070800e01),
+    "layers.1.attn.wo": ((256, 256), 9.9778421e00, 2.6145579e01),
+    "layers.1.attn.wq": ((256, 256), -7.7505359e-01, 2.6161338e01),
+    "layers.1.attn.wv": ((128, 256), 1.7204595e00, 1.3061497e01),
+    "layers.1.attn_norm.weight": ((256,), 2.5600000e02, 2.5600000e02),
+    "layers.1.mlp.w_down": ((256, 768), -1.6441008e00, 7.8671744e01),
+    "layers.1.mlp.w_gate": ((768, 256), -6.6925642e00, 7.8435325e01),
+    "layers.1.mlp.w_up": ((768, 256), -1.0700055e00, 7.8466048e01),
+    "layers.1.mlp_norm.weight": ((256,), 2.5600000e02, 2.5600000e02),
+    "layers.2.attn.wk": ((128, 256), 2.9422432e00, 1.3183681e01),
+    "layers.2.attn.wo": ((256, 256), 3.1767069e00, 2.6161543e01),
+    "layers.2.attn.wq": ((256, 256), 2.3517790e00, 2.6232789e01),
+    "layers.2.attn.wv": ((128, 256), 2.5427628e00, 1.3082221e01),
+    "layers.2.attn_norm.weight": ((256,), 2.5600000e02, 2.5600000e02),
+    "layers.2.mlp.w_down": ((256, 768), -1.0343213e01, 7.8791488e01),
+    "layers.2.mlp.w_gate": ((768, 256), -9.8840106e00, 7.8586991e01),
+    "layers.2.mlp.w_up": ((768, 256), 1.3746284e01, 7.8479012e01),
+    "layers.2.mlp_norm.weight": ((256,), 2.5600000e02, 2.5600000e02),
+    "layers.3.attn.wk": ((128, 256), -4.0186917e-01, 1.3081397e01),
+    "layers.3.attn.wo": ((256, 256), -5.3697042e00, 2.6162844e01),
+    "layers.3.attn.wq": ((256, 256), 4.0683641e00, 2.6191574e01),
+    "layers.3.attn.wv": ((128, 256), 4.4274900e00, 1.3110118e01),
+    "layers.3.attn_norm.weight": ((256,), 2.5600000e02, 2.5600000e02),
+    "layers.3.mlp.w_down": ((256, 768), -1.2828579e01, 7.8273280e01),
+    "layers.3.mlp.w_gate": ((768, 256), 1.0044909e01, 7.8363548e01),
+    "layers.3.mlp.w_up": ((768, 256), -1.4198293e01, 7.8818449e01),
+    "layers.3.mlp_norm.weight": ((256,), 2.5600000e02, 2.5600000e02),
+    "norm.weight": ((256,), 2.5600000e02, 2.5600000e02),
+    "output.weight": ((258, 256), 5.7662689e00, 2.6516935e01),
+}
+
+
 def test_llama_declaration_keeps_its_values_and_counts():
     llama = load_model("llama")
-    cfg = llama.config("llama3_8b")
-    assert count(llama.params(cfg)) == 8_030_261_248
-    debug = llama.config("debug")
-    params = init(llama.params(debug), 0)
-    # drawn from fold_in(key, dotted name) in fp32: the same values as before the declaration existed
-    assert params["layers"][0]["attn"]["wq"].shape == (256, 256)
-    assert torch.equal(params["norm"]["weight"], torch.ones(256))
+    for flavor, (total, body) in LLAMA_COUNTS.items():
+        decl = llama.params(llama.config(flavor))
+        assert count(decl) == total, flavor
+        assert count(decl, exclude=lambda name, p: name.startswith(("embed", "output"))) == body, flavor
+    # drawn from fold_in(key, dotted name) in fp32: every leaf's values as before the declaration existed
+    params = dict(flatten_with_names(init(llama.params(llama.config("debug")), 0))[0])
+    assert params.keys() == LLAMA_DEBUG_INIT.keys()
+    for name, (shape, total, squares) in LLAMA_DEBUG_INIT.items():
+        p = params[name].double()
+        assert tuple(p.shape) == shape and p.dtype == torch.float64, name
+        assert p.sum().item() == pytest.approx(total, rel=1e-5, abs=1e-5), name
+        assert p.pow(2).sum().item() == pytest.approx(squares, rel=1e-5), name
 
 
 def test_load_model_by_plugin_module_and_file():
@@ -99,7 +163,7 @@ def _train_bad(argv):
 @pytest.mark.parametrize(
     "layout", [["--parallelism.tp=2", "--parallelism.dp_shard=1"], ["--parallelism.dp_shard=2"]], ids=["tp2", "fsdp2"]
 )
-def test_trainer_refuses_a_misnamed_contraction_before_any_collective(tmp_path, layout):
+def test_trainer_refuses_a_misnamed_contraction_before_any_collective(tmp_path, layout, gloo):
     argv = [
         f"--model.name={TINY}:BAD",
         "--training.steps=1",
@@ -109,7 +173,7 @@ def test_trainer_refuses_a_misnamed_contraction_before_any_collective(tmp_path, 
         f"--metrics.run_dir={tmp_path}",
         *layout,
     ]
-    errors = run_distributed(_train_bad, 2, argv)
+    errors = gloo.run(_train_bad, 2, argv)
     assert all(e is not None and "param 'layers.0.fc' is declared with names ['mlp', 'embed']" in e for e in errors)
 
 
@@ -186,7 +250,7 @@ def _run(overrides):
     return out["run_dir"]
 
 
-def test_load_path_model_and_flags_never_disagree_silently(tmp_path):
+def test_load_path_model_and_flags_never_disagree_silently(tmp_path, gloo):
     import json
 
     small = {
@@ -197,7 +261,7 @@ def test_load_path_model_and_flags_never_disagree_silently(tmp_path):
         "metrics.run_dir": str(tmp_path),
         "checkpoint.interval": 2,
     }
-    first = run_distributed(
+    first = gloo.run(
         _run,
         1,
         {
@@ -212,17 +276,13 @@ def test_load_path_model_and_flags_never_disagree_silently(tmp_path):
         },
     )[0]
     ckpt = f"{first}/checkpoints/2"
-    clash = run_distributed(
-        _run, 1, {**small, "metrics.run_name": "b", "checkpoint.load_path": ckpt, "model.n_layers": 3}
-    )[0]
+    clash = gloo.run(_run, 1, {**small, "metrics.run_name": "b", "checkpoint.load_path": ckpt, "model.n_layers": 3})[0]
     assert "[model] flags conflict with the checkpoint's model" in clash and "n_layers=3 vs 2" in clash
-    flavor = run_distributed(
+    flavor = gloo.run(
         _run, 1, {**small, "metrics.run_name": "c", "checkpoint.load_path": ckpt, "model.flavor": "debug"}
     )[0]
     assert "dim=256 vs 32" in flavor
-    same = run_distributed(
-        _run, 1, {**small, "metrics.run_name": "d", "checkpoint.load_path": ckpt, "model.n_layers": 2}
-    )[0]
+    same = gloo.run(_run, 1, {**small, "metrics.run_name": "d", "checkpoint.load_path": ckpt, "model.n_layers": 2})[0]
     ran = json.loads((tmp_path / "d" / "config.json").read_text())["model"]
     assert (
         same.endswith("/d")

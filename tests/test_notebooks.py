@@ -2,12 +2,15 @@
 
 Outputs are compared loosely: numbers (timings, losses on a noisy machine) may differ, but each code cell must
 produce the same kinds of output as the committed notebook (a picture where it had a picture, text where it
-had text), so a plot that silently disappears or a cell that stops printing fails. The notebooks assert
-their own claims (equal losses, a falling loss) in their cells, and an error in any cell fails here.
+had text), so a plot that silently disappears or a cell that stops printing fails. Each notebook's claims (finite
+losses that fall, layouts equal to one process, a resumed run equal to the first) are checked here on the values
+it computed (CLAIMS), besides the asserts in its own cells; an error in any cell fails here.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
 import time
@@ -40,6 +43,56 @@ def _kinds(cell) -> list[str]:
     return [k for k in kinds if k != "stderr"]  # warnings on stderr vary with the environment
 
 
+# What each notebook claims, checked on its values after the last cell (not only on the kinds of its outputs):
+# python expressions evaluated in the notebook's kernel, then the checks below. A notebook that prints NaN losses,
+# stops learning, or whose layouts drift from one process fails here even if its own asserts were removed.
+CLAIMS: dict[str, dict[str, str]] = {
+    "01_quickstart": {"losses": "history"},
+    "02_shard_your_model": {
+        "losses": "reference",
+        "equal": "{label: r[0] for label, r in results.items()}",
+    },
+    "03_pipeline_schedules": {
+        "reference": "ref",
+        "equal": "{name: [r['loss']] for name, r in results.items()}",
+    },
+    "04_checkpoints": {
+        "losses": "[first[s] for s in sorted(first)]",
+        "equal": "{'resumed at step 10': [resumed[s] for s in range(11, 21)]}",
+        "reference": "[first[s] for s in range(11, 21)]",
+        "identical": "[len(same), len(single)]",
+    },
+}
+_MARK = "FUNCTITAN-CLAIMS "
+
+
+def _claims_cell(path: Path):
+    exprs = CLAIMS[path.stem]
+    body = ", ".join(f"{k!r}: {v}" for k, v in exprs.items())
+    return nbformat.v4.new_code_cell(f"import json as _j\nprint({_MARK!r} + _j.dumps({{{body}}}, default=float))")
+
+
+def _check_claims(name: str, cell) -> None:
+    text = "".join(o.get("text", "") for o in cell.get("outputs", []) if o["output_type"] == "stream")
+    line = next((ln for ln in text.splitlines() if ln.startswith(_MARK)), None)
+    assert line is not None, f"{name}: the claims cell printed nothing: {cell.get('outputs')}"
+    got = json.loads(line[len(_MARK) :])
+    if "losses" in got:
+        losses = got["losses"]
+        assert len(losses) >= 5 and all(math.isfinite(v) for v in losses), f"{name}: losses {losses}"
+        assert losses[-1] < losses[0] - 0.5, f"{name}: the loss does not fall: {losses[0]} -> {losses[-1]}"
+    if "equal" in got:
+        ref = got.get("reference", got.get("losses"))
+        ref = ref if isinstance(ref, list) else [ref]
+        for label, losses in got["equal"].items():
+            assert len(losses) == len(ref) and all(math.isfinite(v) for v in losses), f"{name}, {label}: {losses}"
+            worst = max(abs(a - b) for a, b in zip(losses, ref))
+            assert worst < 1e-4, f"{name}: {label} differs from one process by {worst:.1e}"
+    if "identical" in got:
+        same, total = got["identical"]
+        assert same == total > 0, f"{name}: {same} of {total} parameters identical"
+
+
 def test_there_are_notebooks():
     assert {p.stem for p in NOTEBOOKS} >= {
         "01_quickstart",
@@ -47,6 +100,7 @@ def test_there_are_notebooks():
         "03_pipeline_schedules",
         "04_checkpoints",
     }
+    assert set(CLAIMS) == {p.stem for p in NOTEBOOKS}, "every notebook states its claims in CLAIMS"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -63,6 +117,7 @@ def test_notebook_runs_from_a_fresh_kernel(path, monkeypatch, tmp_path):
     scratch.mkdir()
     monkeypatch.setenv("TMPDIR", str(scratch))
     fresh = nbformat.read(path, as_version=4)
+    fresh.cells.append(_claims_cell(path))
     client = nbclient.NotebookClient(
         fresh, timeout=3 * TIME_LIMIT_S, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
     )
@@ -70,6 +125,7 @@ def test_notebook_runs_from_a_fresh_kernel(path, monkeypatch, tmp_path):
     client.execute()  # raises CellExecutionError on the first failing cell
     elapsed = time.perf_counter() - t0
     sys.stdout.write(f"\n{path.name}: {elapsed:.1f} s\n")
+    _check_claims(path.stem, fresh.cells[-1])
 
     for i, (old, new) in enumerate(zip(code, [c for c in fresh.cells if c.cell_type == "code"])):
         assert _kinds(new) == _kinds(old), (

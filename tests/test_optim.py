@@ -9,7 +9,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from functitan import optim
 from functitan.mesh import make_mesh
-from functitan.testing import run_distributed
 from functitan.tree import flatten_with_names
 
 # --------------------------------------------------------------------------------------------------------
@@ -331,12 +330,12 @@ def _assert_ranks_match_reference(results, reference):
     return results[0][3]
 
 
-def test_clip_and_adamw_on_fsdp_shards_equal_the_unsharded_run():
+def test_clip_and_adamw_on_fsdp_shards_equal_the_unsharded_run(gloo):
     grads = [_full_tree(s, _SHAPES_2) for s in range(3)]
     params = _full_tree(10, _SHAPES_2)
     reference = _reference(grads, params, 2.0, _adamw_with_clip)
     assert reference[0] > 2.0  # the clip is active
-    results = run_distributed(_fsdp_worker, 2, grads, params, 2.0, timeout=120)
+    results = gloo.run(_fsdp_worker, 2, grads, params, 2.0, timeout=120)
     placements = _assert_ranks_match_reference(results, reference)
     # param, clipped grad, adam mu, adam nu all keep the param's placements
     assert placements["w"] == ["(Shard(dim=0),)"] * 4
@@ -368,11 +367,11 @@ def _fsdp_tp_worker(grads_per_step, params, max_norm):
     return (*out, sums)
 
 
-def test_clip_and_adamw_on_2d_fsdp_tp_shards_equal_the_unsharded_run():
+def test_clip_and_adamw_on_2d_fsdp_tp_shards_equal_the_unsharded_run(gloo):
     grads = [_full_tree(s, _SHAPES_4) for s in range(2)]
     params = _full_tree(20, _SHAPES_4)
     reference = _reference(grads, params, 2.0, _adamw_with_clip)
-    results = run_distributed(_fsdp_tp_worker, 4, grads, params, 2.0, timeout=120)
+    results = gloo.run(_fsdp_tp_worker, 4, grads, params, 2.0, timeout=120)
     placements = _assert_ranks_match_reference([r[:4] for r in results], reference)
     assert placements["w2"] == ["(Replicate(), Replicate(), Shard(dim=1), Shard(dim=0))"] * 4
     assert placements["sub"] == ["(Shard(dim=0), Shard(dim=1))"] * 4
@@ -483,10 +482,10 @@ def _in_place_fsdp_worker(grads_per_step, params):
     return out
 
 
-def test_adamw_in_place_on_fsdp_shards_equals_the_functional_update():
+def test_adamw_in_place_on_fsdp_shards_equals_the_functional_update(gloo):
     grads = [_full_tree(s, _SHAPES_2) for s in range(3)]
     params = _full_tree(10, _SHAPES_2)
-    for functional, in_place in run_distributed(_in_place_fsdp_worker, 2, grads, params, timeout=120):
+    for functional, in_place in gloo.run(_in_place_fsdp_worker, 2, grads, params, timeout=120):
         for k in _SHAPES_2:
             assert abs(functional[k] - params[k].numpy()).max() > 1e-3, k
             torch.testing.assert_close(

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from functitan import optim
-from functitan.testing import run_distributed
 
 
 def _params():
@@ -222,8 +221,8 @@ _OPTS = {
 }
 
 
-def test_every_new_optimizer_keeps_fsdp_placements_and_matches_one_process():
-    results = run_distributed(_sharded_worker, 2, timeout=120)
+def test_every_new_optimizer_keeps_fsdp_placements_and_matches_one_process(gloo):
+    results = gloo.run(_sharded_worker, 2, timeout=120)
     for name, opt in _OPTS.items():
         p = {k: v.float() for k, v in _params().items()}
         state = opt.init(p)

@@ -3,41 +3,33 @@ x {no checkpointing, full, selective}, 5 steps of the trainer in fp32."""
 
 import pytest
 import torch
-from test_train import SMALL, _train
-
-from functitan.testing import run_distributed
+from support import LAYOUTS, SMALL, train_small
 
 # fp32, same global batch and data. Collectives sum in another order than one process does, and AdamW's
 # m / sqrt(v) amplifies that rounding on tiny gradients: losses agree to 2e-5, params after 5 steps to 1e-4.
 LOSS_TOL = dict(atol=2e-5, rtol=1e-4)
 PARAM_TOL = dict(atol=1e-4, rtol=1e-3)
 REMATS = ("none", "full", "selective")
-LAYOUTS = {
-    "ddp4": {"parallelism.dp_replicate": 4, "parallelism.dp_shard": 1},
-    "fsdp4": {"parallelism.dp_shard": 4},
-    "hsdp2x2": {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 2},
-    "fsdp2_tp2": {"parallelism.dp_shard": 2, "parallelism.tp": 2, "parallelism.sequence_parallel": False},
-    "tp4_sp": {"parallelism.dp_shard": 1, "parallelism.tp": 4, "parallelism.sequence_parallel": True},
-}
 
 
 def _train_all_remats(layout: dict, run_dir: str):
     return [
-        _train({**layout, "training.remat": r, "metrics.run_dir": run_dir, "metrics.run_name": r})[:2] for r in REMATS
+        train_small({**layout, "training.remat": r, "metrics.run_dir": run_dir, "metrics.run_name": r})[:2]
+        for r in REMATS
     ]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run_distributed(
-        _train, 1, {"metrics.run_dir": str(tmp_path_factory.mktemp("ref")), "metrics.run_name": "ref"}
+def reference(tmp_path_factory, gloo):
+    return gloo.run(
+        train_small, 1, {"metrics.run_dir": str(tmp_path_factory.mktemp("ref")), "metrics.run_name": "ref"}
     )[0]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_equals_one_process(name, reference, tmp_path):
+def test_layout_equals_one_process(name, reference, tmp_path, gloo):
     ref_losses, ref_params, _ = reference
-    results = run_distributed(_train_all_remats, 4, LAYOUTS[name], str(tmp_path), timeout=280)
+    results = gloo.run(_train_all_remats, 4, LAYOUTS[name], str(tmp_path), timeout=280)
     for remat, (losses, params) in zip(REMATS, results[0]):
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(ref_losses), **LOSS_TOL, msg=lambda m: f"{name}/{remat} losses: {m}"
@@ -73,19 +65,19 @@ def _state_bytes(degrees: dict, run_dir: str) -> int:
     return sum(storages.values())
 
 
-def test_fsdp4_holds_a_quarter_of_params_and_optimizer_state(tmp_path):
-    single = run_distributed(_state_bytes, 1, {}, str(tmp_path))[0]
-    per_rank = run_distributed(_state_bytes, 4, {"dp_shard": 4}, str(tmp_path))
+def test_fsdp4_holds_a_quarter_of_params_and_optimizer_state(tmp_path, gloo):
+    single = gloo.run(_state_bytes, 1, {}, str(tmp_path))[0]
+    per_rank = gloo.run(_state_bytes, 4, {"dp_shard": 4}, str(tmp_path))
     for b in per_rank:
         assert 0.24 < b / single < 0.27, (b, single)  # a quarter, plus the 0-d step counters held whole
 
 
 def _train_pipelined(layout: dict, run_dir: str):
-    return _train({**layout, "metrics.run_dir": run_dir, "metrics.run_name": "pp"})[:2]
+    return train_small({**layout, "metrics.run_dir": run_dir, "metrics.run_name": "pp"})[:2]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])  # 2 layers: one stage per rank
-def test_trainer_with_pipeline_stages_equals_one_process(schedule, reference, tmp_path):
+def test_trainer_with_pipeline_stages_equals_one_process(schedule, reference, tmp_path, gloo):
     ref_losses, ref_params, _ = reference
     layout = {
         "parallelism.pp": 2,
@@ -94,7 +86,7 @@ def test_trainer_with_pipeline_stages_equals_one_process(schedule, reference, tm
         "parallelism.reshard_after_forward": False,
         "training.microbatches": 4,
     }
-    results = run_distributed(_train_pipelined, 2, layout, str(tmp_path))
+    results = gloo.run(_train_pipelined, 2, layout, str(tmp_path))
     torch.testing.assert_close(torch.tensor(results[0][0]), torch.tensor(ref_losses), **LOSS_TOL)
     params = {**results[0][1], **results[1][1]}  # each pipeline rank holds its stages' params
     assert params.keys() == ref_params.keys()
@@ -140,10 +132,10 @@ def _gathered_alive_after_forward(reshard: bool) -> tuple[int, int]:
     return alive, len(block_refs)
 
 
-def test_reshard_after_forward_frees_gathered_params():
-    alive, gathered = run_distributed(_gathered_alive_after_forward, 2, False)[0]
+def test_reshard_after_forward_frees_gathered_params(gloo):
+    alive, gathered = gloo.run(_gathered_alive_after_forward, 2, False)[0]
     assert gathered == 4 * 9 and alive == gathered  # 4 blocks x 9 params, all kept for backward
-    alive, gathered = run_distributed(_gathered_alive_after_forward, 2, True)[0]
+    alive, gathered = gloo.run(_gathered_alive_after_forward, 2, True)[0]
     assert gathered == 4 * 9 and alive == 0  # resharded: every block's gathered params died after its forward
 
 
@@ -198,8 +190,8 @@ def _async_reduce_scatter_events(remat: str = "none") -> tuple[list[str], float]
 
 
 @pytest.mark.parametrize("remat", ["none", "full", "selective"])
-def test_backward_reduce_scatter_is_async_one_deep_and_exact(remat):
-    events, diff = run_distributed(_async_reduce_scatter_events, 2, remat)[0]
+def test_backward_reduce_scatter_is_async_one_deep_and_exact(remat, gloo):
+    events, diff = gloo.run(_async_reduce_scatter_events, 2, remat)[0]
     if remat == "none":
         # blocks 3, 2, 1 (prefetched in forward) start theirs asynchronously; each runs under the previous
         # block's backward (its re-gather) and is waited on before the next starts. Block 0's and the top
@@ -293,13 +285,13 @@ def _train_model_layouts(model: dict, pp: dict, run_dir: str) -> dict:
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-def test_model_layouts_equal_one_process(model, tmp_path):
+def test_model_layouts_equal_one_process(model, tmp_path, gloo):
     overrides, pp = MODELS[model]
-    ref_losses, ref_params = run_distributed(
+    ref_losses, ref_params = gloo.run(
         _train_model, 1, {**overrides, "metrics.run_dir": str(tmp_path), "metrics.run_name": "ref"}
     )[0]
     assert len(ref_losses) == 3 and ref_losses[-1] < ref_losses[0]
-    results = run_distributed(_train_model_layouts, 4, overrides, pp, str(tmp_path), timeout=600)
+    results = gloo.run(_train_model_layouts, 4, overrides, pp, str(tmp_path), timeout=600)
     for name in MODEL_LAYOUTS:
         losses = results[0][name][0]
         torch.testing.assert_close(

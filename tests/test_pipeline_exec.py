@@ -20,7 +20,6 @@ from functitan.mesh import make_mesh
 from functitan.random import PRNGKey
 from functitan.sharding import Layout, default_rules
 from functitan.step import make_train_step
-from functitan.testing import run_distributed
 from functitan.train_state import TrainState
 from functitan.transforms import accumulate, value_and_grad
 from functitan.tree import flatten_with_names
@@ -188,8 +187,8 @@ def _timeline(schedule_name: str):
 
 
 @pytest.fixture(scope="module")
-def pp2():
-    return run_distributed(_pp2_worker, 2)
+def pp2(gloo):
+    return gloo.run(_pp2_worker, 2)
 
 
 def _world4_worker() -> dict:
@@ -205,8 +204,8 @@ def _world4_worker() -> dict:
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_distributed(_world4_worker, 4)
+def world4(gloo):
+    return gloo.run(_world4_worker, 4)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)

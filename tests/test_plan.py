@@ -12,7 +12,6 @@ from functitan.config import parse_config
 from functitan.job_config import JobConfig, ModelConfig
 from functitan.plan import Candidate, job_config, model_shape, predict
 from functitan.plan._cli import main as plan_main
-from functitan.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"dim": 64, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 128}
@@ -72,11 +71,11 @@ def _measured_peaks(layouts):
     return out
 
 
-def test_predicted_peak_matches_real_runs():
+def test_predicted_peak_matches_real_runs(gloo):
     model, mcfg = _model()
     shape = model_shape(model, mcfg, SEQ)
     predicted = [predict(_base(), model, mcfg, shape, c, batch_size=BATCH, seq_len=SEQ).peak for c in LAYOUTS]
-    per_rank = run_distributed(_measured_peaks, 4, LAYOUTS, timeout=900)
+    per_rank = gloo.run(_measured_peaks, 4, LAYOUTS, timeout=900)
     measured = [max(r[i] for r in per_rank) for i in range(len(LAYOUTS))]
     rows = [(c.label(), p, m, abs(p - m) / m) for c, p, m in zip(LAYOUTS, predicted, measured)]
     for label, p, m, err in rows:

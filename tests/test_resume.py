@@ -5,9 +5,7 @@ import math
 
 import pytest
 import torch
-from test_train import _train
-
-from functitan.testing import run_distributed
+from support import Crash, crash_at_step, train_small
 
 CKPT = {"checkpoint.enable": True, "checkpoint.interval": 10, "checkpoint.keep_last": 2}
 
@@ -17,49 +15,28 @@ def _losses(run_dir: str) -> dict[int, float]:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
-class _Crash(Exception):
-    pass
-
-
-def _crash_at_step(step: int) -> None:
-    """Make the trainer's step raise once ``step`` steps are done (in this worker process only)."""
-    import functitan.train as train_module
-
-    make = train_module.make_train_step
-
-    def crashing(*args, **kwargs):
-        train_step = make(*args, **kwargs)
-
-        def step_fn(state, batch, **kwargs):
-            if state.step == step:
-                raise _Crash(f"simulated crash after step {step}")
-            return train_step(state, batch, **kwargs)
-
-        return step_fn
-
-    train_module.make_train_step = crashing
-
-
 def _interrupted_and_resumed(layout: dict, root: str):
     import functitan.train as train_module
 
-    straight = _train({**layout, **CKPT, "training.steps": 14, "metrics.run_dir": root, "metrics.run_name": "straight"})
+    straight = train_small(
+        {**layout, **CKPT, "training.steps": 14, "metrics.run_dir": root, "metrics.run_name": "straight"}
+    )
     original = train_module.make_train_step
-    _crash_at_step(10)
+    crash_at_step(10)
     try:
-        _train({**layout, **CKPT, "training.steps": 14, "metrics.run_dir": root, "metrics.run_name": "resumed"})
-    except _Crash:
+        train_small({**layout, **CKPT, "training.steps": 14, "metrics.run_dir": root, "metrics.run_name": "resumed"})
+    except Crash:
         pass
     train_module.make_train_step = original
-    resumed = _train({**layout, **CKPT, "training.steps": 14, "metrics.run_dir": root, "metrics.run_name": "resumed"})
+    resumed = train_small(
+        {**layout, **CKPT, "training.steps": 14, "metrics.run_dir": root, "metrics.run_name": "resumed"}
+    )
     return straight[1], resumed[1], resumed[2]
 
 
 @pytest.mark.parametrize("world,layout", [(1, {}), (2, {"parallelism.dp_shard": 2})])
-def test_resume_after_step_10_is_bit_exact(world, layout, tmp_path):
-    straight_params, resumed_params, data_state = run_distributed(
-        _interrupted_and_resumed, world, layout, str(tmp_path)
-    )[0]
+def test_resume_after_step_10_is_bit_exact(world, layout, tmp_path, gloo):
+    straight_params, resumed_params, data_state = gloo.run(_interrupted_and_resumed, world, layout, str(tmp_path))[0]
     straight, resumed = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
     assert [s for s in resumed if s > 10] == [11, 12, 13, 14]  # the second run started at step 11
     for step in (11, 12, 13, 14):
@@ -78,20 +55,20 @@ def _train_and_capture(overrides: dict, crash_at: int | None = None):
     import io
     import warnings
 
-    from test_train import SMALL
+    from support import SMALL
 
     from functitan.config import apply_overrides
     from functitan.job_config import JobConfig
     from functitan.train import run
 
     if crash_at is not None:
-        _crash_at_step(crash_at)
+        crash_at_step(crash_at)
     printed = io.StringIO()  # not capfd: a forkserver started by an earlier test writes to that test's stdout
     with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed):
         warnings.simplefilter("always")
         try:
             out = run(apply_overrides(JobConfig(), {**SMALL, **overrides}))
-        except _Crash:
+        except Crash:
             return None
     warned = [str(w.message) for w in caught if w.category is RuntimeWarning]
     return out["first_loss"], out["steps"], warned, printed.getvalue()
@@ -101,7 +78,7 @@ def _files(step_dir) -> dict[str, bytes]:
     return {str(p.relative_to(step_dir)): p.read_bytes() for p in sorted(step_dir.rglob("*")) if p.is_file()}
 
 
-def test_a_restarted_trainer_removes_leftovers_and_resaves_a_damaged_newest_step(tmp_path):
+def test_a_restarted_trainer_removes_leftovers_and_resaves_a_damaged_newest_step(tmp_path, gloo):
     import shutil
 
     run = {
@@ -111,7 +88,7 @@ def test_a_restarted_trainer_removes_leftovers_and_resaves_a_damaged_newest_step
         "metrics.run_dir": str(tmp_path),
         "metrics.run_name": "r",
     }
-    assert run_distributed(_train_and_capture, 1, run, 4) == [None]  # crashed after step 4 was saved
+    assert gloo.run(_train_and_capture, 1, run, 4) == [None]  # crashed after step 4 was saved
     ckpts = tmp_path / "r" / "checkpoints"
     assert sorted(e.name for e in ckpts.iterdir()) == ["2", "4"]
     good4 = _files(ckpts / "4")
@@ -122,7 +99,7 @@ def test_a_restarted_trainer_removes_leftovers_and_resaves_a_damaged_newest_step
     victim = next(p for p in (ckpts / "4" / "default").rglob("c/*") if p.is_file() and "params" in str(p))
     victim.write_bytes(victim.read_bytes()[:-7])
 
-    first, steps, warned, printed = run_distributed(_train_and_capture, 1, run)[0]
+    first, steps, warned, printed = gloo.run(_train_and_capture, 1, run)[0]
     assert steps == 6 and math.isfinite(first)  # the first loss this run computed (step 3), not nan
     assert len(warned) == 1 and "checkpoint step 4" in warned[0] and "restored step 2 instead" in warned[0]
     assert "functitan: 6 steps (resumed at step 2), loss at step 3 " in printed and "nan" not in printed

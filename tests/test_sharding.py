@@ -7,7 +7,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from functitan.mesh import make_mesh, resolve_degrees
 from functitan.sharding import Layout, default_rules, logical_to_mesh_axes, place, spec_placements
-from functitan.testing import run_distributed
 
 FLAX_EXAMPLE = (("mlp", "tp"), ("embed", "dp_shard"), ("mlp", "dp_shard"))
 DOC_EXAMPLE = (("mlp", "tp"), ("embed", "tp"), ("embed", "dp_shard"))  # docs/parallelism.md and _rules.py
@@ -58,8 +57,8 @@ def _placements_on_2x2():
     return got
 
 
-def test_rules_to_placements_on_a_real_mesh():
-    got = run_distributed(_placements_on_2x2, 4)[0]
+def test_rules_to_placements_on_a_real_mesh(gloo):
+    got = gloo.run(_placements_on_2x2, 4)[0]
     R = Replicate()
     # mesh axes are (pp, dp_replicate, dp_shard, tp)
     assert got["wq"] == (R, R, Shard(1), Shard(0))  # FSDP on embed, TP column-parallel on heads
@@ -100,13 +99,13 @@ def _fsdp_gather_and_grad(degrees):
 @pytest.mark.parametrize(
     "degrees", [dict(dp_shard=2), dict(dp_replicate=2, dp_shard=1), dict(dp_shard=4), dict(dp_replicate=2, dp_shard=2)]
 )
-def test_layout_param_grads_equal_single_process(degrees):
+def test_layout_param_grads_equal_single_process(degrees, gloo):
     torch.manual_seed(0)
     w = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     x = torch.randn(8, 5, dtype=torch.float64)
     (ref,) = torch.autograd.grad((x @ w.T).square().mean(), [w])
     world = degrees.get("dp_shard", 1) * degrees.get("dp_replicate", 1)
-    for placements, grad_placements, g in run_distributed(_fsdp_gather_and_grad, world, degrees):
+    for placements, grad_placements, g in gloo.run(_fsdp_gather_and_grad, world, degrees):
         assert placements == grad_placements  # grads keep the storage placement
         torch.testing.assert_close(g, ref, rtol=0, atol=1e-14)
     if degrees.get("dp_shard", 1) == 4:  # 5 columns over 4 shards: uneven, still exact
@@ -130,9 +129,9 @@ def _constrain_activation():
     )
 
 
-def test_constrain_lays_out_activations_by_name():
+def test_constrain_lays_out_activations_by_name(gloo):
     R = Replicate()
-    for rank, (pl, local, whole_pl, whole, by_embed) in enumerate(run_distributed(_constrain_activation, 2)):
+    for rank, (pl, local, whole_pl, whole, by_embed) in enumerate(gloo.run(_constrain_activation, 2)):
         assert pl == (R, R, Shard(0), R)  # batch -> (dp_replicate, dp_shard); dp_replicate has size 1
         assert local == torch.arange(8.0).reshape(4, 2)[2 * rank : 2 * rank + 2].tolist()
         assert whole_pl == (R, R, R, R) and whole == torch.arange(8.0).reshape(4, 2).tolist()
@@ -154,8 +153,8 @@ def _constrain_grads():
     return g, again.to_local()
 
 
-def test_constrain_works_on_activations_inside_a_forward():
+def test_constrain_works_on_activations_inside_a_forward(gloo):
     x = torch.arange(12, dtype=torch.float32).reshape(4, 3)
-    for g, full in run_distributed(_constrain_grads, 2):
+    for g, full in gloo.run(_constrain_grads, 2):
         torch.testing.assert_close(g, 8 * x)  # d/dx sum((2x)^2), whatever the shards
         torch.testing.assert_close(full, 2 * x)

@@ -148,8 +148,7 @@ def _fsdp_run(layout_name):
 
 
 @pytest.mark.parametrize("layout_name", ["fsdp", "tp_sp"])
-def test_compiled_sharded_step_has_no_graph_breaks_and_trains_like_eager_and_one_process(layout_name):
-    from functitan.testing import run_distributed
+def test_compiled_sharded_step_has_no_graph_breaks_and_trains_like_eager_and_one_process(layout_name, gloo):
 
     opt = _fsdp_opt()
     ref = _state(opt)
@@ -160,7 +159,7 @@ def test_compiled_sharded_step_has_no_graph_breaks_and_trains_like_eager_and_one
         ref_losses.append((m["loss"], m["grad_norm"]))
     # TP sums partial products in another order than one process; three Adam steps at lr 1e-2 grow that to ~2e-5
     tol = dict(atol=1e-5, rtol=1e-4) if layout_name == "fsdp" else dict(atol=1e-4, rtol=1e-3)
-    for rank, (graphs, reasons, losses, full) in enumerate(run_distributed(_fsdp_run, 2, layout_name)):
+    for rank, (graphs, reasons, losses, full) in enumerate(gloo.run(_fsdp_run, 2, layout_name)):
         assert (graphs, reasons) == ((1, 0, 1), []), rank  # one graph, no break or warning; compiled once
         for c in (False, "aot_eager"):
             torch.testing.assert_close(losses[c], ref_losses, atol=1e-5, rtol=1e-5, msg=lambda m, c=c: f"{c}: {m}")

@@ -4,8 +4,6 @@ gradients still equal one process."""
 import pytest
 import torch
 
-from functitan.testing import run_distributed
-
 CFG = dict(vocab_size=64, dim=64, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim=128)
 
 
@@ -62,9 +60,9 @@ def _reference():
 
 
 @pytest.mark.parametrize("sp", [True, False])
-def test_shared_input_is_gathered_once_per_attention_and_mlp(sp):
+def test_shared_input_is_gathered_once_per_attention_and_mlp(sp, gloo):
     ref = _reference()
-    grads, forward, backward = run_distributed(_grads_and_collectives, 2, sp)[0]
+    grads, forward, backward = gloo.run(_grads_and_collectives, 2, sp)[0]
     for g, r in zip(grads, ref):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-7)  # rms_norm normalises in fp32
     layers = CFG["n_layers"]

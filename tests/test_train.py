@@ -4,53 +4,17 @@ import json
 
 import pytest
 import torch
+from support import SMALL, train_small
 
 from functitan.config import apply_overrides
 from functitan.job_config import JobConfig
-from functitan.testing import run_distributed
 from functitan.train import run
-from functitan.tree import flatten_with_names
-
-SMALL = {
-    "model.n_layers": 2,
-    "model.dim": 64,
-    "model.n_heads": 8,
-    "model.n_kv_heads": 4,
-    "model.ffn_dim": 128,
-    "training.steps": 5,
-    "training.batch_size": 8,
-    "training.seq_len": 32,
-    "optimizer.lr": 1e-2,
-    "optimizer.warmup_steps": 2,
-    "metrics.log_every": 1,
-    "data.max_corpus_bytes": 400_000,
-    # AdamW divides by sqrt(v) + eps: with the default 1e-8, the rounding noise of a near-zero gradient (a
-    # token that appears once) becomes a full-size update. 1e-6 keeps the comparison about the layout.
-    "optimizer.eps": 1e-6,
-}
-
-
-def _train(overrides: dict):
-    cfg = apply_overrides(JobConfig(), {**SMALL, **overrides})
-    out = run(cfg)
-    losses = None
-    if torch.distributed.get_rank() == 0:
-        with open(f"{out['run_dir']}/metrics.jsonl") as f:
-            losses = [json.loads(line)["loss"] for line in f]
-    params = {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-        for n, p in flatten_with_names(out["state"].params)[0]
-    }
-    return losses, params, out["state"].data_state
-
-
-def _reference(tmp_path):
-    return run_distributed(_train, 1, {"metrics.run_dir": str(tmp_path / "ref"), "metrics.run_name": "ref"})[0]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return _reference(tmp_path_factory.mktemp("ref"))
+def reference(tmp_path_factory, gloo):
+    ref = tmp_path_factory.mktemp("ref")
+    return gloo.run(train_small, 1, {"metrics.run_dir": str(ref / "ref"), "metrics.run_name": "ref"})[0]
 
 
 # fp32, same global batch: the only difference is the order of floating-point sums in the collectives
@@ -60,10 +24,10 @@ TOL = dict(atol=2e-5, rtol=1e-4)
 @pytest.mark.parametrize(
     "layout", [{"parallelism.dp_shard": 2}, {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 1}]
 )
-def test_fsdp_and_ddp_equal_one_process(layout, reference, tmp_path):
+def test_fsdp_and_ddp_equal_one_process(layout, reference, tmp_path, gloo):
     ref_losses, ref_params, ref_data = reference
     assert len(ref_losses) == 5 and ref_losses[-1] < ref_losses[0]
-    results = run_distributed(_train, 2, {**layout, "metrics.run_dir": str(tmp_path), "metrics.run_name": "dist"})
+    results = gloo.run(train_small, 2, {**layout, "metrics.run_dir": str(tmp_path), "metrics.run_name": "dist"})
     losses, params, data_state = results[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL)
     assert params.keys() == ref_params.keys()
@@ -73,10 +37,10 @@ def test_fsdp_and_ddp_equal_one_process(layout, reference, tmp_path):
     torch.testing.assert_close(results[1][1]["layers.1.mlp.w_down"], params["layers.1.mlp.w_down"], atol=0, rtol=0)
 
 
-def test_microbatches_and_remat_equal_one_batch(reference, tmp_path):
+def test_microbatches_and_remat_equal_one_batch(reference, tmp_path, gloo):
     ref_losses, ref_params, _ = reference
-    losses, params, _ = run_distributed(
-        _train,
+    losses, params, _ = gloo.run(
+        train_small,
         1,
         {
             "training.microbatches": 4,
@@ -97,21 +61,21 @@ def _bad_batch():
     run(cfg)
 
 
-def test_batch_not_dividing_the_data_parallel_ranks_is_an_error():
+def test_batch_not_dividing_the_data_parallel_ranks_is_an_error(gloo):
     with pytest.raises(RuntimeError, match=r"training.batch_size=3 must split evenly over 2 data-parallel ranks"):
-        run_distributed(_bad_batch, 2, timeout=120)
+        gloo.run(_bad_batch, 2, timeout=120)
 
 
 def _train_bf16(layout: dict, run_dir: str):
-    losses, params, _ = _train(
+    losses, params, _ = train_small(
         {**layout, "training.param_dtype": "bfloat16", "metrics.run_dir": run_dir, "metrics.run_name": "bf16"}
     )
     return losses, {n: p.dtype for n, p in params.items()}
 
 
-def test_bf16_compute_keeps_fp32_master_weights_and_matches_fsdp(reference, tmp_path):
-    one = run_distributed(_train_bf16, 1, {}, str(tmp_path / "one"))[0]
-    two = run_distributed(_train_bf16, 2, {"parallelism.dp_shard": 2}, str(tmp_path / "two"))[0]
+def test_bf16_compute_keeps_fp32_master_weights_and_matches_fsdp(reference, tmp_path, gloo):
+    one = gloo.run(_train_bf16, 1, {}, str(tmp_path / "one"))[0]
+    two = gloo.run(_train_bf16, 2, {"parallelism.dp_shard": 2}, str(tmp_path / "two"))[0]
     assert set(one[1].values()) == {torch.float32} and set(two[1].values()) == {torch.float32}
     # bf16 compute tracks the fp32 run to bf16 precision, and FSDP in bf16 tracks one bf16 process closely
     torch.testing.assert_close(torch.tensor(one[0]), torch.tensor(reference[0]), atol=5e-2, rtol=0)
@@ -142,10 +106,10 @@ def test_nproc_flag_launches_torchrun(tmp_path):
         assert [json.loads(line)["step"] for line in f] == [1, 2]
 
 
-def test_compiled_blocks_train_like_eager(reference, tmp_path):
+def test_compiled_blocks_train_like_eager(reference, tmp_path, gloo):
     # FSDP 2 with compiled blocks: the gathers, reshard hooks and prefetch sit around the compiled block
-    compiled = run_distributed(
-        _train,
+    compiled = gloo.run(
+        train_small,
         2,
         {
             "training.compile": True,

@@ -303,10 +303,9 @@ def dist_rank():
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
-def test_transforms_on_the_local_tensors_of_an_fsdp_layout():
-    from functitan.testing import run_distributed
+def test_transforms_on_the_local_tensors_of_an_fsdp_layout(gloo):
 
-    res = run_distributed(_fsdp_transforms_worker, 2, timeout=120)
+    res = gloo.run(_fsdp_transforms_worker, 2, timeout=120)
     assert "pass the local compute tensors (layout.params(params))" in res[0]["error"]
     assert res[0]["placements"][:2] == ("DTensor", True) and "Shard" in res[0]["placements"][2]
     assert res[0]["aux"] == 1.0

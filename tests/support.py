@@ -1,0 +1,122 @@
+"""What several test files share: the small trainer run every equivalence test compares, tiny model flavors.
+
+Test files import from here (``from support import SMALL, train_small``), never from each other; the fixtures that
+hold processes or files live in conftest.py.
+"""
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+from functitan import cli as _cli
+from functitan.config import apply_overrides
+from functitan.job_config import JobConfig
+from functitan.train import run
+from functitan.tree import flatten_with_names
+
+SMALL = {
+    "model.n_layers": 2,
+    "model.dim": 64,
+    "model.n_heads": 8,
+    "model.n_kv_heads": 4,
+    "model.ffn_dim": 128,
+    "training.steps": 5,
+    "training.batch_size": 8,
+    "training.seq_len": 32,
+    "optimizer.lr": 1e-2,
+    "optimizer.warmup_steps": 2,
+    "metrics.log_every": 1,
+    "data.max_corpus_bytes": 400_000,
+    # AdamW divides by sqrt(v) + eps: with the default 1e-8, the rounding noise of a near-zero gradient (a
+    # token that appears once) becomes a full-size update. 1e-6 keeps the comparison about the layout.
+    "optimizer.eps": 1e-6,
+}
+
+
+def train_small(overrides: dict):
+    """The trainer on SMALL plus ``overrides``; every rank returns (rank 0's logged losses, the params as full
+    tensors, the data state)."""
+    cfg = apply_overrides(JobConfig(), {**SMALL, **overrides})
+    out = run(cfg)
+    losses = None
+    if torch.distributed.get_rank() == 0:
+        with open(f"{out['run_dir']}/metrics.jsonl") as f:
+            losses = [json.loads(line)["loss"] for line in f]
+    params = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        for n, p in flatten_with_names(out["state"].params)[0]
+    }
+    return losses, params, out["state"].data_state
+
+
+# equivalence layouts of the trainer at world 4 (tests/test_parallel.py, tests/test_dtensor_dispatch.py)
+LAYOUTS = {
+    "ddp4": {"parallelism.dp_replicate": 4, "parallelism.dp_shard": 1},
+    "fsdp4": {"parallelism.dp_shard": 4},
+    "hsdp2x2": {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 2},
+    "fsdp2_tp2": {"parallelism.dp_shard": 2, "parallelism.tp": 2, "parallelism.sequence_parallel": False},
+    "tp4_sp": {"parallelism.dp_shard": 1, "parallelism.tp": 4, "parallelism.sequence_parallel": True},
+}
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_at_step(step: int) -> None:
+    """Make the trainer's step raise once ``step`` steps are done (in this worker process only)."""
+    import functitan.train as train_module
+
+    make = train_module.make_train_step
+
+    def crashing(*args, **kwargs):
+        train_step = make(*args, **kwargs)
+
+        def step_fn(state, batch, **kwargs):
+            if state.step == step:
+                raise Crash(f"simulated crash after step {step}")
+            return train_step(state, batch, **kwargs)
+
+        return step_fn
+
+    train_module.make_train_step = crashing
+
+
+JAX_SIDE = os.path.join(os.path.dirname(__file__), "_orbax_jax.py")
+
+
+def orbax(*args: str) -> dict:
+    """Run tests/_orbax_jax.py (JAX + Orbax, in a process of its own) with ``args``; its JSON answer."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, JAX_SIDE, *args], capture_output=True, text=True, env=env, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def dump_arrays(named: dict[str, np.ndarray], d, scalars: tuple[str, ...] = ()) -> None:
+    """Raw bytes + index.json of ``named`` in folder ``d``: what the JAX side compares against."""
+    os.makedirs(d)
+    index = {}
+    for k, a in named.items():
+        index[k] = {"dtype": str(a.dtype), "shape": list(a.shape), "scalar": k in scalars}
+        (d / k).write_bytes(np.ascontiguousarray(a).tobytes())
+    (d / "index.json").write_text(json.dumps(index))
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """``functitan *args`` in this process, as a test of messages and parsing wants it: the exit code (argparse's
+    SystemExit included), stdout and stderr, shaped like ``subprocess.run``'s result. Only for commands that stop
+    before any process group or training starts; what a process does (torchrun, signals) needs a subprocess."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = _cli.main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    return subprocess.CompletedProcess(["functitan", *args], code, out.getvalue(), err.getvalue())
