@@ -21,6 +21,7 @@ import pytest
 from functitan.testing import WorkerPool
 
 BUDGET_FILE = Path(__file__).with_name("budget.toml")
+pytest_plugins = ["pytester"]  # tests/test_budget.py runs the budget on a suite of its own
 
 
 class Gloo:
@@ -62,7 +63,7 @@ class _Budget:
         self.config = config
         self.seconds: dict[str, float] = defaultdict(float)
         self.start = time.monotonic()
-        with open(BUDGET_FILE, "rb") as f:
+        with open(os.environ.get("FUNCTITAN_BUDGET_FILE", BUDGET_FILE), "rb") as f:
             budget = tomllib.load(f)
         self.files: dict[str, float] = budget["files"]
         self.total: float = budget["total"]
@@ -85,8 +86,8 @@ class _Budget:
         return over
 
     def _whole_suite(self) -> bool:
-        tests = Path(__file__).parent
-        ran_all = [Path(a).resolve() for a in self.config.args] == [tests]
+        tests = self.config.rootpath / "tests"
+        ran_all = [Path(a).resolve() for a in self.config.args] in ([tests], [self.config.rootpath])
         return ran_all and not self.config.option.keyword and not self.config.option.markexpr
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:

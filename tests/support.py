@@ -19,6 +19,12 @@ from functitan.config import apply_overrides
 from functitan.job_config import JobConfig
 from functitan.train import run
 from functitan.tree import flatten_with_names
+from models import llama
+
+# the tiny flavors the unit tests share (2 layers, GQA 4/2 heads, milliseconds a step)
+TINY_LLAMA = llama.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64)
+# the planner's tests: llama debug overridden to 4 layers x 64 wide, traced at world 4
+PLAN_TINY = {"dim": 64, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 128}
 
 SMALL = {
     "model.n_layers": 2,

@@ -6,14 +6,13 @@ import resource
 import pytest
 import torch
 import torch.nn.functional as F
+from support import TINY_LLAMA
 
 from functitan.mesh import make_mesh
 from functitan.random import key
 from functitan.sharding import default_rules, place
 from functitan.tree import flatten_with_names, tree_leaves
 from models import llama
-
-TINY = llama.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64)
 
 
 def test_published_shapes():
@@ -34,8 +33,8 @@ def test_llama3_8b_init_on_meta_allocates_nothing():
 
 
 def test_specs_mirror_params_and_name_every_dim():
-    params = llama.init(TINY, key(0))
-    specs = llama.specs(TINY)
+    params = llama.init(TINY_LLAMA, key(0))
+    specs = llama.specs(TINY_LLAMA)
     named_p, _ = flatten_with_names(params)
     named_s, _ = flatten_with_names(specs, is_leaf=lambda s: isinstance(s, tuple))
     assert [n for n, _ in named_p] == [n for n, _ in named_s]
@@ -44,22 +43,22 @@ def test_specs_mirror_params_and_name_every_dim():
 
 
 def test_init_is_deterministic_and_keyed_by_name():
-    a, b = llama.init(TINY, key(3)), llama.init(TINY, key(3))
+    a, b = llama.init(TINY_LLAMA, key(3)), llama.init(TINY_LLAMA, key(3))
     assert all(torch.equal(x, y) for x, y in zip(tree_leaves(a), tree_leaves(b)))
-    c = llama.init(TINY, key(4))
+    c = llama.init(TINY_LLAMA, key(4))
     assert not torch.equal(a["layers"][0]["attn"]["wq"], c["layers"][0]["attn"]["wq"])
     assert not torch.equal(a["layers"][0]["attn"]["wq"], a["layers"][1]["attn"]["wq"])
 
 
 def _gathered_init(degrees):
     mesh = make_mesh(**degrees)
-    params = place(llama.init(TINY, key(7)), llama.specs(TINY), default_rules(), mesh)
+    params = place(llama.init(TINY_LLAMA, key(7)), llama.specs(TINY_LLAMA), default_rules(), mesh)
     return {n: p.full_tensor() for n, p in flatten_with_names(params)[0]}
 
 
 @pytest.mark.parametrize("degrees", [dict(dp_shard=4), dict(dp_replicate=2, dp_shard=2), dict(dp_shard=2, tp=2)])
 def test_init_is_identical_across_meshes(degrees, gloo):
-    ref = dict(flatten_with_names(llama.init(TINY, key(7)))[0])
+    ref = dict(flatten_with_names(llama.init(TINY_LLAMA, key(7)))[0])
     for rank_params in gloo.run(_gathered_init, 4, degrees):
         assert rank_params.keys() == ref.keys()
         for n, full in rank_params.items():
@@ -96,11 +95,11 @@ def _reference_forward(params, tokens, cfg):
 
 
 def test_apply_matches_a_direct_implementation():
-    params = llama.init(TINY, key(1))
-    params["norm"]["weight"] = torch.rand(TINY.dim) + 0.5  # non-trivial norm weights
-    tokens = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    params = llama.init(TINY_LLAMA, key(1))
+    params["norm"]["weight"] = torch.rand(TINY_LLAMA.dim) + 0.5  # non-trivial norm weights
+    tokens = torch.randint(0, TINY_LLAMA.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(
-        llama.apply(params, tokens, TINY), _reference_forward(params, tokens, TINY), atol=2e-5, rtol=1e-4
+        llama.apply(params, tokens, TINY_LLAMA), _reference_forward(params, tokens, TINY_LLAMA), atol=2e-5, rtol=1e-4
     )
 
 
@@ -142,7 +141,7 @@ def test_config_errors_name_the_key_and_the_fix():
     with pytest.raises(ValueError, match="unknown Llama config 'llama9'"):
         llama.config("llama9")
     with pytest.raises(ValueError, match=r"sequence length 65 exceeds model.max_seq_len=64"):
-        llama.apply(llama.init(TINY, key(0)), torch.zeros(1, 65, dtype=torch.long), TINY)
+        llama.apply(llama.init(TINY_LLAMA, key(0)), torch.zeros(1, 65, dtype=torch.long), TINY_LLAMA)
 
 
 def test_layouts_that_cannot_split_the_model_fail_before_launch():

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import PLAN_TINY
 
 from functitan.config import parse_config
 from functitan.job_config import JobConfig, ModelConfig
@@ -14,7 +15,6 @@ from functitan.plan import Candidate, job_config, model_shape, predict
 from functitan.plan._cli import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {"dim": 64, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 128}
 SEQ, BATCH = 32, 8
 
 # FSDP, HSDP, TP+SP, PP (1F1B, ZB-V, ZB-H1), remat none/selective/full, bf16 params, accumulation, no reshard
@@ -43,14 +43,14 @@ def _no_process_group():
 
 
 def _base() -> JobConfig:
-    return JobConfig(model=ModelConfig(name="llama", flavor="debug", overrides=TINY))
+    return JobConfig(model=ModelConfig(name="llama", flavor="debug", overrides=PLAN_TINY))
 
 
 def _model():
     from functitan.model import load_model
 
     model = load_model("llama")
-    return model, model.config("debug", **TINY)
+    return model, model.config("debug", **PLAN_TINY)
 
 
 def _measured_peaks(layouts):
@@ -203,7 +203,7 @@ def test_top_shows_fewer_rows_but_recommends_the_same_layout(monkeypatch):
         monkeypatch.setattr(planner, "_traced_row", fake_trace)
         cluster = Cluster(device=device("h100"), nodes=1, per_node=4)
         result = planner.plan(
-            model_name="llama", flavor="debug", overrides=TINY, cluster=cluster, global_batch_tokens=BATCH * SEQ,
+            model_name="llama", flavor="debug", overrides=PLAN_TINY, cluster=cluster, global_batch_tokens=BATCH * SEQ,
             seq_len=SEQ, top=top, log=lambda *a: None,
         )  # fmt: skip
         return result, traced

@@ -6,13 +6,13 @@ import dataclasses
 import os
 
 import pytest
+from support import PLAN_TINY
 
 from functitan.job_config import JobConfig, ModelConfig
 from functitan.plan import Candidate, Cluster, calibrate, device, job_config, model_shape, predict, trace_rank
 from functitan.plan._cost import step_time
 from functitan.plan._devices import op_time
 
-TINY = {"dim": 64, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 128}
 SEQ, BATCH = 32, 8
 
 
@@ -57,8 +57,8 @@ def test_traced_op_count_extrapolates_to_the_full_model():
     from functitan.model import load_model
 
     model = load_model("llama")
-    mcfg = model.config("debug", **TINY)
-    base = JobConfig(model=ModelConfig(name="llama", flavor="debug", overrides=TINY))
+    mcfg = model.config("debug", **PLAN_TINY)
+    base = JobConfig(model=ModelConfig(name="llama", flavor="debug", overrides=PLAN_TINY))
     c = Candidate(dp_shard=4, param_dtype="float32")
     p = predict(base, model, mcfg, model_shape(model, mcfg, SEQ), c, batch_size=BATCH, seq_len=SEQ)
     cfg = job_config(base, c, batch_size=BATCH, seq_len=SEQ)

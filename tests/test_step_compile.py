@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from support import TINY_LLAMA
 
 from functitan import optim
 from functitan.random import key
@@ -15,24 +16,24 @@ from functitan.transforms import value_and_grad
 from functitan.tree import tree_leaves
 from models import llama
 
-CFG = llama.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64)
-
 
 def _batch(seed):
-    t = torch.randint(0, CFG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed))
+    t = torch.randint(0, TINY_LLAMA.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed))
     return {"inputs": t[:, :-1], "targets": t[:, 1:]}
 
 
 def _state(opt):
-    params = llama.init(CFG, key(0))
+    params = llama.init(TINY_LLAMA, key(0))
     for p in tree_leaves(params):
         p.requires_grad_(True)
     return TrainState(step=0, params=params, opt_state=opt.init(params), data_state={}, rng=key(0))
 
 
 def _step(compile, opt=None):
-    opt = opt or optim.adamw(optim.warmup_cosine(1e-2, 2, 10), mask=optim.decay_mask_from_specs(llama.specs(CFG)))
-    grad_fn = value_and_grad(functools.partial(llama.loss, cfg=CFG))
+    opt = opt or optim.adamw(
+        optim.warmup_cosine(1e-2, 2, 10), mask=optim.decay_mask_from_specs(llama.specs(TINY_LLAMA))
+    )
+    grad_fn = value_and_grad(functools.partial(llama.loss, cfg=TINY_LLAMA))
     return opt, make_train_step(grad_fn, opt, max_norm=1.0, compile=compile)
 
 
@@ -68,11 +69,11 @@ def test_a_loss_with_aux_outputs_trains_and_reports_them_eager_donated_and_compi
     torch._dynamo.reset()
 
     def with_aux(params, batch):
-        loss = llama.loss(params, batch, CFG)
+        loss = llama.loss(params, batch, TINY_LLAMA)
         return loss, {"twice": 2 * loss, "tokens": batch["targets"].numel()}
 
     opt = optim.adamw(1e-2)
-    plain = make_train_step(value_and_grad(functools.partial(llama.loss, cfg=CFG)), opt, max_norm=1.0)
+    plain = make_train_step(value_and_grad(functools.partial(llama.loss, cfg=TINY_LLAMA)), opt, max_norm=1.0)
     ref, _ = plain(_state(opt), _batch(0))
     for kwargs in ({}, {"donate": True}, {"compile": "aot_eager"}):
         step = make_train_step(value_and_grad(with_aux, has_aux=True), opt, max_norm=1.0, **kwargs)
@@ -83,7 +84,7 @@ def test_a_loss_with_aux_outputs_trains_and_reports_them_eager_donated_and_compi
         for x, y in zip(tree_leaves(ref.params), tree_leaves(state.params)):
             torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-5)
     with pytest.raises(TypeError, match=r"has_aux=True\): 'loss' returned a Tensor; with has_aux it returns"):
-        value_and_grad(llama.loss, has_aux=True)(llama.init(CFG, key(0)), _batch(0), CFG)
+        value_and_grad(llama.loss, has_aux=True)(llama.init(TINY_LLAMA, key(0)), _batch(0), TINY_LLAMA)
 
 
 # ------------------------------------------------------------------------------------ under FSDP and TP + SP
@@ -98,13 +99,13 @@ FSDP_STEPS = 3
 
 def _fsdp_batch(seed, rank=None):
     """The whole batch, or a data-parallel rank's half of it (the mean of means is the mean)."""
-    t = torch.randint(0, CFG.vocab_size, (4, 9), generator=torch.Generator().manual_seed(seed))
+    t = torch.randint(0, TINY_LLAMA.vocab_size, (4, 9), generator=torch.Generator().manual_seed(seed))
     t = t if rank is None else t[2 * rank : 2 * rank + 2]
     return {"inputs": t[:, :-1], "targets": t[:, 1:]}
 
 
 def _fsdp_opt():
-    return optim.adamw(optim.warmup_cosine(1e-2, 2, 10), mask=optim.decay_mask_from_specs(llama.specs(CFG)))
+    return optim.adamw(optim.warmup_cosine(1e-2, 2, 10), mask=optim.decay_mask_from_specs(llama.specs(TINY_LLAMA)))
 
 
 def _fsdp_run(layout_name):
@@ -121,11 +122,11 @@ def _fsdp_run(layout_name):
     layout = Layout(mesh, rules)
     data_rank = dist.get_rank() if layout_name == "fsdp" else None
     opt = _fsdp_opt()
-    grad_fn = value_and_grad(functools.partial(llama.loss, cfg=CFG, layout=layout))
+    grad_fn = value_and_grad(functools.partial(llama.loss, cfg=TINY_LLAMA, layout=layout))
     steps = {c: make_train_step(grad_fn, opt, max_norm=1.0, compile=c) for c in (False, "aot_eager")}
     states = {}
     for c in steps:
-        params = place(llama.init(CFG, key(0)), llama.specs(CFG), layout.rules, mesh)
+        params = place(llama.init(TINY_LLAMA, key(0)), llama.specs(TINY_LLAMA), layout.rules, mesh)
         states[c] = TrainState(step=0, params=params, opt_state=opt.init(params), data_state={}, rng=key(0))
     explained = steps["aot_eager"].explain(
         states["aot_eager"].params, states["aot_eager"].opt_state, _fsdp_batch(0, data_rank)
@@ -152,7 +153,7 @@ def test_compiled_sharded_step_has_no_graph_breaks_and_trains_like_eager_and_one
 
     opt = _fsdp_opt()
     ref = _state(opt)
-    eager = make_train_step(value_and_grad(functools.partial(llama.loss, cfg=CFG)), opt, max_norm=1.0)
+    eager = make_train_step(value_and_grad(functools.partial(llama.loss, cfg=TINY_LLAMA)), opt, max_norm=1.0)
     ref_losses = []
     for i in range(FSDP_STEPS):
         ref, m = eager(ref, _fsdp_batch(i))

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from support import TINY_LLAMA
 
 from functitan import optim
 from functitan.random import key
@@ -9,20 +10,18 @@ from functitan.transforms import accumulate, remat, split_batch, value_and_grad
 from functitan.tree import tree_leaves, tree_map
 from models import llama
 
-CFG = llama.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=64)
-
 
 def _batch(n=8, s=16, seed=0):
-    t = torch.randint(0, CFG.vocab_size, (n, s + 1), generator=torch.Generator().manual_seed(seed))
+    t = torch.randint(0, TINY_LLAMA.vocab_size, (n, s + 1), generator=torch.Generator().manual_seed(seed))
     return {"inputs": t[:, :-1], "targets": t[:, 1:]}
 
 
 def _loss(params, batch):
-    return llama.loss(params, batch, CFG)
+    return llama.loss(params, batch, TINY_LLAMA)
 
 
 def test_value_and_grad_matches_autograd_and_skips_integer_leaves():
-    params = {"model": llama.init(CFG, key(0)), "count": torch.tensor(3)}
+    params = {"model": llama.init(TINY_LLAMA, key(0)), "count": torch.tensor(3)}
     loss, grads = value_and_grad(lambda p, b: _loss(p["model"], b))(params, _batch())
     ref = tree_map(lambda x: x.clone().requires_grad_(), params["model"])
     ref_loss = _loss(ref, _batch())
@@ -35,7 +34,7 @@ def test_value_and_grad_matches_autograd_and_skips_integer_leaves():
 
 
 def test_four_accumulated_microbatches_equal_one_big_batch():
-    params = llama.init(CFG, key(0))
+    params = llama.init(TINY_LLAMA, key(0))
     big_loss, big = value_and_grad(_loss)(params, _batch(8))
     acc_loss, acc = accumulate(value_and_grad(_loss), 4)(params, _batch(8))
     torch.testing.assert_close(acc_loss, big_loss, atol=1e-6, rtol=0)
@@ -49,7 +48,7 @@ def test_split_batch_error_names_the_fix():
 
 
 def test_remat_gives_the_same_gradients():
-    params = llama.init(CFG, key(0))
+    params = llama.init(TINY_LLAMA, key(0))
     f = lambda p, b: _loss(p, b)  # noqa: E731
     _, plain = value_and_grad(f)(params, _batch())
     _, rematted = value_and_grad(remat(f))(params, _batch())
@@ -93,6 +92,7 @@ def test_nonfinite_loss_skip_keeps_params():
 
 # ------------------------------------------------------------------ the JAX-shaped transforms (issue 12)
 
+
 from functitan import _remat  # noqa: E402
 from functitan.transforms import grad, hessian, hvp, jacfwd, jacrev, jvp, vjp, vmap  # noqa: E402
 
@@ -129,7 +129,7 @@ def test_has_aux_returns_detached_aux_and_loss():
 
 
 def test_accumulate_with_has_aux_equals_one_big_batch():
-    params = llama.init(CFG, key(0))
+    params = llama.init(TINY_LLAMA, key(0))
 
     def f(p, b):
         loss = _loss(p, b)
@@ -188,7 +188,7 @@ def test_hvp_equals_the_hessian_times_the_vector():
     torch.testing.assert_close(hessian(_quad)(w, x), H)
     torch.testing.assert_close(hvp(_quad, (w, x), (v,)), H @ v)
     # on a pytree of params: the llama head's norm weight, others fixed
-    params = llama.init(CFG, key(0))
+    params = llama.init(TINY_LLAMA, key(0))
     b = _batch(2, 8)
     f = lambda nw: _loss({**params, "norm": {"weight": nw}}, b)  # noqa: E731
     nw = params["norm"]["weight"]
@@ -199,7 +199,7 @@ def test_hvp_equals_the_hessian_times_the_vector():
 
 @pytest.mark.parametrize("policy", ["none", "full", "selective", "offload", _remat.save_only_these_names("h")])
 def test_every_remat_policy_gives_the_same_gradients(policy):
-    params = llama.init(CFG, key(0))
+    params = llama.init(TINY_LLAMA, key(0))
     _, plain = value_and_grad(_loss)(params, _batch())
     _, rematted = value_and_grad(remat(_loss, policy))(params, _batch())
     for a, b in zip(tree_leaves(plain), tree_leaves(rematted)):
@@ -207,7 +207,7 @@ def test_every_remat_policy_gives_the_same_gradients(policy):
     # per block, through the Layout
     from functitan.sharding import Layout
 
-    _, per_block = value_and_grad(lambda p, b: llama.loss(p, b, CFG, Layout(remat=policy)))(params, _batch())
+    _, per_block = value_and_grad(lambda p, b: llama.loss(p, b, TINY_LLAMA, Layout(remat=policy)))(params, _batch())
     for a, b in zip(tree_leaves(plain), tree_leaves(per_block)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
@@ -269,8 +269,8 @@ def _fsdp_transforms_worker():
 
     mesh = make_mesh(dp_shard=2)
     layout = Layout(mesh, default_rules())
-    full = llama.init(CFG, key(0))
-    params = place(full, llama.specs(CFG), default_rules(), mesh)
+    full = llama.init(TINY_LLAMA, key(0))
+    params = place(full, llama.specs(TINY_LLAMA), default_rules(), mesh)
     out = {}
     try:
         vmap(grad(_loss), in_dims=(None, 0))(params, _batch(2))
@@ -283,7 +283,7 @@ def _fsdp_transforms_worker():
     one = lambda p, x, y: _loss(p, {"inputs": x[None], "targets": y[None]})  # noqa: E731
     out["per_example"] = vmap(grad(one), in_dims=(None, 0, 0))(compute, b["inputs"], b["targets"])
     # accumulate + has_aux over DTensor leaves: gradients keep their placements (and are means over ranks)
-    f = lambda p, b: (llama.loss(p, b, CFG, layout), {"n": torch.tensor(1.0)})  # noqa: E731
+    f = lambda p, b: (llama.loss(p, b, TINY_LLAMA, layout), {"n": torch.tensor(1.0)})  # noqa: E731
     (loss, aux), grads = accumulate(value_and_grad(f, has_aux=True), 2)(params, _batch(4, seed=dist_rank()))
     w = grads["layers"][0]["attn"]["wq"]
     out["placements"] = (
@@ -309,7 +309,7 @@ def test_transforms_on_the_local_tensors_of_an_fsdp_layout(gloo):
     assert "pass the local compute tensors (layout.params(params))" in res[0]["error"]
     assert res[0]["placements"][:2] == ("DTensor", True) and "Shard" in res[0]["placements"][2]
     assert res[0]["aux"] == 1.0
-    params = llama.init(CFG, key(0))
+    params = llama.init(TINY_LLAMA, key(0))
     b = _batch(2, 8)
     one = lambda p, x, y: _loss(p, {"inputs": x[None], "targets": y[None]})  # noqa: E731
     ref = vmap(grad(one), in_dims=(None, 0, 0))(params, b["inputs"], b["targets"])
