@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +25,10 @@ from pathlib import Path
 import torch
 
 from benchmarks._common import environment, write_json
-from functitan.elastic.harness import ELASTIC_RUN_ARGS, live_scenario, plain_restart_scenario, restart_scenario
+
+# the loopback harness that tests/test_elastic.py runs its scenarios with (test code, not the library's)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from elastic_harness import ELASTIC_RUN_ARGS, live_scenario, plain_restart_scenario, restart_scenario  # noqa: E402
 
 LEVELS = ("torchrun", "restart", "live")
 

@@ -16,8 +16,7 @@ import os
 import signal
 
 import pytest
-
-from functitan.elastic.harness import (
+from elastic_harness import (
     ELASTIC_BATCH,
     ELASTIC_RUN_ARGS,
     ELASTIC_SEQ,
@@ -26,6 +25,7 @@ from functitan.elastic.harness import (
     read_metrics,
     restart_scenario,
 )
+
 from functitan.testing import run_distributed
 
 # fp32, the same global batch; 1, 2 and 3 ranks x 2-6 microbatches sum in different orders. Over ~20 steps of

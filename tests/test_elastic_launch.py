@@ -8,9 +8,9 @@ import sys
 import time
 
 import pytest
+from elastic_harness import alive, descendants
 
 from functitan.elastic import BatchSplitError, LaunchError, parse_launch_args, split_batch, world_sizes_for
-from functitan.elastic.harness import alive, descendants
 from functitan.testing import TINY_RUN_ARGS
 
 SMALL = [

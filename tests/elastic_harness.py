@@ -1,8 +1,8 @@
 """A loopback harness for elastic runs: start launchers as processes, kill them by PID, read their metrics.
 
-Used by tests/test_elastic_*.py and benchmarks/elastic_recovery.py. Every process the harness starts, and
-every process below it (torchrun starts its workers in new sessions, and a SIGKILLed agent orphans its
-worker), is remembered by ``(pid, start time)`` whenever the harness looks, and killed by PID on ``close()``.
+Used by tests/test_elastic*.py and benchmarks/elastic_recovery.py: test code, which the library does not ship.
+Every process the harness starts, and every process below it (torchrun starts its workers in new sessions, and
+a SIGKILLed agent orphans its worker), is remembered by ``(pid, start time)`` whenever the harness looks, and killed by PID on ``close()``.
 """
 
 from __future__ import annotations
