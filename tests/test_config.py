@@ -1,10 +1,9 @@
 """Config files and overrides land on frozen dataclasses; bad keys and values name the key and the fix."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support import cli
 
 from functitan.config import ConfigError, config_help, flat_keys, parse_config
 from functitan.job_config import JobConfig
@@ -122,14 +121,10 @@ def test_cli_surface_is_frozen():
 
 
 def test_train_help_and_bad_key_from_the_command_line():
-    out = subprocess.run(
-        [sys.executable, "-m", "functitan.cli", "train", "--help"], capture_output=True, text=True, cwd=ROOT
-    )
+    out = cli("train", "--help")
     assert out.returncode == 0 and "--optimizer.lr" in out.stdout
-    bad = subprocess.run(
-        [sys.executable, "-m", "functitan.cli", "train", "--trainig.steps=1"], capture_output=True, text=True, cwd=ROOT
-    )
-    assert bad.returncode != 0 and "did you mean 'training.steps'?" in bad.stderr
+    bad = cli("train", "--trainig.steps=1")
+    assert bad.returncode == 2 and "did you mean 'training.steps'?" in bad.stderr
 
 
 def test_bundled_config_parses():

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support import cli
 
 from functitan.data import ByteTokenizer, DataConfig, DataError, ShardSet, TokenLoader, build_loader, prepare
 from functitan.data._shards import FORMAT, INDEX, file_hash, tokenizer_identity
@@ -126,22 +127,7 @@ def test_bad_sources_are_named_errors(tmp_path: Path):
         with pytest.raises(DataError, match=pattern):
             prepare([tmp_path / name], tmp_path / f"out-{name}", workers=1, progress=False)
     # from the command line: one line, exit code 2
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "functitan.cli",
-            "data",
-            "prepare",
-            str(tmp_path / "binary.txt"),
-            "--out",
-            str(tmp_path / "o"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    r = cli("data", "prepare", str(tmp_path / "binary.txt"), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]  # after the progress bar
     assert last.startswith("functitan: error: ") and "binary.txt: byte 0xff at offset 3 is not UTF-8" in last

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import PLAN_TINY
+from support import PLAN_TINY, cli
 
 from functitan.config import parse_config
 from functitan.job_config import JobConfig, ModelConfig
@@ -88,9 +88,7 @@ def test_predicted_peak_matches_real_runs(gloo):
 
 
 def test_plan_help():
-    r = subprocess.run(
-        [sys.executable, "-m", "functitan.cli", "plan", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
+    r = cli("plan", "--help")
     assert r.returncode == 0
     assert "--global-batch-tokens" in r.stdout and "--calibrate" in r.stdout and "--measure" in r.stdout
 
