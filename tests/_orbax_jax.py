@@ -1,8 +1,10 @@
-"""The JAX side of tests/test_checkpoint_orbax.py, run in a subprocess: ``python _orbax_jax.py MODE ARGS...``.
+"""The JAX side of the Orbax interop tests, run in a subprocess: ``python _orbax_jax.py MODE ARGS...``, or
+``python _orbax_jax.py serve`` to answer many requests (one JSON list ``[MODE, *ARGS]`` per stdin line) with one
+import of JAX (tests/conftest.py's ``orbax`` fixture keeps one such process for the session).
 
 JAX is not imported into the pytest process (slow to import, brings its own warnings). Expected values travel
-as raw bytes + a JSON index (``{name: {dtype, shape, scalar}}``, no pickle); the report is the last stdout line,
-as JSON.
+as raw bytes + a JSON index (``{name: {dtype, shape, scalar}}``, no pickle); the report is the last stdout line
+(in serve mode, the line that starts with ``REPLY ``), as JSON.
 """
 
 from __future__ import annotations
@@ -251,6 +253,22 @@ def mode_empties(ours: str, theirs: str) -> dict:
     }
 
 
+def serve() -> None:
+    """One reply line per request line, until stdin closes; a failing request replies with its traceback."""
+    import traceback
+
+    for line in sys.stdin:
+        mode, *args = json.loads(line)
+        try:
+            reply = {"ok": globals()[f"mode_{mode}"](*args)}
+        except Exception:  # noqa: BLE001 - the test shows the JAX side's traceback
+            reply = {"error": traceback.format_exc()}
+        print("REPLY " + json.dumps(reply), flush=True)
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    print(json.dumps(globals()[f"mode_{mode}"](*args)))
+    if mode == "serve":
+        serve()
+    else:
+        print(json.dumps(globals()[f"mode_{mode}"](*args)))

@@ -2,6 +2,7 @@
 
 - ``gloo``: persistent gloo worker pools, one per world size, shared by every test of the session (tests/README.md
   says when to use it and when a test needs processes of its own).
+- ``orbax``: the JAX + Orbax side of the interop tests, one process for the session.
 - The budget: each test file's wall time (setup + call + teardown of its tests) is printed at the end of the run and
   checked against tests/budget.toml; a file over its budget fails the run, naming the file, its time and its budget.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import OrbaxSide
 
 from functitan.testing import WorkerPool
 
@@ -53,6 +55,16 @@ def gloo() -> Iterator[Gloo]:
         yield pools
     finally:
         pools.close()
+
+
+@pytest.fixture(scope="session")
+def orbax() -> Iterator[OrbaxSide]:
+    """The JAX + Orbax side of the interop tests (tests/_orbax_jax.py), one process for the session."""
+    side = OrbaxSide()
+    try:
+        yield side
+    finally:
+        side.close()
 
 
 # ---- the time budget ------------------------------------------------------------------------------------------

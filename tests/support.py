@@ -97,12 +97,38 @@ def crash_at_step(step: int) -> None:
 JAX_SIDE = os.path.join(os.path.dirname(__file__), "_orbax_jax.py")
 
 
-def orbax(*args: str) -> dict:
-    """Run tests/_orbax_jax.py (JAX + Orbax, in a process of its own) with ``args``; its JSON answer."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run([sys.executable, JAX_SIDE, *args], capture_output=True, text=True, env=env, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+class OrbaxSide:
+    """tests/_orbax_jax.py in serve mode: one process (one import of JAX) answers every Orbax request of a session.
+    ``side("read", ckpt, expected)`` returns that mode's JSON report."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+
+    def __call__(self, *args: str) -> dict:
+        if self._proc is None or self._proc.poll() is not None:
+            env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONWARNINGS": "ignore"}
+            cmd = [sys.executable, JAX_SIDE, "serve"]
+            self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(json.dumps(list(args)) + "\n")
+        self._proc.stdin.flush()
+        for line in self._proc.stdout:
+            if line.startswith("REPLY "):
+                reply = json.loads(line[len("REPLY ") :])
+                assert "error" not in reply, reply.get("error")
+                return reply["ok"]
+        raise AssertionError(f"the JAX side exited with {self._proc.wait()} before answering {args}")
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc.stdout.close()  # type: ignore[union-attr]
+            self._proc = None
 
 
 def dump_arrays(named: dict[str, np.ndarray], d, scalars: tuple[str, ...] = ()) -> None:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 pytest.importorskip("orbax.checkpoint")
 
 import optree  # noqa: E402
-from support import dump_arrays, orbax  # noqa: E402
+from support import dump_arrays  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from functitan import optim  # noqa: E402
@@ -65,7 +65,7 @@ def _write_sharded(path: str) -> int:
     return 0
 
 
-def test_orbax_restores_a_sharded_functitan_checkpoint_bit_for_bit(tmp_path, gloo):
+def test_orbax_restores_a_sharded_functitan_checkpoint_bit_for_bit(tmp_path, gloo, orbax):
     ck = str(tmp_path / "ck")
     gloo.run(_write_sharded, 2, ck)
     ref = _ref()
@@ -85,7 +85,7 @@ def test_orbax_restores_a_sharded_functitan_checkpoint_bit_for_bit(tmp_path, glo
     assert report["pytree_types"]["step"] == "int" and report["pytree_types"]["params.emb"] == "ndarray"
 
 
-def test_functitan_restores_orbax_checkpoints_bit_for_bit(tmp_path):
+def test_functitan_restores_orbax_checkpoints_bit_for_bit(tmp_path, orbax):
     versions = orbax("write", str(tmp_path / "orbax"), str(tmp_path / "expected"))
     assert versions["jax"]
     index = json.loads((tmp_path / "expected" / "index.json").read_text())
@@ -169,7 +169,7 @@ def trainer_run(tmp_path_factory, gloo):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_orbax_restores_the_trainers_fsdp_checkpoint_bit_for_bit(trainer_run, dtype):
+def test_orbax_restores_the_trainers_fsdp_checkpoint_bit_for_bit(trainer_run, dtype, orbax):
     index = json.loads((trainer_run / f"expected-{dtype}" / "index.json").read_text())
     assert "opt_state.0.mu.layers.0.attn.wq" in index and "opt_state.2.count" in index  # the adamw chain's state
     assert {v["dtype"] for k, v in index.items() if k.startswith("params.")} == {
@@ -215,7 +215,7 @@ def _optax_exemplar(dtype: torch.dtype):
 
 @pytest.mark.skipif(importlib.util.find_spec("optax") is None, reason="optax is not installed (the orbax extra)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_functitan_restores_an_orbax_optax_state_with_empty_nodes(tmp_path, dtype):
+def test_functitan_restores_an_orbax_optax_state_with_empty_nodes(tmp_path, dtype, orbax):
     from functitan.tree import flatten_with_names
 
     report = orbax("optax", str(tmp_path / "orbax"), str(tmp_path / "expected"), dtype)
@@ -251,7 +251,7 @@ class _Empty(NamedTuple):
     pass
 
 
-def test_empty_nodes_metadata_is_what_orbax_writes(tmp_path):
+def test_empty_nodes_metadata_is_what_orbax_writes(tmp_path, orbax):
     tree = {
         "a": np.arange(3, dtype=np.float32),
         "opt": (np.zeros(2, np.int64), _Empty(), ()),

@@ -132,10 +132,10 @@ def test_hf_export_of_a_pipeline_checkpoint_loads_in_transformers(tmp_path, gloo
 
 
 # Orbax rebuilds the tree from _METADATA alone: `layers` comes back as a list, as from an unpipelined run
-def test_orbax_restores_a_pipeline_checkpoint(tmp_path, gloo):
+def test_orbax_restores_a_pipeline_checkpoint(tmp_path, gloo, orbax):
     pytest.importorskip("orbax.checkpoint")
 
-    from support import dump_arrays, orbax
+    from support import dump_arrays
 
     from functitan.checkpoint import _fastread
     from functitan.checkpoint._layout import names_in_metadata
