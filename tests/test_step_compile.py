@@ -128,9 +128,7 @@ def _fsdp_run(layout_name):
     for c in steps:
         params = place(llama.init(TINY_LLAMA, key(0)), llama.specs(TINY_LLAMA), layout.rules, mesh)
         states[c] = TrainState(step=0, params=params, opt_state=opt.init(params), data_state={}, rng=key(0))
-    explained = steps["aot_eager"].explain(
-        states["aot_eager"].params, states["aot_eager"].opt_state, _fsdp_batch(0, data_rank)
-    )
+    # dynamo's own counters of the compiled run (one trace; explain() would trace the step a second time)
     losses = {c: [] for c in steps}
     counters.clear()
     with warnings.catch_warnings(record=True) as caught:
@@ -140,9 +138,10 @@ def _fsdp_run(layout_name):
                 states[c], m = step(states[c], _fsdp_batch(i, data_rank))
                 losses[c].append((m["loss"], m["grad_norm"]))
     full = {c: [x.full_tensor() for x in tree_leaves(s.params)] for c, s in states.items()}
+    breaks = counters["graph_break"]
     return (
-        (explained.graph_count, explained.graph_break_count, counters["stats"]["unique_graphs"]),
-        [str(r.reason)[:300] for r in explained.break_reasons] + [str(w.message)[:300] for w in caught],
+        (counters["stats"]["unique_graphs"], sum(breaks.values()), counters["stats"]["calls_captured"] > 0),
+        [str(r)[:300] for r in breaks] + [str(w.message)[:300] for w in caught],
         losses,
         full,
     )
@@ -161,7 +160,7 @@ def test_compiled_sharded_step_has_no_graph_breaks_and_trains_like_eager_and_one
     # TP sums partial products in another order than one process; three Adam steps at lr 1e-2 grow that to ~2e-5
     tol = dict(atol=1e-5, rtol=1e-4) if layout_name == "fsdp" else dict(atol=1e-4, rtol=1e-3)
     for rank, (graphs, reasons, losses, full) in enumerate(gloo.run(_fsdp_run, 2, layout_name)):
-        assert (graphs, reasons) == ((1, 0, 1), []), rank  # one graph, no break or warning; compiled once
+        assert (graphs, reasons) == ((1, 0, True), []), rank  # one graph, no break or warning; compiled once
         for c in (False, "aot_eager"):
             torch.testing.assert_close(losses[c], ref_losses, atol=1e-5, rtol=1e-5, msg=lambda m, c=c: f"{c}: {m}")
             for x, y in zip(full[c], tree_leaves(ref.params)):
