@@ -377,9 +377,10 @@ def _pool_worker(rank: int, world_size: int, port: int, tasks: Any, queue: Any, 
             report = (rank, call, "ok", pickle.dumps(fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - the parent re-raises with the worker's traceback
             report = (rank, call, "error", traceback.format_exc())
-        # a function that destroyed the default group (a CLI's main does) leaves this rank nothing to run on: it
-        # says so with its report, and the pool starts anew for the next call
-        retire = not dist.is_initialized()
+        # a function that destroyed the default group (a CLI's main does) leaves this rank nothing to run on, and
+        # one that patched the library with its own code (a test's crash injection left in place) would change
+        # the next test's: the rank says so with its report, and the pool starts anew for the next call
+        retire = not dist.is_initialized() or _library_patched()
         if not retire:
             _reset(environ, cwd)
         queue.put((*report, retire))
@@ -416,3 +417,26 @@ def _malloc_trim() -> None:
         ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
     except (OSError, AttributeError, TypeError):
         pass
+
+
+def _library_patched() -> bool:
+    """Whether a module of functitan or models now holds a function or class defined outside the installed code
+    (a test's, a script's): a monkeypatch that was not undone."""
+    import sys
+    import sysconfig
+
+    installed = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+    roots = tuple(
+        os.path.dirname(m.__file__) + os.sep
+        for m in (sys.modules.get("functitan"), sys.modules.get("models"))
+        if m is not None and getattr(m, "__file__", None)
+    )
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(("functitan.", "models.")):
+            continue
+        for value in list(vars(module).values()):
+            owner = sys.modules.get(getattr(value, "__module__", None) or "")
+            where = getattr(owner, "__file__", None)
+            if callable(value) and where and not where.startswith(installed) and not where.startswith(roots):
+                return True
+    return False

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -75,8 +76,10 @@ class Crash(Exception):
     pass
 
 
-def crash_at_step(step: int) -> None:
-    """Make the trainer's step raise once ``step`` steps are done (in this worker process only)."""
+@contextlib.contextmanager
+def crashing_at_step(step: int | None) -> Iterator[None]:
+    """Inside the block, the trainer's step raises Crash once ``step`` steps are done (None: no crash); the trainer
+    is put back on exit, since a pool rank runs the next test's function in the same process."""
     import functitan.train as train_module
 
     make = train_module.make_train_step
@@ -91,7 +94,12 @@ def crash_at_step(step: int) -> None:
 
         return step_fn
 
-    train_module.make_train_step = crashing
+    if step is not None:
+        train_module.make_train_step = crashing
+    try:
+        yield
+    finally:
+        train_module.make_train_step = make
 
 
 JAX_SIDE = os.path.join(os.path.dirname(__file__), "_orbax_jax.py")

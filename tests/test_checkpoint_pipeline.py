@@ -35,17 +35,12 @@ def _run(layout: dict, root: str, name: str):
 
 
 def _crash_then_resume(layout: dict, root: str):
-    from support import Crash, crash_at_step
+    import contextlib
 
-    import functitan.train as train_module
+    from support import Crash, crashing_at_step
 
-    original = train_module.make_train_step
-    crash_at_step(3)
-    try:
+    with crashing_at_step(3), contextlib.suppress(Crash):
         _run(layout, root, "resumed")
-    except Crash:
-        pass
-    train_module.make_train_step = original
     return _run(layout, root, "resumed")
 
 

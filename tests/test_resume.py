@@ -1,11 +1,12 @@
 """Exact resume: a run saved at step 10 and resumed reproduces the uninterrupted run's losses bit for bit."""
 
+import contextlib
 import json
 import math
 
 import pytest
 import torch
-from support import Crash, crash_at_step, train_small
+from support import Crash, crashing_at_step, train_small
 
 CKPT = {"checkpoint.enable": True, "checkpoint.interval": 10, "checkpoint.keep_last": 2}
 
@@ -16,18 +17,11 @@ def _losses(run_dir: str) -> dict[int, float]:
 
 
 def _interrupted_and_resumed(layout: dict, root: str):
-    import functitan.train as train_module
-
     straight = train_small(
         {**layout, **CKPT, "training.steps": 14, "metrics.run_dir": root, "metrics.run_name": "straight"}
     )
-    original = train_module.make_train_step
-    crash_at_step(10)
-    try:
+    with crashing_at_step(10), contextlib.suppress(Crash):
         train_small({**layout, **CKPT, "training.steps": 14, "metrics.run_dir": root, "metrics.run_name": "resumed"})
-    except Crash:
-        pass
-    train_module.make_train_step = original
     resumed = train_small(
         {**layout, **CKPT, "training.steps": 14, "metrics.run_dir": root, "metrics.run_name": "resumed"}
     )
@@ -51,7 +45,6 @@ def test_resume_after_step_10_is_bit_exact(world, layout, tmp_path, gloo):
 
 def _train_and_capture(overrides: dict, crash_at: int | None = None):
     """The trainer's run (crashing after step ``crash_at``), returning its summary numbers, warnings and output."""
-    import contextlib
     import io
     import warnings
 
@@ -61,10 +54,12 @@ def _train_and_capture(overrides: dict, crash_at: int | None = None):
     from functitan.job_config import JobConfig
     from functitan.train import run
 
-    if crash_at is not None:
-        crash_at_step(crash_at)
     printed = io.StringIO()  # not capfd: a forkserver started by an earlier test writes to that test's stdout
-    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(printed):
+    with (
+        crashing_at_step(crash_at),
+        warnings.catch_warnings(record=True) as caught,
+        contextlib.redirect_stdout(printed),
+    ):
         warnings.simplefilter("always")
         try:
             out = run(apply_overrides(JobConfig(), {**SMALL, **overrides}))

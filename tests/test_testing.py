@@ -201,3 +201,20 @@ def _state(pid: int) -> str:
             return next(line for line in f if line.startswith("State:"))
     except (OSError, StopIteration):
         return "zombie"
+
+
+def _patch_the_trainer():
+    import functitan.train as train
+
+    found = train.make_train_step.__module__
+    train.make_train_step = _patch_the_trainer  # a test's injection, not undone
+    return found, os.getpid()
+
+
+def test_a_pool_rank_whose_library_was_patched_is_replaced():
+    from functitan.testing import WorkerPool
+
+    with WorkerPool(1) as pool:
+        (first, pid), *_ = pool.run(_patch_the_trainer)
+        (second, other), *_ = pool.run(_patch_the_trainer)
+    assert first == second == "functitan.step" and pid != other  # the next call found the library as installed
