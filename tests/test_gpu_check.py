@@ -32,5 +32,6 @@ def test_gpu_check_dry_run_measures_every_part(tmp_path):
     assert "error" not in loop and len(loop["lost_s"]) == 2 and min(loop["steps_in_flight"]) >= 1
     assert loop["sync_save_s"][0] > 0 and "checkpoint_loop" not in result["shapes"]["8b"]
     trainer = result["trainer"]  # the CLI as typed, then a run resumed from its half-way checkpoint
+    assert "error" not in trainer, trainer["error"]
     assert trainer["resumed_steps"] == [3, 4] and trainer["resume_max_abs_loss_diff"] == 0.0
     assert trainer["last_loss"] < trainer["first_loss"]
