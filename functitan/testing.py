@@ -232,6 +232,7 @@ class WorkerPool:
         self._queue: Any = None
         self._logs: tempfile.TemporaryDirectory | None = None
         self._calls = 0
+        self._waiting: str | None = None  # the function submitted and not yet waited for
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -241,25 +242,49 @@ class WorkerPool:
 
     def run(
         self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, threads: int | None = None, **kwargs: Any
-    ):
+    ) -> list[Any]:
         """``fn(*args, **kwargs)`` on every rank; the per-rank results in rank order (as :func:`run_distributed`)."""
+        return self.submit(fn, *args, timeout=timeout, threads=threads, **kwargs)()
+
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, threads: int | None = None, **kwargs: Any
+    ) -> Callable[[], list[Any]]:
+        """Send ``fn`` to every rank and return at once; calling the returned function waits for the results.
+
+        The caller computes meanwhile (a test's single-process reference beside the ranks' run); one call at a
+        time: wait for one before submitting the next."""
+        if self._waiting:
+            raise RuntimeError(f"{self._waiting} was submitted to this pool and not waited for; call its result first")
         if not self._procs:
             self._start()
         self._calls += 1
-        task = pickle.dumps((self._calls, fn, args, kwargs, self.threads if threads is None else threads))
+        call = self._calls
+        task = pickle.dumps((call, fn, args, kwargs, self.threads if threads is None else threads))
         try:
             for conn in self._conns:
                 conn.send_bytes(task)
-            results, errors, retired = self._collect(fn.__name__, self._calls, timeout)
         except BaseException:
             self.close(kill=True)
             raise
-        if errors:
-            self.close(kill=True)
-            raise RuntimeError(f"distributed run of {fn.__name__} failed on " + "\n".join(errors))
-        if retired:
-            self.close()
-        return [results[r] for r in range(self.world_size)]
+        self._waiting = fn.__name__
+        deadline = time.monotonic() + timeout
+
+        def result() -> list[Any]:
+            try:
+                results, errors, retired = self._collect(fn.__name__, call, max(0.0, deadline - time.monotonic()))
+            except BaseException:
+                self.close(kill=True)
+                raise
+            finally:
+                self._waiting = None
+            if errors:
+                self.close(kill=True)
+                raise RuntimeError(f"distributed run of {fn.__name__} failed on " + "\n".join(errors))
+            if retired:
+                self.close()
+            return [results[r] for r in range(self.world_size)]
+
+        return result
 
     def _collect(self, name: str, call: int, timeout: float) -> tuple[dict[int, Any], list[str], bool]:
         """``(results by rank, errors, whether a rank retired)`` of one call."""
@@ -281,7 +306,7 @@ class WorkerPool:
                 if grace is not None and now > grace:
                     break  # the others wait in a collective for the failed rank
                 if now > deadline:
-                    raise RuntimeError(f"distributed run of {name} timed out after {timeout}s") from None
+                    raise RuntimeError(f"distributed run of {name} timed out after {timeout:.1f}s") from None
                 continue
             if got != call:
                 continue  # a late report of a call that already failed

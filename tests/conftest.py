@@ -37,10 +37,20 @@ class Gloo:
     def run(
         self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, threads: int = 1, **kwargs
     ) -> list[Any]:
+        return self._pool(world_size).run(fn, *args, timeout=timeout, threads=threads, **kwargs)
+
+    def submit(
+        self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, threads: int = 1, **kwargs
+    ) -> Callable[[], list[Any]]:
+        """Start ``fn`` on the ranks and return; the returned function waits for the results (the test computes its
+        reference meanwhile)."""
+        return self._pool(world_size).submit(fn, *args, timeout=timeout, threads=threads, **kwargs)
+
+    def _pool(self, world_size: int) -> WorkerPool:
         pool = self._pools.get(world_size)
         if pool is None:
             pool = self._pools[world_size] = WorkerPool(world_size)
-        return pool.run(fn, *args, timeout=timeout, threads=threads, **kwargs)
+        return pool
 
     def close(self) -> None:
         for pool in self._pools.values():
