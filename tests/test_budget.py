@@ -39,5 +39,6 @@ def test_the_budget_file_lists_real_files_and_sums_within_the_total():
     here = {p.name for p in Path(__file__).parent.glob("test_*.py")}
     assert set(budget["files"]) <= here, set(budget["files"]) - here
     unlisted = here - set(budget["files"])
-    assert sum(budget["files"].values()) + budget["default"] * len(unlisted) <= budget["total"] * 1.5
+    # each file has headroom of its own (about 1.5x its measured time); together they stay near twice the total
+    assert sum(budget["files"].values()) + budget["default"] * len(unlisted) <= budget["total"] * 2
     assert budget["total"] <= 15 * 60  # the suite's promise: 15 minutes on a quiet 2-core machine
