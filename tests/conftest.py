@@ -127,7 +127,8 @@ class _Budget:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if not config.getoption("--no-budget"):
+    # under pytest-xdist the controller sees every worker's reports: the budget is kept there, once
+    if not config.getoption("--no-budget") and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_Budget(config), "functitan-budget")
 
 
