@@ -25,7 +25,7 @@ from ._model_setup import check_model, check_resumed_model, init_model
 from .checkpoint import CheckpointManager, check_checkpoint_path, is_hf_dir, restore_params, write_model_config
 from .config import parse_config, to_dict
 from .data import build_loader
-from .elastic import Preemption, launch, parse_launch_args, report_stopped, split_batch
+from .elastic import Preemption, launch, parse_launch_args, report_stopped, split_batch, watch_launcher
 from .errors import pop_debug, user_errors_exit
 from .hostmem import keep_freed_memory
 from .job_config import JobConfig, build_optimizer, build_schedule, learning_rate_schedule
@@ -427,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if spec is not None:
             parse_config(JobConfig, rest, epilog=EXAMPLE)  # a bad value is reported once, before any process starts
             return launch(spec, rest + (["--debug"] if debug else []))
+        watch_launcher()  # a worker of `--nproc`: dies with the launcher, even when SIGKILL leaves it no word
         try:
             summary = run(parse_config(JobConfig, args, epilog=EXAMPLE))
         finally:
