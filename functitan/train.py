@@ -22,7 +22,14 @@ import torch.distributed as dist
 from . import metrics as M
 from . import optim, pipeline
 from ._model_setup import check_model, check_resumed_model, init_model
-from .checkpoint import CheckpointManager, check_checkpoint_path, is_hf_dir, restore_params, write_model_config
+from .checkpoint import (
+    CheckpointManager,
+    check_checkpoint_path,
+    is_hf_dir,
+    lock_run,
+    restore_params,
+    write_model_config,
+)
 from .config import parse_config, to_dict
 from .data import build_loader
 from .elastic import Preemption, launch, parse_launch_args, report_stopped, split_batch, watch_launcher
@@ -84,6 +91,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
 
     # 5. checkpoint: resume from the newest complete checkpoint of this run, else a weights-only load_path
     run_dir = _run_dir(cfg, model.name)
+    lock = lock_run(run_dir, wait_s=30.0 if "FUNCTITAN_ELASTIC_RUN" in os.environ else 0.0)  # one job per run
     ckpt = None
     if cfg.checkpoint.enable:
         ckpt = CheckpointManager(
@@ -110,7 +118,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
         flops_per_token=model.flops_per_token(model_cfg, tcfg.seq_len),
         peak=M.peak_flops(device, layout.param_dtype or torch.float32),
     )
-    with _stepper(cfg, train_step, loader, device, loss_grad=loss_grad, optimizer=optimizer) as advance:
+    with lock, _stepper(cfg, train_step, loader, device, loss_grad=loss_grad, optimizer=optimizer) as advance:
         return _loop(cfg, state, advance, loader, meter, ckpt, run_dir, device)
 
 

@@ -4,6 +4,7 @@ one line with exit code 2."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -86,6 +87,20 @@ def _listening_sockets(pids) -> set[tuple[int, str]]:
     return {(port, inode) for port, inode in _listening() if inode in inodes}
 
 
+def _holders(sockets: set[tuple[int, str]]) -> dict[int, str]:
+    """pid -> command line of the processes that hold these sockets (for a failure's message)."""
+    inodes = {inode for _, inode in sockets}
+    out = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = {os.readlink(f"/proc/{entry}/fd/{fd}") for fd in os.listdir(f"/proc/{entry}/fd")}
+            if {f"socket:[{i}]" for i in inodes} & links:
+                out[int(entry)] = Path(f"/proc/{entry}/cmdline").read_text().replace("\0", " ")[:200]
+        except OSError:
+            continue
+    return out
+
+
 def _listening() -> list[tuple[int, str]]:
     out = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -100,10 +115,17 @@ def _listening() -> list[tuple[int, str]]:
 # ------------------------------------------------------------------------------------------ 1. no orphans
 
 
+def _cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "functitan.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=timeout)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_sigkill_of_the_launcher_leaves_no_process_and_no_listening_port(tmp_path):
-    # a scheduler's kill -9 of `functitan train --nproc N`: torchrun and every worker go with it (they kept training)
+def test_sigkill_of_the_launcher_leaves_no_process_and_no_port_and_frees_the_run_folder(tmp_path):
+    # a scheduler's kill -9 of `functitan train --nproc N`: torchrun and every worker go with it (they kept
+    # training, listening and writing the run), and a job requeued on the same run folder starts
     jobs = {n: _train(tmp_path, f"n{n}", "--nproc", str(n), log=tmp_path / f"n{n}.log") for n in (1, 2)}
+    below: dict[int, dict[int, str]] = {}
     try:
         for n, proc in jobs.items():
             _wait_for_metrics(tmp_path / f"n{n}", proc, tmp_path / f"n{n}.log")
@@ -111,6 +133,20 @@ def test_sigkill_of_the_launcher_leaves_no_process_and_no_listening_port(tmp_pat
         ports = _listening_sockets(pid for procs in below.values() for pid in procs)
         assert all(len(procs) >= n + 1 for n, procs in below.items()), below  # torchrun and its n workers
         assert ports  # torchrun's store and gloo listen while training
+
+        # a second job on a run folder in use is refused, naming the holder: the first job's rank 0
+        second = _cli("train", *TINY, "--training.steps=1", f"--metrics.run_dir={tmp_path}", "--metrics.run_name=n2")
+        assert second.returncode == 2, second.stderr[-3000:]
+        (line,) = second.stderr.strip().splitlines()
+        holder = int(line.split("(pid ")[1].split()[0])
+        assert holder in below[2], (line, below[2])
+        assert line == (
+            f"functitan: error: run folder {tmp_path}/n2 is in use by another job (pid {holder} on host "
+            f"{os.uname().nodename} since {json.loads((tmp_path / 'n2' / 'run.lock').read_text())['since']}, "
+            f"{tmp_path}/n2/run.lock); stop that job first, or give this one another metrics.run_name (or "
+            "metrics.run_dir)"
+        )
+
         for proc in jobs.values():
             proc.send_signal(signal.SIGKILL)
             proc.wait()
@@ -120,9 +156,16 @@ def test_sigkill_of_the_launcher_leaves_no_process_and_no_listening_port(tmp_pat
             time.sleep(0.2)
             left = {n: _alive(procs) for n, procs in below.items()}
         assert not any(left.values()), f"still running 10 s after the launcher's SIGKILL: {left}"
-        assert not ports & set(_listening()), "a socket the job listened on is still open"
+        # (a socket's inode number is reused once it is closed: a match held by another process is not ours)
+        ours = {pid: cmd for pid, cmd in _holders(ports & set(_listening())).items() if str(tmp_path) in cmd}
+        assert not ours, f"sockets the job listened on are still open in {ours}"
+
+        # the dead job's lock is no obstacle: the requeued job trains on the run folder
+        again = _cli("train", *TINY, "--training.steps=1", f"--metrics.run_dir={tmp_path}", "--metrics.run_name=n2")
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert json.loads((tmp_path / "n2" / "run.lock").read_text())["pid"] not in below[2]
     finally:
-        for procs in (below if "below" in locals() else {}).values():
+        for procs in below.values():
             for pid in _alive(procs):
                 os.kill(pid, signal.SIGKILL)
         for proc in jobs.values():
@@ -150,3 +193,27 @@ def test_sigterm_to_plan_measure_stops_its_training_job_and_waits_for_it(tmp_pat
     finally:
         planner.kill()
         planner.wait()
+
+
+def _flock_free(path: Path) -> bool:
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_lock_left_by_a_dead_job_is_taken_over_and_released_at_the_end(tmp_path):
+    # the kernel drops an flock with its holder; the file may still name the dead job: it is rewritten, not obeyed
+    from functitan.checkpoint import lock_run
+
+    (tmp_path / "run.lock").write_text(json.dumps({"pid": 2**22 + 7, "host": os.uname().nodename}))
+    with lock_run(tmp_path):
+        assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+        assert not _flock_free(tmp_path / "run.lock")  # held: another job's flock fails
+    assert _flock_free(tmp_path / "run.lock")
