@@ -99,6 +99,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
             interval=cfg.checkpoint.interval,
             keep_last=cfg.checkpoint.keep_last,
             mesh=mesh,
+            when_busy=cfg.checkpoint.when_busy,
         )
     if ckpt is not None and ckpt.latest_step() is not None:
         check_resumed_model(run_dir, name, model_cfg)
@@ -296,6 +297,7 @@ def _loop(
                             **meter.flush(),
                             **M.peak_memory(device),
                             **_position(position, batch_seqs, cfg, out.get("replicas", 1) * dist.get_world_size()),
+                            **({"checkpoint_wait_s": ckpt.pop_wait_s()} if ckpt is not None else {}),
                         },
                     )
                     M.reset_peak_memory(device)

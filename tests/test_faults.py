@@ -217,3 +217,60 @@ def test_a_lock_left_by_a_dead_job_is_taken_over_and_released_at_the_end(tmp_pat
         assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
         assert not _flock_free(tmp_path / "run.lock")  # held: another job's flock fails
     assert _flock_free(tmp_path / "run.lock")
+
+
+# ------------------------------------------------------------------------------------------ 3. checkpoint lag
+
+
+def _slow_writes(monkeypatch, seconds: float) -> None:
+    """Every save's write takes ``seconds`` longer (a loaded host, a slow file system)."""
+    from functitan.checkpoint import _save
+
+    write = _save._write_shards
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(_save, "_write_shards", slow)
+
+
+def _trails(mgr, steps: int) -> list[int]:
+    """Run ``steps`` quick steps saving through ``mgr``; how far the newest commit trails each step."""
+    import torch
+
+    state, trails = {"w": torch.zeros(8)}, []
+    for step in range(1, steps + 1):
+        time.sleep(0.02)  # the step
+        state = {"w": state["w"] + 1}
+        mgr.maybe_save(state, step=step, force=step == steps)
+        trails.append(step - (mgr.latest_step() or 0))
+    mgr.close()
+    return trails
+
+
+def test_a_slow_save_holds_the_loop_so_the_newest_commit_trails_by_at_most_one_interval_plus_the_save(
+    tmp_path, monkeypatch
+):
+    from functitan.checkpoint import CheckpointManager
+
+    _slow_writes(monkeypatch, 0.5)  # a save writes for 25 steps
+    interval = 2
+    waits = CheckpointManager(tmp_path / "wait", interval=interval, keep_last=2)
+    assert max(_trails(waits, 12)) <= 2 * interval - 1  # one interval, plus the save in flight
+    assert waits.pop_wait_s() > 5 * 0.4 and waits.pop_wait_s() == 0.0  # 5 saves waited for the one before
+
+    # when_busy="skip": the loop never waits for a save it could skip; the commit trails further instead
+    skips = CheckpointManager(tmp_path / "skip", interval=interval, keep_last=2, when_busy="skip")
+    trails = _trails(skips, 12)
+    assert skips.skipped == [4, 6, 8, 10] and max(trails) == 11  # step 2's save committed with the last
+    assert skips.all_steps() == [2, 12]
+
+    # the trainer shows the time waited since the previous line (a line is written before its step's save)
+    from functitan.train import main
+
+    args = [*TINY, "--training.steps=4", "--checkpoint.enable=true", "--checkpoint.interval=1"]
+    assert main([*args, f"--metrics.run_dir={tmp_path}", "--metrics.run_name=t"]) == 0
+    records = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    waited = [r["checkpoint_wait_s"] for r in records]
+    assert len(waited) == 4 and waited[:2] == [0.0, 0.0] and all(w > 0.3 for w in waited[2:]), waited

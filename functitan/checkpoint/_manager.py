@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,10 @@ class CheckpointManager:
         exclude: key paths not saved (e.g. ``("opt_state",)`` for a weights-only run); on restore they
             come back from the exemplar unchanged.
         async_save: return from ``maybe_save`` once staged (True) or once committed (False).
+        when_busy: a save due while the previous one is still writing (at most one is in flight): ``"wait"``
+            for it, so the newest commit never trails the loop by more than one interval plus the save in
+            flight (the time waited adds up in ``wait_s``); ``"skip"`` that save instead (the loop never waits,
+            the newest commit may trail further). A forced save (the last step, a signal) always waits.
         mesh: the mesh whose ranks take part (default: all ranks). With a ``pp`` axis of size > 1 each
             pipeline rank saves and restores only its stages' leaves, under the same key paths as the whole
             model; the checkpoint is the one an unpipelined run writes, so any layout restores it.
@@ -72,7 +77,10 @@ class CheckpointManager:
         async_save: bool = True,
         mesh: DeviceMesh | None = None,
         timeout_s: float = 1800.0,
+        when_busy: str = "wait",
     ) -> None:
+        if when_busy not in ("wait", "skip"):
+            raise ValueError(f"when_busy={when_busy!r}: 'wait' for the save in flight, or 'skip' the next one")
         if interval < 1:
             raise ValueError(f"interval={interval}: save every N >= 1 steps")
         if keep_last < 1:
@@ -85,6 +93,9 @@ class CheckpointManager:
         self.interval, self.keep_last, self.keep_every = interval, keep_last, keep_every
         self.exclude = tuple(exclude)
         self.async_save = async_save
+        self.when_busy = when_busy
+        self.wait_s = 0.0  # seconds maybe_save waited for the previous save to commit (see pop_wait_s)
+        self.skipped: list[int] = []  # steps not saved because the previous save was still writing ("skip")
         self._group = _Group(mesh, timeout_s)
         names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
         self._partial = "pp" in names and mesh.size(names.index("pp")) > 1  # each rank holds part of the tree
@@ -145,6 +156,13 @@ class CheckpointManager:
             return None
         if step == self._last_saved and not replace:  # saved just now (maybe still in flight): not twice
             return None
+        if self._ck.busy():  # at most one save in flight: wait for it (the lag bound), or skip this one
+            if self.when_busy == "skip" and not force:
+                self.skipped.append(step)
+                return None
+            t0 = time.perf_counter()
+            self._ck.wait()
+            self.wait_s += time.perf_counter() - t0
         self._last_saved = step
         self._damaged.discard(step)
         tree = partition(state, lambda n, x: not _under(n, self.exclude))[0] if self.exclude else state
@@ -182,6 +200,12 @@ class CheckpointManager:
     def _delete(self, path: str) -> None:
         # rename first: a crash mid-delete must not leave a half-deleted directory under a step's name
         shutil.rmtree(_move_aside(path), ignore_errors=True)
+
+    def pop_wait_s(self) -> float:
+        """The seconds ``maybe_save`` waited for a previous save since the last call (the metric
+        ``checkpoint_wait_s``: how much the bound on the checkpoint's lag cost the loop)."""
+        waited, self.wait_s = self.wait_s, 0.0
+        return waited
 
     def staged(self) -> None:
         """Block until the save in flight (if any) has copied this rank's values into its staging buffers:

@@ -572,6 +572,10 @@ class Checkpointer:
         """Save and block until committed, writing the live values directly (no staging copy)."""
         return self.save(path, tree, _stage_copy=False).wait()
 
+    def busy(self) -> bool:
+        """Whether a save is still in flight (not yet committed)."""
+        return self._pending is not None and not self._pending.done()
+
     def staged(self) -> None:
         """Block until the save in flight (if any) has staged its values: the fence before they change in place."""
         if self._pending is not None:
