@@ -4,11 +4,13 @@ one line with exit code 2."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -274,3 +276,111 @@ def test_a_slow_save_holds_the_loop_so_the_newest_commit_trails_by_at_most_one_i
     records = [json.loads(x) for x in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     waited = [r["checkpoint_wait_s"] for r in records]
     assert len(waited) == 4 and waited[:2] == [0.0, 0.0] and all(w > 0.3 for w in waited[2:]), waited
+
+
+# ------------------------------------------------------------------------------------------ 4. user errors
+
+
+def _bad_inputs(d: Path) -> None:
+    """The files the bad commands below point at."""
+    (d / "bin.dat").write_bytes(b"ok\x00\xff\xfe binary \x80")
+    (d / "data").mkdir()
+    (d / "data" / "notes.txt").write_text("text " * 1000)
+    (d / "data" / "photo.jpg").write_bytes(b"\xff\xd8\xff\xe0 a jpeg")
+    (d / "good.txt").write_text("some text\n")
+    (d / "syntax.py").write_text("def loss(:\n")
+    (d / "three.py").write_text("MODEL = 3\n")
+    (d / "binary.toml").write_bytes(b"\xff\xfe\x00[training]")
+    hf = d / "hf"
+    hf.mkdir()
+    hf_config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2}
+    hf_config |= {"num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 256}
+    (hf / "config.json").write_text(json.dumps(hf_config))
+    (hf / "model.safetensors").write_bytes(b"\x13\x00\x00\x00\x00\x00\x00\x00not json, not tensors")
+    (d / "ck" / "default").mkdir(parents=True)
+    (d / "ck" / "default" / "_METADATA").write_text("{}")
+
+
+BAD_INPUTS = {  # the command as typed ({d}: a folder of bad files) -> what its one line must contain
+    "train --data.paths {d}/bin.dat": "{d}/bin.dat: byte 0xff at offset 3 (line 1) is not UTF-8; it is not a text "
+    "file (remove it from data.paths, or convert it to UTF-8)",
+    "train --data.paths {d}/data": "{d}/data/photo.jpg: byte 0xff at offset 0",  # a folder holding one
+    "gradcheck --batch 0": "--batch=0: must be >= 1, e.g. --batch 4",
+    "rendezvous --port 70000": "--port=70000: a TCP port is 0..65535, e.g. 29400",
+    "pipeline show --schedule 1f1b --pp 100000 --microbatches 100000": "--pp 100000 --microbatches 100000: "
+    "10000000000 rank-microbatches is more than the 16384 a timeline shows; lower --pp or --microbatches",
+    "train --model.name={d}/syntax.py": "model.name='{d}/syntax.py': a syntax error at line 1",
+    "train --model.name={d}/three.py": "model.name='{d}/three.py' resolves to a int, not a functitan.model.Model; "
+    "assign `MODEL = functitan.model.Model(...)` there",
+    "import hf {d}/hf {d}/imported": "{d}/hf/model.safetensors is not a readable safetensors file (",
+    "plan --device cpu --out /sys/functitan-test/plan.toml": "--out /sys/functitan-test/plan.toml: cannot write in "
+    "/sys/functitan-test (",
+    "train --config {d}/binary.toml": "config file '{d}/binary.toml' is not a text file (byte 0xff at offset 0 is "
+    "not UTF-8); pass a TOML file such as configs/debug.toml",
+    "train --training.steps": "--training.steps needs a value, e.g. --training.steps=VALUE",
+    "train --config": "--config needs a value, e.g. --config=configs/debug.toml",
+    "plan --device cpu --seq-len 0": "--seq-len=0: must be >= 1 (omit it for the default)",
+    "data prepare {d}/good.txt --out {d}/shards --workers 0": "--workers=0: must be >= 1 (omit it for one per CPU)",
+    "export hf {d}/ck {d}/exported --max-shard-bytes -5": "--max-shard-bytes=-5: must be >= 1",
+    "trian": "unknown command 'trian'; did you mean 'train'?",
+    "train --data.max_corpus_bytes=-1": "data.max_corpus_bytes=-1: must be >= 1",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("bad")
+    _bad_inputs(d)
+    return d
+
+
+@pytest.mark.parametrize("command", list(BAD_INPUTS))
+def test_each_bad_input_is_one_line_and_exit_code_2(command, bad_files, capsys, monkeypatch):
+    from functitan.cli import main
+
+    if command.startswith("plan") and "/sys/" in command and os.access("/sys", os.W_OK | os.X_OK):
+        with contextlib.suppress(OSError):
+            os.rmdir(tempfile.mkdtemp(dir="/sys"))
+            pytest.skip("needs an unwritable directory (/sys)")
+    monkeypatch.chdir(bad_files / "ck")  # a train that got past its checks would write runs/ here
+    argv = [a.format(d=bad_files) for a in command.split()]
+    if argv[0] == "train":  # the tiny model, unless the command says otherwise (a later value wins)
+        argv[1:1] = [*TINY, "--training.steps=1"]
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2, (code, err[-3000:])
+    (line,) = err.splitlines()  # one line, no traceback
+    assert line.startswith("functitan"), line
+    assert BAD_INPUTS[command].format(d=bad_files) in line, line
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_the_checkpoint_folder(tmp_path, capsys, monkeypatch):
+    # the device fills up while step 2 saves (the writer's ENOSPC), after step 1 committed
+    import errno
+
+    from functitan.checkpoint import _fastwrite
+    from functitan.cli import main
+
+    write = _fastwrite.write_block
+
+    def fills_up(path, *args, **kwargs):
+        if f"{os.sep}2.tmp-" in path:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return write(path, *args, **kwargs)
+
+    monkeypatch.setattr(_fastwrite, "write_block", fills_up)
+    args = [*TINY, "--training.steps=3", "--checkpoint.enable=true", "--checkpoint.interval=1"]
+    assert main(["train", *args, f"--metrics.run_dir={tmp_path}", "--metrics.run_name=full"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    root = tmp_path / "full" / "checkpoints"
+    assert line.startswith(f"functitan: error: saving checkpoint {root}/2: no space left on the device of {root} ("), (
+        line
+    )
+    assert line.endswith(
+        "the committed steps are untouched: free space (or lower checkpoint.keep_last, or point checkpoint.folder "
+        "at a larger disk) and run the same command to resume"
+    ), line
+    assert sorted(p.name for p in root.iterdir() if p.name.isdigit()) == ["1"]

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
+import math
 import os
 import shutil
 import sys
@@ -47,6 +49,7 @@ from functitan import _dtensor as _dt
 
 from . import _fastwrite
 from . import _layout as L
+from ._restore import CheckpointError
 
 __all__ = ["SaveHandle", "Checkpointer", "save", "save_sync"]
 
@@ -64,6 +67,7 @@ class SaveHandle:
         self._staged.set()  # staged before ``save`` returns, unless it defers staging
         self._stage_error: BaseException | None = None
         self._events: list = []  # a deferred CUDA staging's completion event
+        self.nbytes = 0  # what this rank writes (its shards' bytes): the space a disk-full error asks for
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
@@ -87,8 +91,30 @@ class SaveHandle:
             cb, self._on_done = self._on_done, None
             cb()
         if self._error is not None:
+            if _disk_full(self._error):
+                raise _no_space(self.path, self.nbytes) from None
             raise RuntimeError(f"saving checkpoint {self.path} failed: {self._error}") from self._error
         return self.path
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """A write that failed for want of space (ENOSPC / EDQUOT), whether an OSError or tensorstore's message."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
+
+
+def _no_space(path: str, nbytes: int) -> CheckpointError:
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        free = f"{shutil.disk_usage(folder).free / 1e6:.0f} MB free"
+    except OSError:
+        free = "free space unknown"
+    return CheckpointError(
+        f"saving checkpoint {path}: no space left on the device of {folder} ({free}; this save writes about "
+        f"{nbytes / 1e6:.0f} MB per rank); the committed steps are untouched: free space (or lower "
+        f"checkpoint.keep_last, or point checkpoint.folder at a larger disk) and run the same command to resume"
+    )
 
 
 # ----------------------------------------------------------------------------------------------- plan
@@ -539,6 +565,7 @@ class Checkpointer:
         events = [] if defer else _stage(plan, named, copy=_stage_copy)
         side = _side_stream(named) if defer else None
         handle = SaveHandle(path, None)
+        handle.nbytes = sum(math.prod(p.box[1]) * leaf.dtype.itemsize for leaf in plan for p in leaf.pieces)
         if defer:
             handle._staged.clear()
             handle._events = events
