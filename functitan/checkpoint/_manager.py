@@ -25,7 +25,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -280,7 +279,8 @@ class CheckpointManager:
                 value = self.restore(step, exemplar, only=only, in_place=in_place)
             except CheckpointError as exc:
                 error = exc
-            if self._all_ok(error is None):
+            found = self._first_error(error)
+            if found is None:
                 if errors:
                     damaged = "; ".join(f"checkpoint step {s} in {self.root} is damaged ({e})" for s, e in errors)
                     warnings.warn(
@@ -292,19 +292,21 @@ class CheckpointManager:
                 self._last_saved = step
                 self._damaged = {s for s, _ in errors}
                 return value
-            errors.append((step, error or "damaged on another rank"))
+            errors.append((step, found))
         if errors:
             raise CheckpointError(
                 f"no intact checkpoint in {self.root}: " + "; ".join(f"step {s}: {e}" for s, e in errors)
             )
         return None
 
-    def _all_ok(self, ok: bool) -> bool:
+    def _first_error(self, error: CheckpointError | None) -> str | None:
+        """The first rank's damage found in a step (None when every rank read it): the same on every rank, and
+        naming the file, so each rank's message says which file it was (not "damaged on another rank")."""
         if self._group.pg is None:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group.pg)
-        return bool(flag.item())
+            return None if error is None else str(error)
+        found: list[Any] = [None] * len(self._group.ranks)
+        dist.all_gather_object(found, None if error is None else str(error), group=self._group.pg)
+        return next((e for e in found if e is not None), None)
 
     def __enter__(self) -> CheckpointManager:
         return self

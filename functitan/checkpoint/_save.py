@@ -34,6 +34,7 @@ import shutil
 import sys
 import threading
 import uuid
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -456,6 +457,7 @@ def _commit(
         )
         files[L.METADATA] = _write_json(os.path.join(item, L.METADATA), meta)
         commit = {"format": L.FORMAT, "files": files, "arrays": {name: shape for name, _, _, shape in merged}}
+        commit["checksums"] = _metadata_checksums(item, files)
         _write_json(os.path.join(item, L.COMMIT), commit)
         _fsync(item, directory=True)
         if item != tmp:
@@ -471,6 +473,17 @@ def _commit(
     for leaf in plan:  # drop references to live values (synchronous saves) until the next save
         for p in leaf.pieces:
             p.source = None
+
+
+def _metadata_checksums(item: str, files: dict[str, int]) -> dict[str, int]:
+    """crc32 of ``_METADATA`` and every ``zarr.json``: the chunks carry their own crc32c, and a same-size edit of
+    a metadata file (a shape, a dtype) would otherwise pass the size check and be blamed on the model config."""
+    out = {}
+    for rel in files:
+        if rel == L.METADATA or rel.endswith("/zarr.json") or rel == "zarr.json":
+            with open(os.path.join(item, rel), "rb") as f:
+                out[rel] = zlib.crc32(f.read())
+    return out
 
 
 def _as_sequences(entries: list[list]) -> list[list]:
