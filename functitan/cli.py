@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 from collections.abc import Callable, Sequence
@@ -72,7 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
-        print(f"functitan: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        near = difflib.get_close_matches(command, COMMANDS, n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]!r}?" if near else f"the commands: {', '.join(COMMANDS)}"
+        print(f"functitan: error: unknown command {command!r}; {hint} (functitan --help)", file=sys.stderr)
         return 2
     return _load(COMMANDS[command][1])(rest)
 

@@ -173,11 +173,30 @@ def apply_overrides(cfg: T, overrides: dict[str, Any], *, source: str = "command
     return dataclasses.replace(cfg, **changes)
 
 
+def _bare_is_true(keys: dict[str, tuple[type, Any, str]], key: str) -> bool:
+    """Whether ``--key`` alone stands for ``--key=true``: a bool key, a model field (typed by the model), or an
+    unknown key (refused by name later); not a key that needs a value."""
+    if key == "config":
+        return False
+    if key in keys:
+        return keys[key][0] is bool or typing.get_args(keys[key][0]) == (bool, type(None))
+    return True
+
+
 def _toml_overrides(path: Path) -> dict[str, Any]:
     try:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {str(path)!r} is not a text file (byte 0x{e.object[e.start]:02x} at offset {e.start} is not "
+            f"UTF-8); pass a TOML file such as configs/debug.toml"
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(
+            f"config file {str(path)!r} is a directory; pass a TOML file such as configs/debug.toml"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
     out: dict[str, Any] = {}
@@ -230,8 +249,11 @@ def parse_config(
         elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             key, value = body, argv[i + 1]
             i += 1
+        elif _bare_is_true(keys, body):
+            key, value = body, "true"  # a bare --section.flag turns it on
         else:
-            key, value = body, "true"
+            example = "configs/debug.toml" if body == "config" else "VALUE"
+            raise ConfigError(f"--{body} needs a value, e.g. --{body}={example}")
         if key == "config":
             from_file = _toml_overrides(Path(value))
             for k in from_file:

@@ -157,9 +157,13 @@ class CheckpointConfig:
     interval: int = 100
     keep_last: int = 3
     load_path: str | None = None  # weights to start from: a functitan checkpoint or a Hugging Face directory
+    # a save due while the previous one still writes: wait for it (the newest commit then trails the loop by at
+    # most one interval plus the save in flight; metrics checkpoint_wait_s), or skip this one (never waits)
+    when_busy: Literal["wait", "skip"] = "wait"
 
     def __post_init__(self) -> None:
         _at_least(self, ("interval", "keep_last"), 1)
+        check(self.when_busy in ("wait", "skip"), "when_busy", self.when_busy, "choose one of ['wait', 'skip']")
         check(bool(self.folder), "folder", self.folder, "a directory name, e.g. checkpoints")
 
 

@@ -22,10 +22,17 @@ import torch.distributed as dist
 from . import metrics as M
 from . import optim, pipeline
 from ._model_setup import check_model, check_resumed_model, init_model
-from .checkpoint import CheckpointManager, check_checkpoint_path, is_hf_dir, restore_params, write_model_config
+from .checkpoint import (
+    CheckpointManager,
+    check_checkpoint_path,
+    is_hf_dir,
+    lock_run,
+    restore_params,
+    write_model_config,
+)
 from .config import parse_config, to_dict
 from .data import build_loader
-from .elastic import Preemption, launch, parse_launch_args, report_stopped, split_batch
+from .elastic import Preemption, launch, parse_launch_args, report_stopped, split_batch, watch_launcher
 from .errors import pop_debug, user_errors_exit
 from .hostmem import keep_freed_memory
 from .job_config import JobConfig, build_optimizer, build_schedule, learning_rate_schedule
@@ -84,6 +91,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
 
     # 5. checkpoint: resume from the newest complete checkpoint of this run, else a weights-only load_path
     run_dir = _run_dir(cfg, model.name)
+    lock = lock_run(run_dir, wait_s=30.0 if "FUNCTITAN_ELASTIC_RUN" in os.environ else 0.0)  # one job per run
     ckpt = None
     if cfg.checkpoint.enable:
         ckpt = CheckpointManager(
@@ -91,6 +99,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
             interval=cfg.checkpoint.interval,
             keep_last=cfg.checkpoint.keep_last,
             mesh=mesh,
+            when_busy=cfg.checkpoint.when_busy,
         )
     if ckpt is not None and ckpt.latest_step() is not None:
         check_resumed_model(run_dir, name, model_cfg)
@@ -110,7 +119,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
         flops_per_token=model.flops_per_token(model_cfg, tcfg.seq_len),
         peak=M.peak_flops(device, layout.param_dtype or torch.float32),
     )
-    with _stepper(cfg, train_step, loader, device, loss_grad=loss_grad, optimizer=optimizer) as advance:
+    with lock, _stepper(cfg, train_step, loader, device, loss_grad=loss_grad, optimizer=optimizer) as advance:
         return _loop(cfg, state, advance, loader, meter, ckpt, run_dir, device)
 
 
@@ -288,6 +297,7 @@ def _loop(
                             **meter.flush(),
                             **M.peak_memory(device),
                             **_position(position, batch_seqs, cfg, out.get("replicas", 1) * dist.get_world_size()),
+                            **({"checkpoint_wait_s": ckpt.pop_wait_s()} if ckpt is not None else {}),
                         },
                     )
                     M.reset_peak_memory(device)
@@ -427,6 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if spec is not None:
             parse_config(JobConfig, rest, epilog=EXAMPLE)  # a bad value is reported once, before any process starts
             return launch(spec, rest + (["--debug"] if debug else []))
+        watch_launcher()  # a worker of `--nproc`: dies with the launcher, even when SIGKILL leaves it no word
         try:
             summary = run(parse_config(JobConfig, args, epilog=EXAMPLE))
         finally:

@@ -109,6 +109,7 @@ def test_cli_surface_is_frozen():
         "checkpoint.interval",
         "checkpoint.keep_last",
         "checkpoint.load_path",
+        "checkpoint.when_busy",
         "elastic.microbatch_size",
         "elastic.live",
         "elastic.lighthouse",

@@ -24,6 +24,7 @@ from ._hf import (
 )
 from ._manager import CheckpointManager, check_checkpoint_path, restore_params
 from ._restore import CheckpointError, restore, verify
+from ._runlock import RunInUseError, RunLock, lock_run
 from ._save import Checkpointer, SaveHandle, save, save_sync
 
 __all__ = [
@@ -47,4 +48,7 @@ __all__ = [
     "to_hf_state_dict",
     "from_hf_state_dict",
     "write_model_config",
+    "lock_run",
+    "RunLock",
+    "RunInUseError",
 ]

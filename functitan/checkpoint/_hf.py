@@ -302,9 +302,17 @@ def load_hf(
     for fname, keys in files.items():
         if not (root / fname).is_file():
             raise ValueError(f"{root / INDEX_NAME} names {fname!r}, which is missing from {root}")
-        with safe_open(str(root / fname), framework="pt", device=str(device)) as f:
-            for key in keys if keys is not None else f.keys():
-                sd[key] = f.get_tensor(key)
+        try:
+            with safe_open(str(root / fname), framework="pt", device=str(device)) as f:
+                for key in keys if keys is not None else f.keys():
+                    sd[key] = f.get_tensor(key)
+        except Exception as e:  # safetensors' SafetensorError (header, size) names no file
+            if isinstance(e, (ValueError, OSError)) and str(root / fname) in str(e):
+                raise
+            raise ValueError(
+                f"{root / fname} is not a readable safetensors file ({str(e).strip() or type(e).__name__}); "
+                "download it again, or convert the weights with save_pretrained(safe_serialization=True)"
+            ) from None
     return cfg, from_hf_state_dict(sd, model, cfg, dtype=dtype)
 
 

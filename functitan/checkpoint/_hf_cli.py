@@ -117,6 +117,8 @@ def main(command: str, argv: Sequence[str]) -> int:
         from ._hf import export_hf, import_hf, recorded_model
 
         if command == "export":
+            if ns.max_shard_bytes < 1:  # checked first: it was taken as "no limit" after the export's work
+                raise ValueError(f"--max-shard-bytes={ns.max_shard_bytes}: must be >= 1, e.g. 5000000000 (5 GB)")
             check_checkpoint_path(ns.checkpoint)
             _writable_dir(ns.out)
             model, cfg = recorded_model(ns.checkpoint)

@@ -20,11 +20,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -54,6 +54,10 @@ class CheckpointManager:
         exclude: key paths not saved (e.g. ``("opt_state",)`` for a weights-only run); on restore they
             come back from the exemplar unchanged.
         async_save: return from ``maybe_save`` once staged (True) or once committed (False).
+        when_busy: a save due while the previous one is still writing (at most one is in flight): ``"wait"``
+            for it, so the newest commit never trails the loop by more than one interval plus the save in
+            flight (the time waited adds up in ``wait_s``); ``"skip"`` that save instead (the loop never waits,
+            the newest commit may trail further). A forced save (the last step, a signal) always waits.
         mesh: the mesh whose ranks take part (default: all ranks). With a ``pp`` axis of size > 1 each
             pipeline rank saves and restores only its stages' leaves, under the same key paths as the whole
             model; the checkpoint is the one an unpipelined run writes, so any layout restores it.
@@ -72,7 +76,10 @@ class CheckpointManager:
         async_save: bool = True,
         mesh: DeviceMesh | None = None,
         timeout_s: float = 1800.0,
+        when_busy: str = "wait",
     ) -> None:
+        if when_busy not in ("wait", "skip"):
+            raise ValueError(f"when_busy={when_busy!r}: 'wait' for the save in flight, or 'skip' the next one")
         if interval < 1:
             raise ValueError(f"interval={interval}: save every N >= 1 steps")
         if keep_last < 1:
@@ -85,6 +92,9 @@ class CheckpointManager:
         self.interval, self.keep_last, self.keep_every = interval, keep_last, keep_every
         self.exclude = tuple(exclude)
         self.async_save = async_save
+        self.when_busy = when_busy
+        self.wait_s = 0.0  # seconds maybe_save waited for the previous save to commit (see pop_wait_s)
+        self.skipped: list[int] = []  # steps not saved because the previous save was still writing ("skip")
         self._group = _Group(mesh, timeout_s)
         names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
         self._partial = "pp" in names and mesh.size(names.index("pp")) > 1  # each rank holds part of the tree
@@ -145,6 +155,13 @@ class CheckpointManager:
             return None
         if step == self._last_saved and not replace:  # saved just now (maybe still in flight): not twice
             return None
+        if self._ck.busy():  # at most one save in flight: wait for it (the lag bound), or skip this one
+            if self.when_busy == "skip" and not force:
+                self.skipped.append(step)
+                return None
+            t0 = time.perf_counter()
+            self._ck.wait()
+            self.wait_s += time.perf_counter() - t0
         self._last_saved = step
         self._damaged.discard(step)
         tree = partition(state, lambda n, x: not _under(n, self.exclude))[0] if self.exclude else state
@@ -182,6 +199,12 @@ class CheckpointManager:
     def _delete(self, path: str) -> None:
         # rename first: a crash mid-delete must not leave a half-deleted directory under a step's name
         shutil.rmtree(_move_aside(path), ignore_errors=True)
+
+    def pop_wait_s(self) -> float:
+        """The seconds ``maybe_save`` waited for a previous save since the last call (the metric
+        ``checkpoint_wait_s``: how much the bound on the checkpoint's lag cost the loop)."""
+        waited, self.wait_s = self.wait_s, 0.0
+        return waited
 
     def staged(self) -> None:
         """Block until the save in flight (if any) has copied this rank's values into its staging buffers:
@@ -256,7 +279,8 @@ class CheckpointManager:
                 value = self.restore(step, exemplar, only=only, in_place=in_place)
             except CheckpointError as exc:
                 error = exc
-            if self._all_ok(error is None):
+            found = self._first_error(error)
+            if found is None:
                 if errors:
                     damaged = "; ".join(f"checkpoint step {s} in {self.root} is damaged ({e})" for s, e in errors)
                     warnings.warn(
@@ -268,19 +292,21 @@ class CheckpointManager:
                 self._last_saved = step
                 self._damaged = {s for s, _ in errors}
                 return value
-            errors.append((step, error or "damaged on another rank"))
+            errors.append((step, found))
         if errors:
             raise CheckpointError(
                 f"no intact checkpoint in {self.root}: " + "; ".join(f"step {s}: {e}" for s, e in errors)
             )
         return None
 
-    def _all_ok(self, ok: bool) -> bool:
+    def _first_error(self, error: CheckpointError | None) -> str | None:
+        """The first rank's damage found in a step (None when every rank read it): the same on every rank, and
+        naming the file, so each rank's message says which file it was (not "damaged on another rank")."""
         if self._group.pg is None:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group.pg)
-        return bool(flag.item())
+            return None if error is None else str(error)
+        found: list[Any] = [None] * len(self._group.ranks)
+        dist.all_gather_object(found, None if error is None else str(error), group=self._group.pg)
+        return next((e for e in found if e is not None), None)
 
     def __enter__(self) -> CheckpointManager:
         return self

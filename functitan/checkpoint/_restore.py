@@ -20,6 +20,7 @@ import json
 import math
 import os
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
@@ -56,8 +57,9 @@ def _read_json(path: str) -> dict:
 def verify(path: str | os.PathLike) -> None:
     """Check that every file the commit marker lists exists with its recorded size.
 
-    Truncation and missing files are caught here (a stat per file); flipped bits are caught on read by
-    the crc32c each chunk carries. A checkpoint written by functitan without its ``_COMMIT`` is
+    Truncation and missing files are caught here (a stat per file), and any change to ``_METADATA`` or a
+    ``zarr.json`` by its crc32 in the marker; flipped bits in a chunk are caught on read by the crc32c each
+    chunk carries. A checkpoint written by functitan without its ``_COMMIT`` is
     incomplete (an error); one written by Orbax has no ``_COMMIT`` (Orbax commits by its own rename) and
     passes with only its chunk checksums to protect it.
     """
@@ -89,6 +91,14 @@ def verify(path: str | os.PathLike) -> None:
                 f"{full} has {found} bytes, the commit marker {commit_path} recorded {size}: the file is truncated "
                 f"or corrupted; restore an older checkpoint"
             )
+    for rel, crc in commit.get("checksums", {}).items():  # the metadata files (chunks check their own crc32c)
+        full = os.path.join(path, rel)
+        with open(full, "rb") as f:
+            if zlib.crc32(f.read()) != crc:
+                raise CheckpointError(
+                    f"{full} does not match its checksum in {commit_path}: the file is corrupted; restore an "
+                    "older checkpoint"
+                )
 
 
 def _with_prefix(exemplar: Any, only: str | None) -> list[tuple[str, Any]]:

@@ -26,12 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
+import math
 import os
 import shutil
 import sys
 import threading
 import uuid
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +50,7 @@ from functitan import _dtensor as _dt
 
 from . import _fastwrite
 from . import _layout as L
+from ._restore import CheckpointError
 
 __all__ = ["SaveHandle", "Checkpointer", "save", "save_sync"]
 
@@ -64,6 +68,7 @@ class SaveHandle:
         self._staged.set()  # staged before ``save`` returns, unless it defers staging
         self._stage_error: BaseException | None = None
         self._events: list = []  # a deferred CUDA staging's completion event
+        self.nbytes = 0  # what this rank writes (its shards' bytes): the space a disk-full error asks for
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
@@ -87,8 +92,30 @@ class SaveHandle:
             cb, self._on_done = self._on_done, None
             cb()
         if self._error is not None:
+            if _disk_full(self._error):
+                raise _no_space(self.path, self.nbytes) from None
             raise RuntimeError(f"saving checkpoint {self.path} failed: {self._error}") from self._error
         return self.path
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """A write that failed for want of space (ENOSPC / EDQUOT), whether an OSError or tensorstore's message."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc)
+
+
+def _no_space(path: str, nbytes: int) -> CheckpointError:
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        free = f"{shutil.disk_usage(folder).free / 1e6:.0f} MB free"
+    except OSError:
+        free = "free space unknown"
+    return CheckpointError(
+        f"saving checkpoint {path}: no space left on the device of {folder} ({free}; this save writes about "
+        f"{nbytes / 1e6:.0f} MB per rank); the committed steps are untouched: free space (or lower "
+        f"checkpoint.keep_last, or point checkpoint.folder at a larger disk) and run the same command to resume"
+    )
 
 
 # ----------------------------------------------------------------------------------------------- plan
@@ -430,6 +457,7 @@ def _commit(
         )
         files[L.METADATA] = _write_json(os.path.join(item, L.METADATA), meta)
         commit = {"format": L.FORMAT, "files": files, "arrays": {name: shape for name, _, _, shape in merged}}
+        commit["checksums"] = _metadata_checksums(item, files)
         _write_json(os.path.join(item, L.COMMIT), commit)
         _fsync(item, directory=True)
         if item != tmp:
@@ -445,6 +473,17 @@ def _commit(
     for leaf in plan:  # drop references to live values (synchronous saves) until the next save
         for p in leaf.pieces:
             p.source = None
+
+
+def _metadata_checksums(item: str, files: dict[str, int]) -> dict[str, int]:
+    """crc32 of ``_METADATA`` and every ``zarr.json``: the chunks carry their own crc32c, and a same-size edit of
+    a metadata file (a shape, a dtype) would otherwise pass the size check and be blamed on the model config."""
+    out = {}
+    for rel in files:
+        if rel == L.METADATA or rel.endswith("/zarr.json") or rel == "zarr.json":
+            with open(os.path.join(item, rel), "rb") as f:
+                out[rel] = zlib.crc32(f.read())
+    return out
 
 
 def _as_sequences(entries: list[list]) -> list[list]:
@@ -539,6 +578,7 @@ class Checkpointer:
         events = [] if defer else _stage(plan, named, copy=_stage_copy)
         side = _side_stream(named) if defer else None
         handle = SaveHandle(path, None)
+        handle.nbytes = sum(math.prod(p.box[1]) * leaf.dtype.itemsize for leaf in plan for p in leaf.pieces)
         if defer:
             handle._staged.clear()
             handle._events = events
@@ -571,6 +611,10 @@ class Checkpointer:
     def save_sync(self, path: str | os.PathLike, tree: Any) -> str:
         """Save and block until committed, writing the live values directly (no staging copy)."""
         return self.save(path, tree, _stage_copy=False).wait()
+
+    def busy(self) -> bool:
+        """Whether a save is still in flight (not yet committed)."""
+        return self._pending is not None and not self._pending.done()
 
     def staged(self) -> None:
         """Block until the save in flight (if any) has staged its values: the fence before they change in place."""

@@ -6,13 +6,14 @@ JSONL file.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["DEFAULT_CORPUS_BYTES", "default_corpus", "expand_paths", "read_documents", "is_jsonl"]
+__all__ = ["DEFAULT_CORPUS_BYTES", "default_corpus", "expand_paths", "read_documents", "is_jsonl", "check_text_file"]
 
 DEFAULT_CORPUS_BYTES = 16 * 2**20
 """16 MiB: the whole Python 3.11 stdlib (about 12 MB of .py/.txt without tests) fits."""
@@ -83,25 +84,48 @@ def expand_paths(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return out
 
 
+def _not_utf8(path: Path, raw: bytes, e: UnicodeDecodeError) -> ValueError:
+    line = raw.count(b"\n", 0, e.start) + 1
+    return ValueError(
+        f"{path}: byte {raw[e.start]:#04x} at offset {e.start} (line {line}) is not UTF-8; it is not a text "
+        f"file (remove it from data.paths, or convert it to UTF-8)"
+    )
+
+
+def check_text_file(path: str | os.PathLike, *, head: int = 1 << 16) -> None:
+    """Refuse a file that is not UTF-8 text from its first ``head`` bytes, before training starts (files are
+    read when the shuffle first reaches them: a binary one would fail mid-run, or train on garbage)."""
+    path = Path(path)
+    with path.open("rb") as f:
+        raw = f.read(head)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(raw, final=len(raw) < head)  # a cut character is fine
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, raw, e) from None
+
+
 def read_documents(path: str | os.PathLike, *, text_key: str = "text") -> list[str]:
     """The documents of one file: the whole text of a text file, or one per line of a ``.jsonl`` file.
 
-    Text is read as UTF-8 with undecodable bytes replaced. In JSONL, blank lines are skipped and every
-    other line must be a JSON object with a string under ``text_key``.
+    Text must be UTF-8, as ``functitan data prepare`` requires: a binary file (an image, an archive) in a
+    training folder would otherwise train on U+FFFD replacement characters without a word. In JSONL, blank
+    lines are skipped and every other line must be a JSON object with a string under ``text_key``.
 
     Raises:
-        ValueError: a JSONL line that is not JSON, not an object, or lacks a string ``text_key``; the
-            message names the file and the line number.
+        ValueError: a file that is not UTF-8 text (naming the byte and its offset); a JSONL line that is
+            not JSON, not an object, or lacks a string ``text_key`` (naming the file and the line number).
     """
     path = Path(path)
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _not_utf8(path, raw, e) from None
     if not is_jsonl(path):
-        return [path.read_text(encoding="utf-8", errors="replace")]
-    docs = []
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                docs.append(_jsonl_text(line, path, lineno, text_key))
-    return docs
+        return [text]
+    return [
+        _jsonl_text(line, path, lineno, text_key) for lineno, line in enumerate(text.split("\n"), 1) if line.strip()
+    ]
 
 
 def _jsonl_text(line: str, path: Path, lineno: int, text_key: str) -> str:

@@ -35,7 +35,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from functitan.data._corpus import DEFAULT_CORPUS_BYTES, default_corpus, expand_paths, read_documents
+from functitan.data._corpus import (
+    DEFAULT_CORPUS_BYTES,
+    check_text_file,
+    default_corpus,
+    expand_paths,
+    read_documents,
+)
 from functitan.data._shards import ShardSet, is_prepared
 from functitan.data._tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from functitan.mesh import DP_AXES
@@ -126,6 +132,8 @@ class TokenLoader:
             tokenizer = shards.tokenizer
         else:
             self.files = expand_paths(paths) if paths is not None else default_corpus()
+            for f in self.files if paths is not None else ():
+                check_text_file(f)  # a binary file is refused now, as `functitan data prepare` refuses it
         if not self.files:
             raise ValueError("TokenLoader: no data files (the paths name no files); pass files or directories")
         self.shards = shards
@@ -340,6 +348,11 @@ class DataConfig:
     seed: int = 0
     max_corpus_bytes: int = DEFAULT_CORPUS_BYTES
     max_open_shards: int = 4
+
+    def __post_init__(self) -> None:
+        for key in ("max_corpus_bytes", "max_open_shards"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"data.{key}={getattr(self, key)}: must be >= 1")
 
 
 def build_loader(

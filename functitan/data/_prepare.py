@@ -372,6 +372,12 @@ def main(argv: Sequence[str]) -> int:
     ns = ap.parse_args(args[1:])
 
     def body() -> int:
+        for flag, value, hint in (
+            ("--workers", ns.workers, "omit it for one per CPU"),
+            ("--shard-tokens", ns.shard_tokens, f"the default is {DEFAULT_SHARD_TOKENS}"),
+        ):
+            if value is not None and value < 1:  # --workers 0 used to mean the default
+                raise ValueError(f"{flag}={value}: must be >= 1 ({hint})")
         index = prepare(
             ns.sources,
             ns.out,

@@ -11,6 +11,7 @@
 from ._batch import BatchSplitError, split_batch, world_sizes_for
 from ._config import ElasticConfig
 from ._launch import LaunchError, LaunchSpec, launch, parse_launch_args, report_stopped, torchrun_command
+from ._orphans import watch_launcher
 from ._preempt import Preemption
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "report_stopped",
     "torchrun_command",
     "Preemption",
+    "watch_launcher",
 ]

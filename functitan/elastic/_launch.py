@@ -8,6 +8,8 @@ It owns torchrun and every process below it:
 * A user error on any rank (the rank prints one line and writes it to ``$FUNCTITAN_ERROR_DIR/rank{RANK}.txt``)
   is shown once, as ``functitan: error: ...``, exit code 2, without torchrun's ChildFailedError traceback. A
   real crash keeps every traceback.
+* Whatever kills the launcher, even SIGKILL, takes torchrun and every worker with it within about a second
+  (functitan.elastic._orphans): a requeued job never races the old one on the run directory.
 * ``--nnodes MIN:MAX`` makes the job elastic on torchrun's c10d rendezvous, through a store that no agent
   hosts (``functitan rendezvous``), so losing any node does not end the job; see docs/elastic.md.
 """
@@ -25,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+from ._orphans import LAUNCHER_PID
 
 __all__ = [
     "LaunchError",
@@ -138,7 +142,8 @@ def torchrun_command(spec: LaunchSpec, argv: Sequence[str], log_dir: str | os.Pa
     ``log_dir``: torchrun's directory for its workers' error files (default: a ``torchelastic_*`` directory of
     its own in /tmp, which it leaves behind when a signal stops it).
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={spec.nproc}"]
+    # torchrun itself, under a wrapper that dies with the launcher (functitan.elastic._orphans)
+    cmd = [sys.executable, "-m", "functitan.elastic._torchrun", f"--nproc-per-node={spec.nproc}"]
     if log_dir is not None:
         cmd.append(f"--log-dir={log_dir}")
     if not spec.elastic:
@@ -221,6 +226,7 @@ def launch(spec: LaunchSpec, argv: Sequence[str]) -> int:
         # wait forever (torchrun --standalone --max-restarts, torch 2.13); several agents on one host deadlock
         # on scale-up the same way.
         env = {**os.environ, "FUNCTITAN_ERROR_DIR": str(error_dir), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        env[LAUNCHER_PID] = str(os.getpid())  # torchrun and the workers die with us, even by SIGKILL
         if spec.elastic:
             env["FUNCTITAN_ELASTIC_RUN"] = spec.rdzv_id
         if spec.nproc > 1:  # what torchrun sets itself, without the three-line banner it prints then

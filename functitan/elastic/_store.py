@@ -41,10 +41,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
     parser.add_argument("--port", type=int, default=29400, help="TCP port (default 29400)")
     args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        print(f"functitan rendezvous: error: --port={args.port}: a TCP port is 0..65535, e.g. 29400", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    serve(args.host, args.port, stop=stop)
+    try:
+        serve(args.host, args.port, stop=stop)
+    except RuntimeError as e:  # torch's DistNetworkError: the port is taken, or the host is not this machine's
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(
+            f"functitan rendezvous: error: cannot listen on {args.host}:{args.port} ({reason}); pick another --port, "
+            "or a --host address of this machine",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 

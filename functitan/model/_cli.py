@@ -27,6 +27,10 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=16)
     ns, rest = parser.parse_known_args(list(argv))
+    for flag, value in (("--batch", ns.batch), ("--seq-len", ns.seq_len)):
+        if value < 1:
+            print(f"functitan gradcheck: error: {flag}={value}: must be >= 1, e.g. {flag} 4", file=sys.stderr)
+            return 2
     overrides = {}
     for arg in rest:
         key, eq, value = arg.removeprefix("--").partition("=")

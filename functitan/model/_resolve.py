@@ -71,6 +71,11 @@ def _load_file(path: Path):
     sys.modules[mod_name] = module  # dataclasses and pickling look the module up by name
     try:
         spec.loader.exec_module(module)
+    except SyntaxError as e:  # the user's file: one line naming it, not a traceback into importlib
+        del sys.modules[mod_name]
+        raise ValueError(
+            f"model.name={str(path)!r}: a syntax error at line {e.lineno}: {e.msg}; fix the model file"
+        ) from None
     except BaseException:
         del sys.modules[mod_name]
         raise
@@ -79,7 +84,10 @@ def _load_file(path: Path):
 
 def _check(value: object, name: str) -> Model:
     if not isinstance(value, Model):
-        raise TypeError(f"model.name={name!r} resolves to a {type(value).__name__}, not a functitan.model.Model")
+        raise ValueError(  # the user's file or plugin: a user error, one line
+            f"model.name={name!r} resolves to a {type(value).__name__}, not a functitan.model.Model; assign "
+            "`MODEL = functitan.model.Model(...)` there (docs/models.md)"
+        )
     return value
 
 

@@ -62,7 +62,15 @@ def _build(args: argparse.Namespace) -> Schedule:
         return load_csv(args.csv)
     if args.stages_per_rank is not None and args.schedule != "interleaved_1f1b":
         raise ValueError(f"--stages-per-rank applies to --schedule interleaved_1f1b only; {args.schedule} fixes it")
+    if args.pp * args.microbatches > MAX_CELLS:  # bounded before any list is built: 1e5 x 1e5 took 6.9 GB and more
+        raise ValueError(
+            f"--pp {args.pp} --microbatches {args.microbatches}: {args.pp * args.microbatches} rank-microbatches is "
+            f"more than the {MAX_CELLS} a timeline shows; lower --pp or --microbatches (e.g. --pp 8 --microbatches 32)"
+        )
     return make_schedule(args.schedule, args.pp, args.microbatches, args.stages_per_rank)
+
+
+MAX_CELLS = 2**14  # pp x microbatches: a zb_v timeline of 64 x 256 prints in ~4 s
 
 
 def main(argv: list[str]) -> int:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -52,6 +54,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_writable(flag: str, path: Path) -> None:
+    """``path`` can be written: its folder exists (or can be made) and takes a file."""
+    if path.is_dir():
+        raise PlanError(f"{flag} {path}: is a directory; pass a file name, e.g. {flag} {path / 'plan.toml'}")
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".functitan-plan-"):
+            pass
+    except OSError as e:
+        raise PlanError(
+            f"{flag} {path}: cannot write in {folder} ({e.strerror or e}); pick a writable folder"
+        ) from None
+
+
 def _model_overrides(rest: list[str]) -> tuple[dict, list[str]]:
     out, unknown = {}, []
     for a in rest:
@@ -74,6 +91,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         dev = device(args.device)
         if args.nodes < 1 or args.gpus_per_node < 1:
             raise PlanError(f"--nodes={args.nodes} --gpus-per-node={args.gpus_per_node}: both must be >= 1")
+        for flag, value in (("--seq-len", args.seq_len), ("--global-batch-tokens", args.global_batch_tokens)):
+            if value is not None and value < 1:  # 0 was taken as the default
+                raise PlanError(f"{flag}={value}: must be >= 1 (omit it for the default)")
+        if args.measure < 0:
+            raise PlanError(f"--measure={args.measure}: the steps to train each top candidate, >= 1 (0: no measure)")
+        for flag, path in (("--out", args.out), ("--png", args.png)):
+            if path:
+                _check_writable(flag, Path(path))  # before planning, not after it (40 s of work lost)
         if args.calibrate:
             dev = calibrate(dev, processes=max(2, min(args.nodes * args.gpus_per_node, 8)))
         cluster = Cluster(device=dev, nodes=args.nodes, per_node=args.gpus_per_node)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +34,49 @@ def measured_step_time(cfg: Any, world: int, steps: int, workdir: str | Path, ti
     cmd = [sys.executable, "-m", "functitan.train", "--config", str(path)]
     if world > 1:
         cmd += ["--nproc", str(world)]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=timeout)
+    _run_child(cmd, timeout)
     recs = [json.loads(x) for x in (workdir / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     times = sorted(r["step_time_s"] for r in recs[1:] if "step_time_s" in r) or [recs[-1]["step_time_s"]]
     return times[len(times) // 2]
+
+
+def _run_child(cmd: list[str], timeout: float) -> None:
+    """Run one measured training job; SIGTERM / SIGINT to the planner go to it, and the planner waits for it to
+    stop before exiting ``128 + signal`` (it used to leave the job training). The job also gets SIGTERM when the
+    planner dies (Linux), so not even a SIGKILL of the planner leaves it behind."""
+    from functitan.elastic._orphans import die_with_parent
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM) if main_thread else None,
+        )
+        received: list[int] = []
+
+        def forward(signum: int, frame: object) -> None:
+            received.append(signum)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+        if received:
+            print(f"functitan plan: stopped by {signal.Signals(received[0]).name} while measuring", file=sys.stderr)
+            raise SystemExit(128 + received[0])
+        if rc != 0:
+            log.seek(0)
+            raise subprocess.CalledProcessError(rc, cmd, output=log.read())
 
 
 def measure(plan: Any, *, steps: int, world: int, top: int = 3) -> Any:
