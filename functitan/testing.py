@@ -398,6 +398,7 @@ def _pool_worker(rank: int, world_size: int, port: int, tasks: Any, queue: Any, 
             break
         torch.set_num_threads(task_threads)
         torch.manual_seed(seed)
+        report: tuple[int, int, str, bytes | str]
         try:
             report = (rank, call, "ok", pickle.dumps(fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - the parent re-raises with the worker's traceback
@@ -451,11 +452,8 @@ def _library_patched() -> bool:
     import sysconfig
 
     installed = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
-    roots = tuple(
-        os.path.dirname(m.__file__) + os.sep
-        for m in (sys.modules.get("functitan"), sys.modules.get("models"))
-        if m is not None and getattr(m, "__file__", None)
-    )
+    files = [getattr(sys.modules.get(name), "__file__", None) for name in ("functitan", "models")]
+    roots = tuple(os.path.dirname(f) + os.sep for f in files if f)
     for name, module in list(sys.modules.items()):
         if not name.startswith(("functitan.", "models.")):
             continue
