@@ -271,7 +271,7 @@ class WorkerPool:
 
         def result() -> list[Any]:
             try:
-                results, errors, retired = self._collect(fn.__name__, call, max(0.0, deadline - time.monotonic()))
+                results, errors, retired = self._collect(fn.__name__, call, timeout, deadline)
             except BaseException:
                 self.close(kill=True)
                 raise
@@ -286,13 +286,12 @@ class WorkerPool:
 
         return result
 
-    def _collect(self, name: str, call: int, timeout: float) -> tuple[dict[int, Any], list[str], bool]:
-        """``(results by rank, errors, whether a rank retired)`` of one call."""
+    def _collect(self, name: str, call: int, timeout: float, deadline: float) -> tuple[dict[int, Any], list[str], bool]:
+        """``(results by rank, errors, whether a rank retired)`` of one call, due by ``deadline``."""
         results: dict[int, Any] = {}
         errors: list[str] = []
         retired = False
         reported: set[int] = set()
-        deadline = time.monotonic() + timeout
         grace: float | None = None  # after one rank fails, how long the others get to report
         while len(results) + len(errors) < self.world_size:
             try:
@@ -306,7 +305,7 @@ class WorkerPool:
                 if grace is not None and now > grace:
                     break  # the others wait in a collective for the failed rank
                 if now > deadline:
-                    raise RuntimeError(f"distributed run of {name} timed out after {timeout:.1f}s") from None
+                    raise RuntimeError(f"distributed run of {name} timed out after {timeout}s") from None
                 continue
             if got != call:
                 continue  # a late report of a call that already failed
@@ -344,7 +343,7 @@ class WorkerPool:
                 p.start()
             for recv, _ in pipes:
                 recv.close()  # the worker holds its own end: when this process dies, the worker reads EOF and exits
-            _, errors, _ = self._collect("the pool's start", 0, 120.0)
+            _, errors, _ = self._collect("the pool's start", 0, 120.0, time.monotonic() + 120.0)
             if not errors:
                 return
             self.close(kill=True)
