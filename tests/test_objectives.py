@@ -1,0 +1,163 @@
+"""Masked objectives train exactly as on one process under every layout (issue 24).
+
+The batch mixes what users train: rows with a random 15% MLM-style mask (a count that varies by row), SFT rows
+whose ragged prompts are not trained on, and padded rows; ``-100`` marks every target that is no token of the
+loss. The model (tests/assets/objectives_models.py) returns ``TokenLoss(sum, count)``; the step divides by the
+count over every data-parallel rank, microbatch and pipeline microbatch, so loss and gradient equal one
+process's mean over the batch's valid tokens (``F.cross_entropy`` over the whole batch) within 1e-6.
+Each layout runs one real train step (``make_train_step`` with SGD at lr 1: the gradient is ``before - after``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from functitan import optim, pipeline
+from functitan.mesh import make_mesh
+from functitan.model import init, load_model
+from functitan.model import specs as model_specs
+from functitan.random import key
+from functitan.sharding import Layout, default_rules, place
+from functitan.step import make_train_step
+from functitan.testing import run_distributed
+from functitan.train_state import TrainState
+from functitan.transforms import accumulate, value_and_grad
+from functitan.tree import flatten_with_names
+
+ASSET = str(Path(__file__).parent / "assets" / "objectives_models.py")
+BATCH, SEQ = 8, 16
+TOL = dict(atol=1e-6, rtol=1e-6)
+
+# the model configs the layouts run (overrides of the asset's "debug" flavor)
+CFGS: dict[str, dict[str, Any]] = {
+    # vocab-parallel tied head, label smoothing, cross_entropy's z-loss and a router z-loss from the residual stream
+    "tied": dict(label_smoothing=0.1, z_loss=1e-3, router_z=0.01, aux=True),
+    "replicated": dict(head="replicated", label_smoothing=0.1, z_loss=1e-3, router_z=0.01),  # a head no rule shards
+    "tied_mean": dict(reduction="mean", router_z=0.01),  # the scalar contract: exact where one rank holds the batch
+    "replicated_mean": dict(head="replicated", reduction="mean"),
+    "pp": dict(head="replicated", label_smoothing=0.1),  # the router term stays inside the blocks' stage
+}
+# (name, mesh degrees, sequence parallel, microbatches, config)
+CASES_2 = [
+    ("ddp2", dict(dp_replicate=2), False, 1, "tied"),
+    ("fsdp2", dict(dp_shard=2), False, 1, "tied"),
+    ("fsdp2_mb2", dict(dp_shard=2), False, 2, "tied"),
+    ("ddp2_mb4", dict(dp_replicate=2), False, 4, "replicated"),
+    ("tp2", dict(tp=2), False, 1, "tied"),
+    ("tp2_sp", dict(tp=2), True, 1, "tied"),
+    ("tp2_sp_replicated_head", dict(tp=2), True, 1, "replicated"),
+    ("tp2_mean", dict(tp=2), False, 1, "tied_mean"),
+    ("tp2_sp_mean", dict(tp=2), True, 1, "tied_mean"),
+    ("tp2_sp_replicated_head_mean", dict(tp=2), True, 1, "replicated_mean"),
+    ("pp2", dict(pp=2), False, 2, "pp"),
+]
+CASES_4 = [
+    ("fsdp2_tp2_sp", dict(dp_shard=2, tp=2), True, 2, "tied"),
+    ("fsdp2_tp2_sp_replicated_head", dict(dp_shard=2, tp=2), True, 1, "replicated"),
+    ("fsdp2_tp2", dict(dp_shard=2, tp=2), False, 1, "tied"),
+    ("hsdp", dict(dp_replicate=2, dp_shard=2), False, 1, "tied"),
+]
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 48, (BATCH, SEQ + 1), generator=g)
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    for r in range(3):  # MLM-style: a random 15% of positions are tokens of the loss
+        targets[r] = torch.where(torch.rand(SEQ, generator=g) < 0.15, targets[r], -100)
+    for r in range(3, 6):  # SFT: a prompt of ragged length is not trained on
+        targets[r, : int(torch.randint(1, SEQ - 2, (), generator=g))] = -100
+    for r in range(6, BATCH):  # padding after a ragged length
+        n = int(torch.randint(4, SEQ, (), generator=g))
+        inputs[r, n:], targets[r, n:] = 0, -100
+    return {"inputs": inputs, "targets": targets}
+
+
+def _config(name: str, **extra: Any) -> Any:
+    return load_model(ASSET).config("debug", **{**CFGS[name], **extra})
+
+
+def _reference(cfg_name: str) -> tuple[float, dict[str, torch.Tensor], Any]:
+    """One process, the whole batch, the plain mean over its valid tokens (``reduction="mean"``)."""
+    model = load_model(ASSET)
+    c = _config(cfg_name, reduction="mean")
+    value, grads = value_and_grad(lambda p, b: model.loss(p, b, c, Layout()), has_aux=c.aux)(
+        init(model.params(c), key(0)), _batch()
+    )
+    loss, aux = value if c.aux else (value, None)
+    return loss.item(), dict(flatten_with_names(grads)[0]), aux
+
+
+def _step(name: str, degrees: dict, sp: bool, microbatches: int, cfg_name: str) -> tuple[float, dict, Any]:
+    """On every rank: one train step of ``cfg_name`` under this layout -> (loss, full gradients, aux)."""
+    model = load_model(ASSET)
+    c = _config(cfg_name)
+    mesh = make_mesh(**degrees)
+    rules = default_rules(sequence_parallel=sp)
+    full, specs = init(model.params(c), key(0)), model_specs(model.params(c))
+    across = None
+    if degrees.get("pp", 1) > 1:
+        layout = Layout(pipeline.stage_mesh(mesh), pipeline.stage_rules(rules))
+        stages = pipeline.make_stages(
+            model.stages(c, layout, seq_len=SEQ), pipeline.make_schedule("1f1b", degrees["pp"], microbatches), mesh
+        )
+        params = pipeline.place_stages(full, specs, rules, stages)
+        grad_fn, across = pipeline.pipeline_grad_fn(stages), stages.pp_group
+    else:
+        layout = Layout(mesh, rules)
+        params = place(full, specs, rules, mesh)
+        grad_fn = accumulate(value_and_grad(lambda p, b: model.loss(p, b, c, layout), has_aux=c.aux), microbatches)
+    opt = optim.sgd(1.0)
+    step = make_train_step(grad_fn, opt, norm_across=across)
+    state = TrainState(step=0, params=params, opt_state=opt.init(params), data_state=None, rng=0)
+    local = {k: v.chunk(layout.dp_size)[layout.dp_rank] for k, v in _batch().items()}
+    new, metrics = step(state, local)
+    before, after = flatten_with_names(state.params)[0], flatten_with_names(new.params)[0]
+    grads = {n: (p.full_tensor() - q.full_tensor()).detach() for (n, p), (_, q) in zip(before, after)}
+    return metrics["loss"], grads, metrics.get("aux")
+
+
+def _steps(cases: list) -> dict[str, tuple[float, dict, Any]]:
+    """Every case in one process group (one launch per world size)."""
+    return {case[0]: _step(*case) for case in cases}
+
+
+def _check(results: list[dict], cases: list) -> None:
+    refs = {c: _reference(c) for c in {case[-1] for case in cases}}
+    failures = []
+    for name, *_, cfg_name in cases:
+        ref_loss, ref_grads, ref_aux = refs[cfg_name]
+        for rank, res in enumerate(results):
+            loss, grads, aux = res[name]
+            if abs(loss - ref_loss) > 1e-6:
+                failures.append(f"{name} rank {rank}: loss {loss:.7f}, one process {ref_loss:.7f}")
+            for n, g in grads.items():
+                err = (g - ref_grads[n]).abs().max().item()
+                if not torch.allclose(g, ref_grads[n], **TOL):
+                    failures.append(f"{name} rank {rank}: {n} gradient off by {err:.3g}")
+            if ref_aux is not None and name.startswith("tp"):  # one data-parallel rank: its aux is the batch's
+                for k, v in ref_aux.items():
+                    if abs(aux[k].item() - v.item()) > 1e-5:
+                        failures.append(f"{name} rank {rank}: aux {k} {aux[k].item():.6f}, one process {v.item():.6f}")
+    assert not failures, "\n".join(failures)
+
+
+def test_reference_batch_has_a_varying_count_of_valid_tokens():
+    targets = _batch()["targets"]
+    counts = (targets != -100).sum(1)
+    assert counts.min() > 0 and len(set(counts.tolist())) >= 5, counts  # and no row of the 2-row pieces is empty
+    assert (targets == -100).any(1).all()
+
+
+def test_masked_losses_equal_one_process_on_two_ranks():
+    """DDP 2, FSDP 2 (+ microbatches), microbatches alone, TP 2, TP 2 + SP (vocab-parallel and replicated
+    heads; TokenLoss and the plain mean), PP 2 (1F1B, 2 microbatches)."""
+    _check(run_distributed(_steps, 2, CASES_2), CASES_2)
+
+
+def test_masked_losses_equal_one_process_on_four_ranks():
+    """FSDP 2 x TP 2 (+ SP, + microbatches), HSDP 2 x 2."""
+    _check(run_distributed(_steps, 4, CASES_4), CASES_4)
