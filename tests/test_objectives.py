@@ -10,14 +10,18 @@ Each layout runs one real train step (``make_train_step`` with SGD at lr 1: the 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from functitan import optim, pipeline
 from functitan.mesh import make_mesh
-from functitan.model import init, load_model
+from functitan.model import TokenLoss, init, load_model
 from functitan.model import specs as model_specs
 from functitan.random import key
 from functitan.sharding import Layout, default_rules, place
@@ -161,3 +165,77 @@ def test_masked_losses_equal_one_process_on_two_ranks():
 def test_masked_losses_equal_one_process_on_four_ranks():
     """FSDP 2 x TP 2 (+ SP, + microbatches), HSDP 2 x 2."""
     _check(run_distributed(_steps, 4, CASES_4), CASES_4)
+
+
+# ----------------------------------------------------------------------------------------------- one process
+
+
+def test_cross_entropy_options_on_one_device_are_torchs_plus_the_z_loss():
+    g = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(2, 5, 7, generator=g), torch.randint(0, 7, (2, 5), generator=g)
+    targets[0, :3] = -100
+    z, t = logits.flatten(0, 1), targets.flatten()
+    lse = torch.logsumexp(z, -1)[t != -100]
+    want = torch.nn.functional.cross_entropy(z, t, label_smoothing=0.1) + 1e-2 * lse.square().mean()
+    got = Layout().cross_entropy(logits, targets, 7, label_smoothing=0.1, z_loss=1e-2)
+    tokens = Layout().cross_entropy(logits, targets, 7, label_smoothing=0.1, z_loss=1e-2, reduction="tokens")
+    torch.testing.assert_close(got, want)
+    assert isinstance(tokens, TokenLoss) and tokens.count.item() == 7.0
+    torch.testing.assert_close(tokens.sum / tokens.count, want)
+    with pytest.raises(ValueError, match=r"reduction='sum'.*choose 'mean'.*or 'tokens'"):
+        Layout().cross_entropy(logits, targets, 7, reduction="sum")
+
+
+def _token_loss(p: dict, b: dict) -> TokenLoss:
+    s = torch.nn.functional.cross_entropy(b["x"] @ p["w"], b["y"], reduction="sum")
+    return TokenLoss(s, (b["y"] != -100).sum().float())
+
+
+@pytest.mark.parametrize("compile", [False, "aot_eager"])
+def test_token_loss_over_microbatches_of_different_counts_is_the_batch_mean_eager_and_compiled(compile):
+    """Microbatch 0 holds 1 valid token, microbatch 1 four: the mean of their means is not the batch's."""
+    g = torch.Generator().manual_seed(0)
+    b = {"x": torch.randn(8, 5, generator=g), "y": torch.randint(0, 3, (8,), generator=g)}
+    b["y"][:3] = -100
+    p = {"w": torch.randn(5, 3, generator=g)}
+    opt = optim.sgd(1.0)
+    state = TrainState(step=0, params=p, opt_state=opt.init(p), data_state=None, rng=0)
+    ref_loss = lambda p, b: torch.nn.functional.cross_entropy(b["x"] @ p["w"], b["y"])  # noqa: E731
+    ref, ref_m = make_train_step(value_and_grad(ref_loss), opt, max_norm=0.5)(state, b)
+    new, m = make_train_step(accumulate(value_and_grad(_token_loss), 2), opt, max_norm=0.5, compile=compile)(state, b)
+    assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6) and m["grad_norm"] == pytest.approx(ref_m["grad_norm"])
+    torch.testing.assert_close(new.params["w"], ref.params["w"], **TOL)  # the clip binds: the norm is 0.91
+
+
+# ----------------------------------------------------------------------------------------------- through the CLI
+
+CLI_FLAGS = (
+    "--training.steps=3",
+    "--training.batch_size=4",
+    "--training.seq_len=32",
+    "--training.microbatches=2",
+    "--data.max_corpus_bytes=200000",
+    "--metrics.log_every=1",
+    "--model.flavor=mlm",
+    "--model.aux=true",
+)
+
+
+def _cli(run_dir: Path, *flags: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "functitan.cli", "train", f"--model.name={ASSET}", *CLI_FLAGS, *flags]
+    cmd += [f"--metrics.run_dir={run_dir}", "--metrics.run_name=cli"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in (run_dir / "cli" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_masked_lm_through_the_cli_on_two_ranks_equals_one_process(tmp_path):
+    """``functitan train`` as typed: a 15% MLM mask drawn from the tokens (a count that varies by row), FSDP 2 x 2
+    microbatches against one process; the loss's aux outputs come out as metrics."""
+    one = _cli(tmp_path / "one")
+    two = _cli(tmp_path / "two", "--nproc", "2", "--parallelism.dp_shard=2")
+    assert len(one) == len(two) == 3
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in two]), torch.tensor([r["loss"] for r in one]), atol=2e-5, rtol=1e-5
+    )
+    assert all(isinstance(r["aux/ce"], float) for r in one + two) and one[-1]["loss"] < one[0]["loss"]
