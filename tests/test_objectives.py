@@ -239,3 +239,21 @@ def test_masked_lm_through_the_cli_on_two_ranks_equals_one_process(tmp_path):
         torch.tensor([r["loss"] for r in two]), torch.tensor([r["loss"] for r in one]), atol=2e-5, rtol=1e-5
     )
     assert all(isinstance(r["aux/ce"], float) for r in one + two) and one[-1]["loss"] < one[0]["loss"]
+
+
+def test_the_masked_lm_block_of_docs_models_md_is_the_mean_over_the_masked_tokens():
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+    ns: dict = {}
+    exec(re.findall(r"^```python\n(.*?)^```$", text, re.S | re.M)[3], ns)
+    g = torch.Generator().manual_seed(0)
+    logits, tokens = torch.randn(2, 6, 9, generator=g), torch.randint(0, 9, (2, 6), generator=g)
+    masked = torch.rand(2, 6, generator=g) < 0.4
+    ce = ns["masked_lm_loss"](logits, tokens, masked, 9)
+    want = torch.nn.functional.cross_entropy(logits[masked], tokens[masked])
+    torch.testing.assert_close(ce.sum / ce.count, want)
+    lse = torch.randn(2, 6, generator=g)
+    loss, aux = ns["masked_lm_loss"](logits, tokens, masked, 9, router_lse=lse)
+    torch.testing.assert_close(loss.sum / loss.count, want + 1e-3 * lse[masked].square().mean())
+    assert set(aux) == {"ce", "router_z"}
