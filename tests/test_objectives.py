@@ -257,3 +257,14 @@ def test_the_masked_lm_block_of_docs_models_md_is_the_mean_over_the_masked_token
     loss, aux = ns["masked_lm_loss"](logits, tokens, masked, 9, router_lse=lse)
     torch.testing.assert_close(loss.sum / loss.count, want + 1e-3 * lse[masked].square().mean())
     assert set(aux) == {"ce", "router_z"}
+
+
+def test_gradcheck_normalises_a_token_loss_and_reports_a_layout_that_raises_beside_the_others():
+    """An MLM mask drawn from the tokens (a count varying by row) is exact under FSDP; at seq_len 15 sequence
+    parallelism cannot split the sequence, which is tp_sp's report, and fsdp's still comes back."""
+    from functitan.model import gradcheck
+
+    report = gradcheck(ASSET, flavor="mlm", layouts=("fsdp", "tp_sp"), seq_len=15)
+    assert report["fsdp"] == {}
+    assert report["tp_sp"] == {"error": report["tp_sp"]["error"]}
+    assert report["tp_sp"]["error"].startswith("ValueError: sequence parallelism over tp=2 needs the sequence length")
