@@ -4,7 +4,7 @@
 positions masked, chosen from the tokens themselves so every layout masks the same ones; the count varies by
 row), ``"sft"`` (a prompt of ragged length per row, not trained on). ``reduction="tokens"`` returns a
 ``TokenLoss`` (the trainer normalises over the step's valid tokens); ``"mean"`` this rank's mean (the old
-contract). ``router_z``: a router z-loss on the residual stream (sequence-sharded under SP) through
+contract). ``balance``: Switch's load-balancing term from ``layout.token_sum``. ``router_z``: a router z-loss on the residual stream (sequence-sharded under SP) through
 ``layout.token_mean``, normalised over the same tokens; ``naive_z``: the same term as a per-rank mean, whose
 gradient SP counts tp times (for the before / after numbers). ``aux``: the loss also returns its parts.
 """
@@ -37,6 +37,8 @@ class Cfg:
     z_loss: float = 0.0  # cross_entropy's own z-loss
     router_z: float = 0.0
     naive_z: bool = False
+    balance: float = 0.0  # a load-balancing term through layout.token_sum (a per-batch statistic: exact where one
+    # data-parallel rank holds the batch; the mean of per-rank terms otherwise, as Switch's)
     aux: bool = False
 
 
@@ -66,7 +68,8 @@ def _norm(x: torch.Tensor, w: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 
 def block(p: dict, x: torch.Tensor, c: Cfg, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x, router logsumexp ** 2 per token (batch, seq piece))``."""
+    """``(x, router logits (batch, seq piece, experts))``: the router reads the residual stream, so under SP each
+    rank holds its piece of the sequence."""
     b = x.shape[0]
     h = _norm(x, p["ln1"], layout)
     qkv = layout.einsum("batch seq embed, qkv heads embed -> batch seq qkv heads", h, p["qkv"])
@@ -77,7 +80,7 @@ def block(p: dict, x: torch.Tensor, c: Cfg, layout: Layout) -> tuple[torch.Tenso
     router = layout.einsum("batch seq embed, experts embed -> batch seq experts", h, p["router"])
     h = F.gelu(layout.einsum("batch seq embed, mlp embed -> batch seq mlp", h, p["fc"]))
     x = x + layout.einsum("batch seq mlp, embed mlp -> batch seq embed", h, p["out"])
-    return x, torch.logsumexp(router.float(), -1).square()
+    return x, router.float()
 
 
 def embed(top: dict, tokens: torch.Tensor, c: Cfg, layout: Layout) -> torch.Tensor:
@@ -109,10 +112,10 @@ def loss(params: dict, batch: dict, c: Cfg, layout: Layout = Layout()):
     inputs, targets = objective(batch, c)
     top = layout.params({k: v for k, v in params.items() if k != "layers"})
     x = embed(top, inputs, c, layout)
-    z_terms = []
+    routers = []
     for p in params["layers"]:
-        x, z = layout.block(lambda p, x: block(p, x, c, layout), p, x)
-        z_terms.append(z)
+        x, router = layout.block(lambda p, x: block(p, x, c, layout), p, x)
+        routers.append(router)
     valid = targets != IGNORE
     ce = layout.cross_entropy(
         head(top, x, c, layout),
@@ -125,7 +128,7 @@ def loss(params: dict, batch: dict, c: Cfg, layout: Layout = Layout()):
     parts = {"ce": ce.mean() if isinstance(ce, TokenLoss) else ce}
     out = ce
     if c.router_z:
-        zs = sum(z_terms)  # (batch, seq piece)
+        zs = sum(torch.logsumexp(r, -1).square() for r in routers)  # (batch, seq piece)
         if c.naive_z:  # this rank's tokens only, as a mean: right on one process, tp times the gradient under SP
             lo, hi = layout.seq_range(targets.shape[1])
             local = valid[:, lo:hi].float()
@@ -137,6 +140,19 @@ def loss(params: dict, batch: dict, c: Cfg, layout: Layout = Layout()):
             out = TokenLoss(ce.sum + c.router_z * term.sum, ce.count)
         else:
             out = ce + c.router_z * parts["router_z"]
+    if c.balance:  # Switch's load balancing: experts * sum_e f_e P_e over this batch's tokens, per layer
+        n = targets.numel()
+        for r in routers:
+            probs = r.softmax(-1)  # (batch, seq piece, experts)
+            chosen = F.one_hot(r.argmax(-1), c.experts).float()
+            f, P = layout.token_sum(chosen) / n, layout.token_sum(probs) / n  # (experts,): whole sequence, once
+            lb = c.experts * (f * P).sum()
+            parts["balance"] = parts.get("balance", 0.0) + lb
+        out = (
+            TokenLoss(out.sum + c.balance * parts["balance"] * out.count, out.count)
+            if isinstance(out, TokenLoss)
+            else out + c.balance * parts["balance"]
+        )
     return (out, parts) if c.aux else out
 
 
