@@ -196,7 +196,8 @@ def _eager_value_and_grad(
         trees.append(optree.tree_unflatten(treedef, out_leaves))
     grad_tree = trees[0] if isinstance(argnums, int) else tuple(trees)
     if not nested:
-        loss, aux = _detach_tree(loss), _detach_tree(aux)
+        loss = loss.detach() if isinstance(loss, Tensor) else _detach_tree(loss)  # a TokenLoss: both fields
+        aux = _detach_tree(aux)
     return ((loss, aux) if has_aux else loss), grad_tree
 
 
