@@ -30,6 +30,7 @@ GRADCHECK_LAYOUTS: dict[str, tuple[dict[str, int], bool]] = {
     "hsdp": ({"dp_replicate": 2, "dp_shard": 2}, False),
     "tp": ({"tp": 2, "dp_shard": 1}, False),
     "tp_sp": ({"tp": 2, "dp_shard": 1}, True),
+    "fsdp_tp": ({"dp_shard": 2, "tp": 2}, False),
     "fsdp_tp_sp": ({"dp_shard": 2, "tp": 2}, True),
 }
 
