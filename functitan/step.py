@@ -95,9 +95,9 @@ def make_train_step(
     backward and just before it changes the state's buffers (e.g. ``CheckpointManager.staged``: a checkpoint
     copying them in the background finishes first); a functional step never changes them and never calls it.
 
-    ``metrics`` holds ``loss`` (mean over data-parallel ranks; a TokenLoss: over the step's tokens), ``grad_norm`` (of the full gradient, before
-    clipping) and ``skipped``; with ``value_and_grad(loss_fn, has_aux=True)``, also ``aux``: this rank's
-    auxiliary outputs, detached.
+    ``metrics`` holds ``loss`` (mean over data-parallel ranks; a TokenLoss: over the step's tokens),
+    ``grad_norm`` (of the full gradient, before clipping) and ``skipped``; with ``value_and_grad(loss_fn,
+    has_aux=True)``, also ``aux``: this rank's auxiliary outputs, detached.
     """
     if on_nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"training.on_nonfinite={on_nonfinite!r}; choose one of {NONFINITE_POLICIES}")
