@@ -354,8 +354,8 @@ def accumulate(grad_fn: Callable[..., tuple[Any, Any]], microbatches: int) -> Ca
     Returns the mean loss and mean gradients; a loss returning ``TokenLoss(sum, count)`` gives the sums of both
     and of the gradients (the step divides by the count summed over data-parallel ranks too). With
     ``value_and_grad(f, has_aux=True)`` the result is ``((loss, aux), grads)``: floating-point aux leaves are
-    averaged over microbatches, others come from the last one. The sums run on local shards (no DTensor dispatch); gradients keep their placements.
-    With one microbatch it is ``grad_fn``.
+    averaged over microbatches, others come from the last one. The sums run on local shards (no DTensor
+    dispatch); gradients keep their placements. With one microbatch it is ``grad_fn``.
     """
     if microbatches < 1:
         raise ValueError(f"microbatches={microbatches} must be >= 1")

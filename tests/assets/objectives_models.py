@@ -5,8 +5,9 @@ positions masked, chosen from the tokens themselves so every layout masks the sa
 row), ``"sft"`` (a prompt of ragged length per row, not trained on). ``reduction="tokens"`` returns a
 ``TokenLoss`` (the trainer normalises over the step's valid tokens); ``"mean"`` this rank's mean (the old
 contract). ``balance``: Switch's load-balancing term from ``layout.token_sum``. ``router_z``: a router z-loss
-on the residual stream (sequence-sharded under SP) through ``layout.token_mean``, normalised over the same tokens; ``naive_z``: the same term as a per-rank mean, whose
-gradient SP counts tp times (for the before / after numbers). ``aux``: the loss also returns its parts.
+on the residual stream (sequence-sharded under SP) through ``layout.token_mean``, normalised over the same
+tokens; ``naive_z``: the same term as a per-rank mean, whose gradient SP counts tp times (for the before /
+after numbers). ``aux``: the loss also returns its parts.
 """
 
 from __future__ import annotations
