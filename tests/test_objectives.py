@@ -10,6 +10,7 @@ Each layout runs one real train step (``make_train_step`` with SGD at lr 1: the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import torch
 
 from functitan import optim, pipeline
 from functitan.mesh import make_mesh
-from functitan.model import TokenLoss, init, load_model
+from functitan.model import Model, Param, TokenLoss, check_names, init, load_model, normal
 from functitan.model import specs as model_specs
 from functitan.random import key
 from functitan.sharding import Layout, default_rules, place
@@ -264,3 +265,53 @@ def test_gradcheck_normalises_a_token_loss_and_reports_a_layout_that_raises_besi
     assert report["fsdp"] == {}
     assert report["tp_sp"] == {"error": report["tp_sp"]["error"]}
     assert report["tp_sp"]["error"].startswith("ValueError: sequence parallelism over tp=2 needs the sequence length")
+
+
+# ----------------------------------------------------------------------------------------------- check_names
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _GatherCfg:
+    vocab_size: int = 11
+    pattern: str = "batch embed, vocab embed -> batch vocab"
+
+
+def _gather_params(c: _GatherCfg) -> dict:
+    return {"wte": Param((c.vocab_size, 4), ("vocab", "embed"), normal(0.2))}
+
+
+def _gather_loss(params: dict, batch: dict, c: _GatherCfg, layout: Layout = Layout()):
+    """Scores only the positions with a target (a data-dependent gather, as an MLM head that skips the rest)."""
+    x = layout.embed(batch["inputs"], params["wte"], c.vocab_size)  # (batch, seq, embed)
+    where = torch.nonzero(batch["targets"] != -100, as_tuple=True)
+    logits = layout.einsum(c.pattern, x[where], params["wte"])  # (tokens, vocab)
+    return torch.nn.functional.cross_entropy(logits, batch["targets"][where])
+
+
+_GATHER = Model(
+    name="gather",
+    configs={"debug": _GatherCfg(), "misnamed": _GatherCfg(pattern="batch hidden, vocab hidden -> batch vocab")},
+    params=_gather_params,
+    loss=_gather_loss,
+    apply=lambda p, tokens, c, layout: layout.embed(tokens, p["wte"], c.vocab_size),
+    flops_per_token=lambda c, s: 1.0,
+)
+
+
+def test_check_names_runs_a_data_dependent_loss_on_real_tensors_when_meta_cannot():
+    """torch.nonzero has no meta kernel: the check stopped `functitan train` with a raw NotImplementedError."""
+    assert check_names(_GATHER, _GATHER.config("debug")) == {"wte"}
+    with pytest.raises(
+        ValueError, match=r"param 'wte' is declared with names \['vocab', 'embed'\] but the contraction"
+    ):
+        check_names(_GATHER, _GATHER.config("misnamed"))
+
+
+def test_check_names_refuses_a_data_dependent_loss_too_large_for_real_tensors(monkeypatch):
+    from functitan.model import _check
+
+    monkeypatch.setattr(_check, "REAL_CHECK_MAX_PARAMS", 10)
+    with pytest.raises(
+        ValueError, match=r"model 'gather': its loss runs an op that meta tensors cannot run \(.*nonzero"
+    ):
+        check_names(_GATHER, _GATHER.config("debug"))
