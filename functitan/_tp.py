@@ -91,6 +91,18 @@ def _axis_of(names: tuple[str, ...], rules: Rules, axis: str) -> str | None:
     return _AXIS_OF[k]
 
 
+def _unsequenced(pattern: str) -> ValueError:
+    """Under sequence parallelism a column-parallel input must name its token dim ``seq``: it is the dim the
+    contraction gathers. Without it each tp rank would contract its own tokens and the row-parallel reduction
+    after it would add products of different tokens (a GShard-style dispatch ``experts capacity embed`` built
+    from this rank's sequence piece)."""
+    return ValueError(
+        f"under sequence parallelism the column-parallel contraction {pattern!r} takes an input without a 'seq' "
+        f"dim, so its tokens (this rank's piece of the sequence) would not be gathered; keep the token dim named "
+        f"'seq' in the input (e.g. dispatch after the contraction), or set parallelism.sequence_parallel=false"
+    )
+
+
 class TPContext:
     """The tensor-parallel axis of a mesh and the rules: plans and runs the collectives of each op."""
 
@@ -108,6 +120,8 @@ class TPContext:
         sharded = _axis_of(wn, self.rules, self.axis)
         x_seq = self.sequence_parallel and "seq" in xn and not (sharded in xn and sharded not in out)
         if sharded is not None and sharded in out and sharded not in xn:  # column parallel
+            if self.sequence_parallel and "seq" not in xn:
+                raise _unsequenced(pattern)
             x = self.gather_seq(x, xn.index("seq")) if x_seq else C.grad_all_reduce(x, self.group, reduce="sum")
             return op(x, w)
         if sharded is not None and sharded in xn and sharded not in out:  # row parallel
@@ -138,6 +152,8 @@ class TPContext:
         )
         if not shared:
             return [self.einsum(pattern, x, w) for pattern, w in pairs]
+        if self.sequence_parallel and "seq" not in xn:
+            raise _unsequenced(pairs[0][0])
         if self.sequence_parallel and "seq" in xn:
             x = self.gather_seq(x, xn.index("seq"))
         else:

@@ -126,9 +126,32 @@ def _step(name: str, degrees: dict, sp: bool, microbatches: int, cfg_name: str) 
     return metrics["loss"], grads, metrics.get("aux")
 
 
-def _steps(cases: list) -> dict[str, tuple[float, dict, Any]]:
-    """Every case in one process group (one launch per world size)."""
-    return {case[0]: _step(*case) for case in cases}
+def _steps(cases: list) -> dict[str, Any]:
+    """Every case in one process group (one launch per world size); on 2 ranks also the SP refusals."""
+    out: dict[str, Any] = {case[0]: _step(*case) for case in cases}
+    if torch.distributed.get_world_size() == 2:
+        out["refusals"] = _refusals()
+    return out
+
+
+def _refusals() -> list[str]:
+    """A column-parallel contraction whose input does not name its token dim ``seq``, under TP 2 + SP (refused)
+    and under TP 2 (it runs: the input is whole on every rank)."""
+    mesh = make_mesh(tp=2)
+    x, w = torch.randn(6, 4), torch.randn(4, 4)  # x: tokens of this rank's piece; w: this rank's mlp rows
+    pattern = "tokens embed, mlp embed -> tokens mlp"
+    out = []
+    for call in (
+        lambda layout: layout.einsum(pattern, x, w),
+        lambda layout: layout.einsums(x, [(pattern, w), (pattern, w)]),
+    ):
+        assert call(Layout(mesh, default_rules())) is not None
+        try:
+            call(Layout(mesh, default_rules(sequence_parallel=True)))
+            out.append("ran")
+        except ValueError as e:
+            out.append(str(e))
+    return out
 
 
 def _check(results: list[dict], cases: list) -> None:
@@ -151,12 +174,27 @@ def _check(results: list[dict], cases: list) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_masked_losses_equal_one_process_on_two_ranks():
-    """DDP 2, FSDP 2 (+ microbatches), microbatches alone, TP 2, TP 2 + SP (vocab-parallel and replicated
-    heads; TokenLoss and the plain mean), PP 2 (1F1B, 2 microbatches)."""
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_distributed(_steps, 2, CASES_2)
+
+
+def test_masked_losses_equal_one_process_on_two_ranks(two_ranks):
+    """DDP 2 (+ microbatches), FSDP 2 (+ microbatches), TP 2, TP 2 + SP (vocab-parallel and replicated heads;
+    TokenLoss and the plain mean; a router z-loss and a load-balancing term), PP 2 (1F1B, 2 microbatches)."""
     counts = (_batch()["targets"] != -100).sum(1)  # what the layouts split: a count that varies by row, none empty
     assert counts.min() > 0 and len(set(counts.tolist())) >= 5, counts
-    _check(run_distributed(_steps, 2, CASES_2), CASES_2)
+    _check(two_ranks, CASES_2)
+
+
+def test_a_column_parallel_input_without_seq_is_refused_under_sp(two_ranks):
+    """A GShard-style dispatch (``experts capacity embed``) built from this rank's sequence piece trained wrong
+    under TP 2 + SP without a word: its tokens were never gathered."""
+    for message in two_ranks[0]["refusals"]:
+        assert message.startswith(
+            "under sequence parallelism the column-parallel contraction 'tokens embed, mlp embed -> tokens mlp' "
+            "takes an input without a 'seq' dim"
+        ), message
 
 
 def test_masked_losses_equal_one_process_on_four_ranks():
