@@ -63,7 +63,6 @@ CASES_2 = [
 ]
 CASES_4 = [
     ("fsdp2_tp2_sp", dict(dp_shard=2, tp=2), True, 2, "tied"),
-    ("fsdp2_tp2_sp_replicated_head", dict(dp_shard=2, tp=2), True, 1, "replicated"),
     ("hsdp", dict(dp_replicate=2, dp_shard=2), False, 1, "tied"),
 ]
 
