@@ -41,7 +41,7 @@ class TokenLoss(NamedTuple):
 
     def mean(self) -> Tensor:
         """This rank's mean (``sum / count``; 0 when it holds no token): what one microbatch alone would report."""
-        return self.sum / self.count.clamp_min(1.0)
+        return self.sum / self.count.float().clamp_min(1.0)
 
 
 def is_token_loss(x: Any) -> bool:
