@@ -105,6 +105,11 @@ def _differentiated(loss: Any, fn: Callable[..., Any]) -> Tensor:
     """The scalar to differentiate: the loss, or a TokenLoss's sum (the step divides by the global count)."""
     target = loss.sum if isinstance(loss, TokenLoss) else loss
     _check_loss(target, fn)
+    if isinstance(loss, TokenLoss) and not (isinstance(loss.count, Tensor) and loss.count.numel() == 1):
+        raise TypeError(
+            f"value_and_grad: {getattr(fn, '__name__', 'fn')} returned a TokenLoss whose count is a "
+            f"{type(loss.count).__name__}; give the count as a 0-d tensor, e.g. (targets != -100).sum()"
+        )
     return target
 
 
