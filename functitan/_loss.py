@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["TokenLoss", "IGNORE_INDEX", "dense_cross_entropy", "is_token_loss"]
+__all__ = ["TokenLoss", "IGNORE_INDEX", "dense_cross_entropy", "check_options", "split_aux", "as_mean", "aux_metrics"]
 
 IGNORE_INDEX = -100  # torch's default: a target equal to it is no token of the loss
 
@@ -42,10 +42,6 @@ class TokenLoss(NamedTuple):
     def mean(self) -> Tensor:
         """This rank's mean (``sum / count``; 0 when it holds no token): what one microbatch alone would report."""
         return self.sum / self.count.float().clamp_min(1.0)
-
-
-def is_token_loss(x: Any) -> bool:
-    return isinstance(x, TokenLoss)
 
 
 def dense_cross_entropy(
