@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _collectives as C
+from . import _loss
 from ._rules import Rules, logical_to_mesh_axes
 
 if TYPE_CHECKING:
@@ -90,6 +91,18 @@ def _axis_of(names: tuple[str, ...], rules: Rules, axis: str) -> str | None:
     return _AXIS_OF[k]
 
 
+def _unsequenced(pattern: str) -> ValueError:
+    """Under sequence parallelism a column-parallel input must name its token dim ``seq``: it is the dim the
+    contraction gathers. Without it each tp rank would contract its own tokens and the row-parallel reduction
+    after it would add products of different tokens (a GShard-style dispatch ``experts capacity embed`` built
+    from this rank's sequence piece)."""
+    return ValueError(
+        f"under sequence parallelism the column-parallel contraction {pattern!r} takes an input without a 'seq' "
+        f"dim, so its tokens (this rank's piece of the sequence) would not be gathered; keep the token dim named "
+        f"'seq' in the input (e.g. dispatch after the contraction), or set parallelism.sequence_parallel=false"
+    )
+
+
 class TPContext:
     """The tensor-parallel axis of a mesh and the rules: plans and runs the collectives of each op."""
 
@@ -107,6 +120,8 @@ class TPContext:
         sharded = _axis_of(wn, self.rules, self.axis)
         x_seq = self.sequence_parallel and "seq" in xn and not (sharded in xn and sharded not in out)
         if sharded is not None and sharded in out and sharded not in xn:  # column parallel
+            if self.sequence_parallel and "seq" not in xn:
+                raise _unsequenced(pattern)
             x = self.gather_seq(x, xn.index("seq")) if x_seq else C.grad_all_reduce(x, self.group, reduce="sum")
             return op(x, w)
         if sharded is not None and sharded in xn and sharded not in out:  # row parallel
@@ -137,6 +152,8 @@ class TPContext:
         )
         if not shared:
             return [self.einsum(pattern, x, w) for pattern, w in pairs]
+        if self.sequence_parallel and "seq" not in xn:
+            raise _unsequenced(pairs[0][0])
         if self.sequence_parallel and "seq" in xn:
             x = self.gather_seq(x, xn.index("seq"))
         else:
@@ -176,25 +193,47 @@ class TPContext:
             tokens = tokens[:, self.rank * seq : (self.rank + 1) * seq]
         return F.embedding(tokens, table)
 
-    def cross_entropy(self, logits: Tensor, targets: Tensor, vocab: int) -> Tensor:
-        """Mean cross-entropy; with vocab-sharded logits, without ever gathering them (loss parallel)."""
+    def cross_entropy(
+        self,
+        logits: Tensor,  # (batch, seq or this rank's seq piece, vocab or this rank's vocab shard)
+        targets: Tensor,  # (batch, seq): the whole sequence, the same on every tp rank
+        vocab: int,
+        *,
+        ignore_index: int,
+        label_smoothing: float,
+        z_loss: float,
+    ) -> tuple[Tensor, Tensor]:
+        """``(sum of per-token losses, count of valid tokens)`` over this rank's batch, the same on every tp rank.
+
+        Vocab-sharded logits are never gathered (loss parallel): one all-reduce carries the softmax denominator,
+        the target logit (and, with label smoothing, the logit sum) of every token; its backward is the
+        identity, so each rank's vocabulary shard gets its own gradient. Logits of this rank's sequence piece (a
+        replicated head under sequence parallelism) sum this piece's tokens, all-reduced over tp (the gradient
+        reaches each token once); the count is that of the whole sequence's valid targets.
+        """
+        opts: dict[str, Any] = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
         if logits.shape[-1] == vocab:
             if logits.shape[1] == targets.shape[1]:
-                return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            # logits of this rank's sequence piece (a replicated head under sequence parallelism)
-            lo = self.rank * logits.shape[1]
-            local = targets[:, lo : lo + logits.shape[1]]
-            total = F.cross_entropy(logits.flatten(0, 1).float(), local.flatten(), reduction="sum")
-            return C.all_reduce(total, self.group) / targets.numel()
+                return _loss.dense_cross_entropy(logits, targets, **opts)
+            lo = self.rank * logits.shape[1]  # logits of this rank's sequence piece
+            total, _ = _loss.dense_cross_entropy(logits, targets[:, lo : lo + logits.shape[1]], **opts)
+            return C.all_reduce(total, self.group), (targets != ignore_index).sum().float()
         z = logits.flatten(0, 1).float()  # (tokens, local_vocab)
         t = targets.flatten()
+        valid = t != ignore_index
         with torch.no_grad():
             m = z.max(dim=-1, keepdim=True).values
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
         z = z - m
-        sum_exp = C.all_reduce(z.exp().sum(-1), self.group)
         lo, hi = self._vocab_range(z.shape[1], vocab)
         inside = (t >= lo) & (t < hi)
         picked = z.gather(1, (t - lo).clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1) * inside
-        target_logit = C.all_reduce(picked, self.group)
-        return (sum_exp.log() - target_logit).mean()
+        parts = [z.exp().sum(-1), picked] + ([z.sum(-1)] if label_smoothing else [])
+        summed = C.all_reduce(torch.stack(parts), self.group)  # one collective for every per-token sum
+        lse = summed[0].log()  # of z - m
+        per_token = lse - summed[1]
+        if label_smoothing:  # F.cross_entropy's: (1 - eps) * nll + eps * mean over the vocabulary of -log p
+            per_token = (1.0 - label_smoothing) * per_token + label_smoothing * (lse - summed[2] / vocab)
+        if z_loss:
+            per_token = per_token + z_loss * (lse + m.squeeze(-1)).square()
+        return torch.where(valid, per_token, 0.0).sum(), valid.sum().float()

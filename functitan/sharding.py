@@ -28,8 +28,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from . import _collectives, _remat
+from . import _collectives, _loss, _remat
 from . import _dtensor as _dt
+from ._loss import IGNORE_INDEX, TokenLoss
 from ._names import NameTable
 from ._rules import Rules, Spec, default_rules, is_spec, logical_to_mesh_axes, spec_placements
 from ._tp import TPContext, parse_einsum
@@ -38,6 +39,7 @@ from .tree import map_with_names, tree_map
 
 __all__ = [
     "Layout",
+    "TokenLoss",
     "Rules",
     "Spec",
     "default_rules",
@@ -433,15 +435,78 @@ class Layout:
             return self._tp.embed(tokens, table, num_rows)
         return F.embedding(tokens, table)
 
-    def cross_entropy(self, logits: Tensor, targets: Tensor, vocab_size: int) -> Tensor:
-        """Mean next-token cross-entropy in fp32: ``logits (batch, seq, vocab)``, ``targets (batch, seq)``.
+    def cross_entropy(
+        self,
+        logits: Tensor,
+        targets: Tensor,
+        vocab_size: int,
+        *,
+        ignore_index: int = IGNORE_INDEX,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        reduction: str = "mean",
+    ) -> Any:
+        """Next-token cross-entropy in fp32: ``logits (batch, seq, vocab)``, ``targets (batch, seq)``.
 
-        Loss parallel when the logits are vocab-sharded (fewer than ``vocab_size`` local columns): the full
-        logits are never gathered. Logits of this rank's sequence piece are averaged over all ranks' tokens.
+        A target equal to ``ignore_index`` is no token of the loss (masked-LM positions left alone, an SFT
+        prompt, padding), on every path: one device, vocab-parallel (fewer than ``vocab_size`` local columns:
+        loss parallel, the full logits are never gathered), and logits of this rank's sequence piece (a
+        replicated head under sequence parallelism). ``label_smoothing`` as ``F.cross_entropy``; ``z_loss``
+        adds PaLM's ``z_loss * logsumexp(logits) ** 2`` per valid token (1e-4 in PaLM).
+
+        ``reduction="mean"``: the mean over this rank's valid tokens (NaN when there is none, as torch).
+        ``reduction="tokens"``: ``TokenLoss(sum, count)``, which the trainer normalises by the count of valid
+        tokens over the whole step (every microbatch and data-parallel rank): exact under a mask whose count
+        varies by row, where a mean of per-rank means is not.
         """
+        _loss.check_options(reduction, label_smoothing, z_loss)
+        if self._tp is None and reduction == "mean" and not z_loss:
+            z = logits.flatten(0, 1).float()
+            return F.cross_entropy(z, targets.flatten(), ignore_index=ignore_index, label_smoothing=label_smoothing)
+        opts: dict[str, Any] = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
         if self._tp is not None:
-            return self._tp.cross_entropy(logits, targets, vocab_size)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            total, count = self._tp.cross_entropy(logits, targets, vocab_size, **opts)
+        else:
+            total, count = _loss.dense_cross_entropy(logits, targets, **opts)
+        return TokenLoss(total, count) if reduction == "tokens" else total / count
+
+    def token_sum(self, values: Tensor, mask: Tensor | None = None) -> Tensor:
+        """The sum over this rank's tokens (dims 0 and 1: batch, sequence) of a per-token quantity; trailing
+        dims are kept (per-expert router probabilities for a load-balancing loss: ``(experts,)``).
+
+        ``values (batch, seq_piece, ...)``: under sequence parallelism, computed from this rank's piece of the
+        residual stream; the pieces are summed over tp (backward: the identity), so every tp rank holds the
+        whole sum and each token's gradient is counted once (a local mean per rank would count it tp times
+        once the replicated params' gradients are summed over tp). Values over the whole sequence on every tp
+        rank (computed on gathered activations) are cut to this rank's piece first, for the same reason.
+        ``mask (batch, seq)``: bool or 0/1 per token, over the whole sequence as the batch holds it.
+        """
+        v = values.float()
+        tp = self._tp
+        if tp is not None and tp.sequence_parallel:
+            if mask is not None and mask.shape[1] == v.shape[1] * tp.size:
+                mask = mask[:, tp.rank * v.shape[1] : (tp.rank + 1) * v.shape[1]]
+            elif mask is not None and mask.shape[1] == v.shape[1]:  # whole-sequence values on every rank
+                lo, hi = self.seq_range(v.shape[1])
+                v, mask = v[:, lo:hi], mask[:, lo:hi]
+        if mask is not None:
+            v = v * mask.reshape(*mask.shape, *([1] * (v.dim() - 2))).to(v.dtype)
+        total = v.sum((0, 1))
+        if tp is not None and tp.sequence_parallel:
+            total = _collectives.all_reduce(total, tp.group)
+        return total
+
+    def token_mean(self, values: Tensor, mask: Tensor | None = None) -> TokenLoss:
+        """``TokenLoss(sum, count)`` of a per-token quantity (``values (batch, seq_piece, ...)``, trailing dims
+        summed) over this rank's tokens, ``mask (batch, seq)`` selecting them: the mean over the step's tokens
+        once the trainer divides (see ``cross_entropy(reduction="tokens")``). A z-loss on router logits:
+        ``layout.token_mean(torch.logsumexp(router_logits, -1) ** 2)``. Sequence pieces as ``token_sum``."""
+        total = self.token_sum(values.float().flatten(2).sum(-1) if values.dim() > 2 else values, mask)
+        if mask is not None:
+            count = mask.float().sum()  # the whole sequence's: the same on every tp rank
+        else:
+            count = torch.tensor(float(values.shape[0] * values.shape[1] * self.seq_shards), device=values.device)
+        return TokenLoss(total, count)
 
     # -- data parallel coordinates
     @property

@@ -1,10 +1,12 @@
 """The train step: ``train_step(state, batch) -> (state, metrics)``, built from a loss and an optimizer.
 
 grad_fn(params, batch)          # accumulate(value_and_grad(loss_fn), microbatches), or a pipeline
-                                # executor: (mean loss, grads in the params' placements)
+                                # executor: (mean loss, grads in the params' placements), or
+                                # (TokenLoss(sum, count), grads of the sum)
   -> global_norm                # of the full gradient, however it is sharded (and across pp stages)
+  -> one all-reduce             # loss and norm over ranks; a TokenLoss's count: the scale 1 / count
   -> non-finite guard           # stop with the step named, or skip the update
-  -> clip_to_norm               # with that same norm
+  -> clip_to_norm               # with that same norm (and the count's scale: one pass)
   -> optimizer.update           # functional: new opt_state
   -> apply_updates              # functional: new params
                                 # (donate=True: optimizer.update_in_place, one fused pass, same buffers)
@@ -22,7 +24,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import optim
+from ._loss import TokenLoss
 from .errors import UserError
+from .optim._transforms import scale_tree
 from .random import fold_in
 from .train_state import TrainState
 
@@ -69,7 +73,9 @@ def make_train_step(
 
     Args:
         grad_fn: ``(params, batch) -> (loss, grads)``: ``accumulate(value_and_grad(loss_fn), microbatches)``,
-            or a pipeline schedule's executor; ``loss`` is the mean over this rank's batch.
+            or a pipeline schedule's executor; ``loss`` is the mean over this rank's batch, or a
+            ``TokenLoss(sum, count)`` with the gradient of the sum: the step then divides loss and gradient by
+            the count added over data-parallel ranks (the mean over the step's tokens, exact under any mask).
         optimizer: an optax-shaped transformation.
         max_norm: clip the gradient to this global norm (0: no clipping). Done here rather than by
             ``optim.clip_by_global_norm`` in the chain because the step needs the norm anyway (metrics, the
@@ -89,9 +95,9 @@ def make_train_step(
     backward and just before it changes the state's buffers (e.g. ``CheckpointManager.staged``: a checkpoint
     copying them in the background finishes first); a functional step never changes them and never calls it.
 
-    ``metrics`` holds ``loss`` (mean over data-parallel ranks), ``grad_norm`` (of the full gradient, before
-    clipping) and ``skipped``; with ``value_and_grad(loss_fn, has_aux=True)``, also ``aux``: this rank's
-    auxiliary outputs, detached.
+    ``metrics`` holds ``loss`` (mean over data-parallel ranks; a TokenLoss: over the step's tokens),
+    ``grad_norm`` (of the full gradient, before clipping) and ``skipped``; with ``value_and_grad(loss_fn,
+    has_aux=True)``, also ``aux``: this rank's auxiliary outputs, detached.
     """
     if on_nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"training.on_nonfinite={on_nonfinite!r}; choose one of {NONFINITE_POLICIES}")
@@ -111,7 +117,7 @@ def make_train_step(
         loss, aux = _loss_and_aux(value)
         with torch.no_grad():
             gnorm = optim.global_norm(grads, across=norm_across)
-            stats = _mean_over_ranks(torch.stack([loss.float(), gnorm.float().to(loss.device)]))
+            stats, scale = _reduce_stats(loss, gnorm)
         loss_v, gnorm_v = stats.tolist()
         # the gradient norm is global and the loss is averaged: every rank takes the same branch
         if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
@@ -119,8 +125,7 @@ def make_train_step(
                 raise NonFiniteLossError(_nonfinite_message(loss_v, gnorm_v, state.step + 1))
             nxt = state._replace(step=state.step + 1, rng=fold_in(state.rng, state.step))
             return nxt, _metrics(loss_v, gnorm_v, 1, aux)
-        if max_norm > 0:
-            grads = optim.clip_to_norm(grads, gnorm, max_norm, in_place=donate)  # the step owns its grads
+        grads = _normalise(grads, gnorm, scale, max_norm, in_place=donate)  # the step owns its grads
         if in_place is not None and before_update is not None:
             before_update()  # the fence: e.g. a checkpoint still copying these buffers (the functional path reads them)
         done = in_place(grads, state.opt_state, state.params) if in_place else None
@@ -163,9 +168,8 @@ def _compiled_step(
         loss, aux = _loss_and_aux(value)
         with torch.no_grad():
             gnorm = optim.global_norm(grads, across=norm_across)
-            stats = _mean_over_ranks(torch.stack([loss.float(), gnorm.float().to(loss.device)]))
-            if max_norm > 0:
-                grads = optim.clip_to_norm(grads, gnorm, max_norm)
+            stats, scale = _reduce_stats(loss, gnorm)
+            grads = _normalise(grads, gnorm, scale, max_norm)
             updates, new_opt_state = optimizer.update(grads, opt_state, params)
             new_params = optim.apply_updates(params, updates)
             if skip:
@@ -213,11 +217,39 @@ def _compiled_step(
     return train_step
 
 
-def _loss_and_aux(value: Any) -> tuple[Tensor, Any]:
+def _reduce_stats(loss: Tensor | TokenLoss, gnorm: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``([loss, grad norm] over the step, scale or None)``: one all-reduce either way.
+
+    A mean loss is averaged over ranks. A ``TokenLoss`` came with the gradient of its sum (summed over
+    microbatches, averaged over data-parallel ranks by DDP / FSDP): loss and gradient are divided by the
+    count, added over the same ranks. Ranks that share a batch (tp, pp) hold the same sum and count, so the
+    mean over all ranks of each is the mean over data-parallel ranks, and ``1 / mean(count)`` is the scale
+    that turns the dp-averaged gradient of the sums into that of ``sum / global count``.
+    """
+    if not isinstance(loss, TokenLoss):
+        return _mean_over_ranks(torch.stack([loss.float(), gnorm.float().to(loss.device)])), None
+    total, count, norm = _mean_over_ranks(
+        torch.stack([loss.sum.float(), loss.count.float().to(loss.sum.device), gnorm.float().to(loss.sum.device)])
+    )
+    scale = torch.where(count > 0, 1.0 / count, 0.0)  # a step without a token: loss 0, no gradient
+    return torch.stack([total * scale, norm * scale]), scale
+
+
+def _normalise(grads: Any, gnorm: Tensor, scale: Tensor | None, max_norm: float, *, in_place: bool = False) -> Any:
+    """The gradients divided by the token count (``scale``) and clipped to ``max_norm``: one scaling pass."""
+    if scale is None:
+        return optim.clip_to_norm(grads, gnorm, max_norm, in_place=in_place) if max_norm > 0 else grads
+    factor = scale.to(gnorm.device)
+    if max_norm > 0:  # clip_to_norm's min(1, max_norm / norm) of the divided gradient, with the division
+        factor = factor * (max_norm / (gnorm * factor)).clamp(max=1.0)
+    return scale_tree(grads, factor, in_place=in_place)
+
+
+def _loss_and_aux(value: Any) -> tuple[Tensor | TokenLoss, Any]:
     """(loss, aux or None) from what the gradient function returned as its value."""
-    if isinstance(value, Tensor):
+    if isinstance(value, (Tensor, TokenLoss)):
         return value, None
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], Tensor):
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], (Tensor, TokenLoss)):
         return value[0], optree.tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, value[1])
     raise TypeError(
         f"the gradient function returned a {type(value).__name__} as its value; make_train_step takes "

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _loss, optim, pipeline
 from . import metrics as M
-from . import optim, pipeline
 from ._model_setup import check_model, check_resumed_model, init_model
 from .checkpoint import (
     CheckpointManager,
@@ -181,8 +181,9 @@ def place_model(
             None,
         )
     params = place(full_params, specs, rules, mesh)
-    loss_grad = value_and_grad(lambda p, b: model.loss(p, b, model_cfg, layout))
-    return params, accumulate(loss_grad, microbatches), None, loss_grad
+    objective = lambda p, b: _loss.split_aux(model.loss(p, b, model_cfg, layout))  # noqa: E731  (loss, aux)
+    loss_grad = value_and_grad(lambda p, b: _loss.as_mean(objective(p, b)[0]))  # elastic.live: per-microbatch means
+    return params, accumulate(value_and_grad(objective, has_aux=True), microbatches), None, loss_grad
 
 
 def make_step(cfg: JobConfig, model: Model, model_cfg: Any, grad_fn: Any, norm_across: Any) -> tuple[Any, Any]:
@@ -237,7 +238,8 @@ def _advance(loader: Any, train_step: Any) -> Any:
         batch, after = loader.next(state.data_state)
         data_s = time.perf_counter() - t0
         new, out = train_step(state._replace(data_state=after), batch, before_update=before_update)
-        return new, {**out, "data_s": data_s}, state.data_state
+        aux = _loss.aux_metrics(out.pop("aux", None))  # the loss's aux outputs, this rank's: "aux/<key>"
+        return new, {**out, **aux, "data_s": data_s}, state.data_state
 
     return advance
 

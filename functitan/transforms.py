@@ -17,8 +17,8 @@
   plain tensors, e.g. the local compute tensors ``Layout.params`` returns (DTensor leaves are refused with
   a message naming the fix).
 - ``accumulate``: gradient accumulation over microbatches (the mean over microbatches equals one big
-  batch when each holds the same number of tokens); runs on local shards, keeps placements; composes
-  with ``has_aux``.
+  batch when each holds the same number of tokens; a ``TokenLoss`` is summed, so it equals one big batch
+  whatever the tokens per microbatch); runs on local shards, keeps placements; composes with ``has_aux``.
 - ``remat``: activation checkpointing of a function with a policy (``functitan._remat``).
 
 >>> import torch
@@ -47,6 +47,7 @@ from torch._C._functorch import peek_interpreter_stack
 from torch.distributed.tensor import DTensor
 
 from . import _dtensor as _dt
+from ._loss import TokenLoss
 from ._remat import Policy, remat
 from .tree import flatten_with_names
 
@@ -98,6 +99,18 @@ def _check_loss(loss: Any, fn: Callable[..., Any]) -> None:
             f"value_and_grad: {getattr(fn, '__name__', 'fn')} must return a scalar tensor loss, got {what}; "
             f"reduce it (e.g. .mean()), or use jacrev for a non-scalar output"
         )
+
+
+def _differentiated(loss: Any, fn: Callable[..., Any]) -> Tensor:
+    """The scalar to differentiate: the loss, or a TokenLoss's sum (the step divides by the global count)."""
+    target = loss.sum if isinstance(loss, TokenLoss) else loss
+    _check_loss(target, fn)
+    if isinstance(loss, TokenLoss) and not (isinstance(loss.count, Tensor) and loss.count.numel() == 1):
+        raise TypeError(
+            f"value_and_grad: {getattr(fn, '__name__', 'fn')} returned a TokenLoss whose count is a "
+            f"{type(loss.count).__name__}; give the count as a 0-d tensor, e.g. (targets != -100).sum()"
+        )
+    return target
 
 
 def _detach_tree(tree: Any) -> Any:
@@ -170,12 +183,12 @@ def _eager_value_and_grad(
             f"{type(out).__name__}; with has_aux it returns (loss, aux), else drop has_aux"
         )
     loss, aux = out if has_aux else (out, None)
-    _check_loss(loss, fn)
+    target = _differentiated(loss, fn)
     diff = [leaves[i] for leaves, _, idx in flat for i in idx]
     nested = depth > 0
     grads = (
-        torch.autograd.grad(loss, diff, allow_unused=True, create_graph=nested)
-        if diff and loss.requires_grad
+        torch.autograd.grad(target, diff, allow_unused=True, create_graph=nested)
+        if diff and target.requires_grad
         else [None] * len(diff)
     )
     trees, k = [], 0
@@ -188,7 +201,8 @@ def _eager_value_and_grad(
         trees.append(optree.tree_unflatten(treedef, out_leaves))
     grad_tree = trees[0] if isinstance(argnums, int) else tuple(trees)
     if not nested:
-        loss, aux = loss.detach(), _detach_tree(aux)
+        loss = loss.detach() if isinstance(loss, Tensor) else _detach_tree(loss)  # a TokenLoss: both fields
+        aux = _detach_tree(aux)
     return ((loss, aux) if has_aux else loss), grad_tree
 
 
@@ -210,17 +224,15 @@ def _func_value_and_grad(
             it = iter(a[n])
             full[n] = optree.tree_unflatten(treedef, [next(it) if _is_diff(x) else x for x in leaves])
         out = fn(*full, **kwargs)
-        loss = out[0] if has_aux else out
-        _check_loss(loss, fn)
-        return (loss, out) if has_aux else (loss, loss)
+        return _differentiated(out[0] if has_aux else out, fn), out
 
-    g, (loss, out) = tf.grad_and_value(inner, argnums=nums, has_aux=True)(*diff_args)
+    g, (_, out) = tf.grad_and_value(inner, argnums=nums, has_aux=True)(*diff_args)
     trees = []
     for (leaves, treedef), gl in zip(masks, g):
         it = iter(gl)
         trees.append(optree.tree_unflatten(treedef, [next(it) if _is_diff(x) else None for x in leaves]))
     grad_tree = trees[0] if isinstance(argnums, int) else tuple(trees)
-    return (out if has_aux else loss), grad_tree
+    return out, grad_tree
 
 
 # ------------------------------------------------------------------------------------ torch.func, on pytrees
@@ -344,10 +356,11 @@ def accumulate(grad_fn: Callable[..., tuple[Any, Any]], microbatches: int) -> Ca
     """Gradient accumulation: ``grad_fn(params, batch) -> (loss, grads)`` over ``microbatches`` slices of the
     batch (dim 0 of every tensor leaf).
 
-    Returns the mean loss and mean gradients. With ``value_and_grad(f, has_aux=True)`` the result is
-    ``((loss, aux), grads)``: floating-point aux leaves are averaged over microbatches, others come from
-    the last one. The sums run on local shards (no DTensor dispatch); gradients keep their placements.
-    With one microbatch it is ``grad_fn``.
+    Returns the mean loss and mean gradients; a loss returning ``TokenLoss(sum, count)`` gives the sums of both
+    and of the gradients (the step divides by the count summed over data-parallel ranks too). With
+    ``value_and_grad(f, has_aux=True)`` the result is ``((loss, aux), grads)``: floating-point aux leaves are
+    averaged over microbatches, others come from the last one. The sums run on local shards (no DTensor
+    dispatch); gradients keep their placements. With one microbatch it is ``grad_fn``.
     """
     if microbatches < 1:
         raise ValueError(f"microbatches={microbatches} must be >= 1")
@@ -373,13 +386,20 @@ def accumulate(grad_fn: Callable[..., tuple[Any, Any]], microbatches: int) -> Ca
             # out of place: the first microbatch's gradients may alias tensors autograd still holds
             for i, s in zip(idx, torch._foreach_add([acc[i] for i in idx], [_dt.local(leaves[i]) for i in idx])):
                 acc[i] = s
-        idx = [i for i, g in enumerate(acc) if g is not None]
-        torch._foreach_div_([acc[i] for i in idx], float(microbatches))  # every acc[i] is a sum made above
+        aux = not isinstance(values[0], TokenLoss) and isinstance(values[0], tuple)  # has_aux: (loss, aux)
+        losses = [v[0] if aux else v for v in values]
+        tokens = isinstance(losses[0], TokenLoss)
+        if not tokens:  # a mean per microbatch: the mean of them; a TokenLoss keeps sums (the step divides)
+            idx = [i for i, g in enumerate(acc) if g is not None]
+            torch._foreach_div_([acc[i] for i in idx], float(microbatches))  # every acc[i] is a sum made above
         out = [None if g is None else _dt.wrap(g, s) for g, s in zip(acc, specs)]
-        mean_grads = optree.tree_unflatten(treedef, out)
-        if isinstance(values[0], tuple):  # has_aux: (loss, aux)
-            loss = sum(v[0] for v in values[1:]) + values[0][0]
-            return (loss / microbatches, _mean_tree([v[1] for v in values])), mean_grads
-        return (sum(values[1:]) + values[0]) / microbatches, mean_grads
+        summed_grads = optree.tree_unflatten(treedef, out)
+        if tokens:
+            loss: Any = TokenLoss(
+                sum(v.sum for v in losses[1:]) + losses[0].sum, sum(v.count for v in losses[1:]) + losses[0].count
+            )
+        else:
+            loss = (sum(losses[1:]) + losses[0]) / microbatches
+        return ((loss, _mean_tree([v[1] for v in values])) if aux else loss), summed_grads
 
     return wrapped

@@ -26,6 +26,7 @@ CHECKED = {
     ("models.md", 0): "fragment: Model's fields",
     ("models.md", 1): "fragment: a dict entry of Params",
     ("models.md", 2): "run as a script on tests/assets/tiny_gpt.py, fsdp only",
+    ("models.md", 3): "run in tests/test_objectives.py: the masked-LM loss against F.cross_entropy",
 }
 
 

@@ -15,6 +15,7 @@ every contraction names a parameter's dims as declared; ``gradcheck`` compares a
 FSDP, HSDP, TP and TP + SP with one process and lists every parameter that differs (docs/models.md).
 """
 
+from .._loss import TokenLoss
 from ._check import check_names
 from ._gradcheck import GRADCHECK_LAYOUTS, gradcheck
 from ._model import HFMap, HFTensor, Model, config_from_dict, config_to_dict, transformers_major
@@ -23,6 +24,7 @@ from ._resolve import ENTRY_POINT_GROUP, load_model, model_for_architecture
 
 __all__ = [
     "Param",
+    "TokenLoss",
     "normal",
     "uniform",
     "constant",

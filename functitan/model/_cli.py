@@ -51,6 +51,10 @@ def main(argv: Sequence[str]) -> int:
         return 2
     bad = 0
     for layout, diffs in report.items():
+        if "error" in diffs:  # the layout raised; the others ran
+            print(f"{layout:<12} error: {diffs['error']}")
+            bad += 1
+            continue
         print(f"{layout:<12} {'ok' if not diffs else f'{len(diffs)} differ'}")
         for what, d in sorted(diffs.items()):
             print(f"  {what}: max |difference| {d:.3g}")

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..random import fold_in, key
 from ..tree import flatten_with_names
@@ -29,6 +30,7 @@ GRADCHECK_LAYOUTS: dict[str, tuple[dict[str, int], bool]] = {
     "hsdp": ({"dp_replicate": 2, "dp_shard": 2}, False),
     "tp": ({"tp": 2, "dp_shard": 1}, False),
     "tp_sp": ({"tp": 2, "dp_shard": 1}, True),
+    "fsdp_tp": ({"dp_shard": 2, "tp": 2}, False),
     "fsdp_tp_sp": ({"dp_shard": 2, "tp": 2}, True),
 }
 
@@ -54,16 +56,34 @@ def _setup(name: str, flavor: str, overrides: Mapping[str, Any]) -> tuple[Model,
     return model, model.config(flavor, **dict(overrides))
 
 
-def _loss_and_grads(model: Model, cfg: Any, params: Any, batch: Any, layout: Any) -> tuple[float, Any]:
+def _loss_and_grads(model: Model, cfg: Any, params: Any, batch: Any, layout: Any) -> tuple[Tensor, Tensor | None, Any]:
+    """``(loss or TokenLoss sum, TokenLoss count or None, grads of the first)`` of one (local) batch."""
+    from .._loss import TokenLoss, split_aux
     from ..transforms import value_and_grad
 
-    loss, grads = value_and_grad(lambda p, b: model.loss(p, b, cfg, layout))(params, batch)
-    return float(loss), grads
+    loss, grads = value_and_grad(lambda p, b: split_aux(model.loss(p, b, cfg, layout))[0])(params, batch)
+    if isinstance(loss, TokenLoss):
+        return loss.sum.float(), loss.count.float(), grads
+    return loss.float(), None, grads
 
 
 def _worker(
     name: str, flavor: str, overrides: Mapping[str, Any], layouts: Sequence[str], batch: int, seq_len: int, seed: int
 ) -> dict[str, Any]:
+    """``{layout: (loss, full grads on rank 0) or (None, "Error: message")}``: a layout that raises on every rank
+    is reported as that layout's error and the next one runs."""
+    out: dict[str, Any] = {}
+    for lname in layouts:
+        try:
+            out[lname] = _one_layout(name, flavor, overrides, lname, batch, seq_len, seed)
+        except Exception as e:  # noqa: BLE001  (any error of the user's model under this layout is the report)
+            out[lname] = (None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "))
+    return out
+
+
+def _one_layout(
+    name: str, flavor: str, overrides: Mapping[str, Any], lname: str, batch: int, seq_len: int, seed: int
+) -> tuple[float, Any]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -73,24 +93,23 @@ def _worker(
 
     model, cfg = _setup(name, flavor, overrides)
     decl = _declaration(model, cfg)
-    out = {}
-    for lname in layouts:
-        degrees, sp = GRADCHECK_LAYOUTS[lname]
-        mesh = make_mesh(**degrees, device="cpu")
-        layout = Layout(mesh, default_rules(sequence_parallel=sp))
-        if model.check_layout is not None:
-            model.check_layout(
-                cfg, tp=degrees.get("tp", 1), seq_len=seq_len, sequence_parallel=layout.sequence_parallel
-            )
-        params = place(init(decl, fold_in(key(seed), "params")), specs(decl), layout.rules, mesh)
-        full = _batch(cfg.vocab_size, batch, seq_len, seed)
-        b = {k: v.chunk(layout.dp_size)[layout.dp_rank] for k, v in full.items()}
-        loss, grads = _loss_and_grads(model, cfg, params, b, layout)
-        mean = torch.tensor([loss])
-        dist.all_reduce(mean)
-        named = {n: (g.full_tensor() if isinstance(g, DTensor) else g) for n, g in flatten_with_names(grads)[0]}
-        out[lname] = (mean.item() / dist.get_world_size(), named if dist.get_rank() == 0 else None)
-    return out
+    degrees, sp = GRADCHECK_LAYOUTS[lname]
+    mesh = make_mesh(**degrees, device="cpu")
+    layout = Layout(mesh, default_rules(sequence_parallel=sp))
+    if model.check_layout is not None:
+        model.check_layout(cfg, tp=degrees.get("tp", 1), seq_len=seq_len, sequence_parallel=layout.sequence_parallel)
+    params = place(init(decl, fold_in(key(seed), "params")), specs(decl), layout.rules, mesh)
+    full = _batch(cfg.vocab_size, batch, seq_len, seed)
+    b = {k: v.chunk(layout.dp_size)[layout.dp_rank] for k, v in full.items()}
+    loss, count, grads = _loss_and_grads(model, cfg, params, b, layout)
+    # as the train step: ranks that share a batch hold the same values, so world means are data-parallel means; a
+    # TokenLoss's gradient (of its sum, averaged over data-parallel ranks) is divided by the mean count
+    stats = torch.stack([loss, count if count is not None else torch.ones(())])
+    dist.all_reduce(stats)
+    stats /= dist.get_world_size()
+    scale = 1.0 / stats[1].item() if count is not None else 1.0
+    named = {n: (g.full_tensor() if isinstance(g, DTensor) else g) * scale for n, g in flatten_with_names(grads)[0]}
+    return stats[0].item() * scale, named if dist.get_rank() == 0 else None
 
 
 def gradcheck(
@@ -104,7 +123,7 @@ def gradcheck(
     seed: int = 0,
     atol: float = 1e-6,
     rtol: float = 1e-4,
-) -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, Any]]:
     """Compare one step's loss and gradients under ``layouts`` with one process.
 
     Params come from the model's declaration, except that constant initializers (zero biases, unit norm
@@ -122,7 +141,10 @@ def gradcheck(
 
     Returns:
         ``{layout: {what: max abs difference}}`` with only the entries beyond tolerance (``"loss"`` or a
-        param's dotted name); an empty dict for every layout means the model is correct under all of them.
+        param's dotted name); an empty dict for every layout means the model is correct under all of them. A
+        layout that raises is reported as ``{"error": "ValueError: ..."}`` and the other layouts still run. A
+        loss returning ``TokenLoss`` is normalised as the train step does (by the count over data-parallel ranks),
+        and a ``(loss, aux)`` pair is checked on its loss.
     """
     from ..sharding import Layout
     from ..testing import run_distributed
@@ -133,8 +155,12 @@ def gradcheck(
         raise ValueError(f"gradcheck layouts {unknown} are unknown; choose from {sorted(GRADCHECK_LAYOUTS)}")
     m, cfg = _setup(model, flavor, overrides)
     params = init(_declaration(m, cfg), fold_in(key(seed), "params"))
-    ref_loss, ref_grads = _loss_and_grads(m, cfg, params, _batch(cfg.vocab_size, batch, seq_len, seed), Layout())
-    ref = dict(flatten_with_names(ref_grads)[0])
+    ref_sum, ref_count, ref_grads = _loss_and_grads(
+        m, cfg, params, _batch(cfg.vocab_size, batch, seq_len, seed), Layout()
+    )
+    scale = 1.0 / ref_count.item() if ref_count is not None else 1.0
+    ref_loss = ref_sum.item() * scale
+    ref = {n: g * scale for n, g in flatten_with_names(ref_grads)[0]}
     by_world: dict[int, list[str]] = {}
     for n in layouts:
         degrees = GRADCHECK_LAYOUTS[n][0]
@@ -142,11 +168,14 @@ def gradcheck(
         for d in degrees.values():
             world *= d
         by_world.setdefault(world, []).append(n)
-    report: dict[str, dict[str, float]] = {}
+    report: dict[str, dict[str, Any]] = {}
     for world, names in sorted(by_world.items()):
         results = run_distributed(_worker, world, model, flavor, overrides, names, batch, seq_len, seed)[0]
         for lname, (loss, grads) in results.items():
-            bad: dict[str, float] = {}
+            if loss is None:  # the layout raised: its error is the report
+                report[lname] = {"error": grads}
+                continue
+            bad: dict[str, Any] = {}
             if abs(loss - ref_loss) > atol + rtol * abs(ref_loss):
                 bad["loss"] = abs(loss - ref_loss)
             for pname, g in grads.items():

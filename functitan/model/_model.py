@@ -80,7 +80,10 @@ class Model:
         configs: named flavors (``{"debug": Cfg(...), "8b": Cfg(...)}``); ``config(flavor, **overrides)``.
         params: ``cfg -> tree of Param``: the one declaration of every parameter (shape, names, init).
         loss: ``(params, batch, cfg, layout) -> scalar``: mean loss over this rank's ``batch``
-            (``batch["inputs"]``, ``batch["targets"]``), on compute params routed through the Layout.
+            (``batch["inputs"]``, ``batch["targets"]``), on compute params routed through the Layout; or a
+            ``TokenLoss(sum, count)``, which the trainer normalises over the step's tokens (every rank and
+            microbatch: exact under a varying mask); either may come as ``(loss, aux dict)``, whose 0-d entries
+            the trainer reports as ``aux/<key>`` metrics (docs/models.md, "The loss contract").
         apply: ``(params, tokens, cfg, layout) -> logits (batch, seq, vocab)``.
         flops_per_token: ``(cfg, seq_len) -> float``: training FLOPs per token (forward + backward), for MFU
             and the planner.

@@ -346,11 +346,16 @@ def clip_to_norm(tree: Any, norm: Tensor, max_norm: float, *, in_place: bool = F
     scales the given buffers (a step that owns its gradients) instead of allocating new ones, except a leaf
     whose elements share memory (an expanded gradient, as autograd gives for a param used through ``.sum()``),
     which is scaled into a new tensor."""
+    with torch.no_grad():
+        return scale_tree(tree, (max_norm / norm).clamp(max=1.0), in_place=in_place)
+
+
+def scale_tree(tree: Any, factor: Tensor, *, in_place: bool = False) -> Any:
+    """Every leaf times the 0-d ``factor``, as ``clip_to_norm`` scales (foreach over local shards)."""
     u = _local.flatten(tree, "updates")
     if not u.locals:
         return tree
     with torch.no_grad():
-        factor = (max_norm / norm).clamp(max=1.0)
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(u.locals):
             by_device.setdefault(t.device, []).append(i)

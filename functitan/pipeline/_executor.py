@@ -13,7 +13,9 @@ Activations and input gradients cross ranks as ``isend``/``irecv`` on the pipeli
 order `with_comms` gives (so NCCL's in-order matching holds); the receiver allocates from
 ``StageModel.activation``, so no shape handshake. Between two stages on one rank (interleaved, ZB-V) the
 tensor is handed over in memory. The last stage scales each microbatch's loss by 1 / microbatches, so the
-summed gradients are those of the mean loss, as `functitan.transforms.accumulate` gives.
+summed gradients are those of the mean loss, as `functitan.transforms.accumulate` gives; a last stage that
+returns ``TokenLoss(sum, count)`` backpropagates the sum, and the step divides by the count summed over
+microbatches and data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from functitan import _dtensor as _dt
+from functitan._loss import TokenLoss
 from functitan.pipeline._comms import with_comms
 from functitan.pipeline._schedule import Action, Comm
 from functitan.pipeline._split_backward import WeightGrad, input_grad
@@ -144,7 +147,10 @@ class _Run:
         self.sends: list[tuple[Tensor, Any]] = []
         self.slots: dict[tuple[int, int], _Slot] = {}
         self.pending_w: dict[tuple[int, int], WeightGrad | tuple[_Slot, Tensor | None]] = {}
-        self.loss = torch.zeros((), device=self.device, dtype=torch.float32)
+        # (mean loss or TokenLoss sum, TokenLoss count, TokenLoss microbatches): only the last stage's rank knows
+        # which kind its loss is, so every rank all-reduces all three
+        self.loss = torch.zeros(3, device=self.device, dtype=torch.float32)
+        self._one = torch.ones((), device=self.device, dtype=torch.float32)
         self.spans: list[Span] = []
         self.last_out: dict[tuple[int, int], Tensor] = {}  # the tensor a following send posts
 
@@ -162,7 +168,8 @@ class _Run:
         leftover = sorted(self.slots) + sorted(self.pending_w)
         if leftover:
             raise RuntimeError(f"pipeline step ended with (stage, microbatch) {leftover} still waiting for a backward")
-        loss = pp_all_reduce(self.loss.detach(), self.stages)  # only the last stage's rank holds a nonzero loss
+        total, count, token_mbs = pp_all_reduce(self.loss, self.stages).unbind()  # only the last stage's rank holds it
+        loss: Any = TokenLoss(total, count) if token_mbs.item() > 0 else total
         if self.timeline is not None:
             self.timeline.append(StepTimeline(start, time.perf_counter(), tuple(self.spans)))
         return loss, optree.tree_unflatten(self.treedef, self._final_grads())
@@ -218,8 +225,12 @@ class _Run:
         h = st.model.blocks([params[st.model.blocks_key][str(i)] for i in st.layers[s]], h)
         if last:
             loss = st.model.last(params, h, batch)
-            self.loss += loss.detach().float() / self.m
-            h = loss / self.m
+            if isinstance(loss, TokenLoss):  # sums: the step divides by the count over the whole step
+                self.loss += torch.stack([loss.sum.detach().float(), loss.count.detach().float(), self._one])
+                h = loss.sum
+            else:
+                self.loss[0] += loss.detach().float() / self.m
+                h = loss / self.m
         self.slots[(s, mb)] = _Slot(inp, h)
         if not last:
             out = h.detach()
