@@ -27,7 +27,6 @@ from functitan.model import specs as model_specs
 from functitan.random import key
 from functitan.sharding import Layout, default_rules, place
 from functitan.step import make_train_step
-from functitan.testing import run_distributed
 from functitan.train_state import TrainState
 from functitan.transforms import accumulate, value_and_grad
 from functitan.tree import flatten_with_names
@@ -174,8 +173,8 @@ def _check(results: list[dict], cases: list) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
-    return run_distributed(_steps, 2, CASES_2)
+def two_ranks(gloo) -> list[dict]:
+    return gloo.run(_steps, 2, CASES_2)
 
 
 def test_masked_losses_equal_one_process_on_two_ranks(two_ranks):
@@ -196,9 +195,9 @@ def test_a_column_parallel_input_without_seq_is_refused_under_sp(two_ranks):
         ), message
 
 
-def test_masked_losses_equal_one_process_on_four_ranks():
+def test_masked_losses_equal_one_process_on_four_ranks(gloo):
     """FSDP 2 x TP 2 (+ SP, + microbatches), HSDP 2 x 2."""
-    _check(run_distributed(_steps, 4, CASES_4), CASES_4)
+    _check(gloo.run(_steps, 4, CASES_4), CASES_4)
 
 
 # ----------------------------------------------------------------------------------------------- one process
