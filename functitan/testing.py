@@ -51,13 +51,30 @@ def free_port() -> int:
 def _worker(
     rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, queue, threads: int, crash_log: str
 ):
+    import torch.distributed as dist
+
+    failed = _join(rank, world_size, port, threads, crash_log)
+    if failed:  # a lost rendezvous (a port taken meanwhile): the parent retries
+        queue.put((rank, "init", failed))
+        return
+    try:
+        # plain pickle: torch's queue reducer would pass tensors as shared-memory fds, which die with the worker
+        queue.put((rank, "ok", pickle.dumps(fn(*args, **kwargs))))
+    except BaseException:  # noqa: BLE001 - the parent re-raises with the worker's traceback
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _join(rank: int, world_size: int, port: int, threads: int, crash_log: str) -> str | None:
+    """Set up a worker process and join the gloo group; the traceback if the rendezvous failed, else None."""
     import torch
     import torch.distributed as dist
 
-    # a crash that skips the except below (a signal, a fatal error) leaves its Python traceback here for the parent
+    # a crash that skips Python's handlers (a signal, a fatal error) leaves its traceback here for the parent
     crash_file = open(crash_log, "w")  # noqa: SIM115 - open until the process ends, as faulthandler needs
     faulthandler.enable(file=crash_file)
-
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -69,17 +86,9 @@ def _worker(
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    except BaseException:  # noqa: BLE001 - a lost rendezvous (a port taken meanwhile): the parent retries
-        queue.put((rank, "init", traceback.format_exc()))
-        return
-    try:
-        # plain pickle: torch's queue reducer would pass tensors as shared-memory fds, which die with the worker
-        queue.put((rank, "ok", pickle.dumps(fn(*args, **kwargs))))
-    except BaseException:  # noqa: BLE001 - the parent re-raises with the worker's traceback
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the caller reports it; the parent retries
+        return traceback.format_exc()
+    return None
 
 
 INIT_ATTEMPTS = 3
@@ -372,21 +381,9 @@ def _pool_worker(rank: int, world_size: int, port: int, tasks: Any, queue: Any, 
     import torch
     import torch.distributed as dist
 
-    crash_file = open(crash_log, "w")  # noqa: SIM115 - open until the process ends, as faulthandler needs
-    faulthandler.enable(file=crash_file)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
-    torch.set_num_threads(threads)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    except BaseException:  # noqa: BLE001 - a lost rendezvous (a port taken meanwhile): the parent retries
-        queue.put((rank, 0, "init", traceback.format_exc(), True))
+    failed = _join(rank, world_size, port, threads, crash_log)
+    if failed:  # a lost rendezvous: the parent starts the pool again on another port
+        queue.put((rank, 0, "init", failed, True))
         return
     queue.put((rank, 0, "ok", pickle.dumps(None), False))
     seed, environ, cwd = torch.initial_seed(), dict(os.environ), os.getcwd()

@@ -46,11 +46,10 @@ SMALL = {
 }
 
 
-def train_small(overrides: dict):
-    """The trainer on SMALL plus ``overrides``; every rank returns (rank 0's logged losses, the params as full
-    tensors, the data state)."""
-    cfg = apply_overrides(JobConfig(), {**SMALL, **overrides})
-    out = run(cfg)
+def train_small(overrides: dict, base: dict = SMALL):
+    """The trainer on ``base`` (SMALL) plus ``overrides``; every rank returns (rank 0's logged losses, the params
+    as full tensors, the data state)."""
+    out = run(apply_overrides(JobConfig(), {**base, **overrides}))
     losses = None
     if torch.distributed.get_rank() == 0:
         with open(f"{out['run_dir']}/metrics.jsonl") as f:

@@ -256,23 +256,7 @@ MODEL_LAYOUTS = {
 
 
 def _train_model(overrides: dict) -> tuple[list, dict]:
-    import json
-
-    from functitan.config import apply_overrides
-    from functitan.job_config import JobConfig
-    from functitan.train import run
-    from functitan.tree import flatten_with_names
-
-    out = run(apply_overrides(JobConfig(), {**MODEL_BASE, **overrides}))
-    losses = None
-    if torch.distributed.get_rank() == 0:
-        with open(f"{out['run_dir']}/metrics.jsonl") as f:
-            losses = [json.loads(line)["loss"] for line in f]
-    params = {
-        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-        for n, p in flatten_with_names(out["state"].params)[0]
-    }
-    return losses, params
+    return train_small(overrides, base=MODEL_BASE)[:2]
 
 
 def _train_model_layouts(model: dict, pp: dict, run_dir: str) -> dict:
