@@ -34,12 +34,10 @@ train: $(VENV)/.installed-train
 	$(BIN)/python -m functitan.train --config configs/debug.toml $(ARGS)
 
 # lint first (ruff, format check, mypy: seconds), then the suite, which includes the notebooks
-# (tests/test_notebooks.py) and the site built with --strict (tests/test_docs.py). Two pytest-xdist workers, a
-# test file each at a time: in one process the suite keeps 0.7 of the 2 cores busy (it waits on launchers,
-# rendezvous, kernels), so a second worker fills the idle time; PYTEST_WORKERS=0 runs it in one process.
-PYTEST_WORKERS ?= 2
+# (tests/test_notebooks.py) and the site built with --strict (tests/test_docs.py); it ends with each test file's
+# wall time against tests/budget.toml
 test: $(VENV)/.installed-test lint
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(ARGS)
+	$(BIN)/python -m pytest $(ARGS)
 
 # ruff (lint + format check) and mypy; LINT_PATHS narrows them (e.g. LINT_PATHS=functitan/transforms.py)
 LINT_PATHS ?= functitan models tests benchmarks examples
