@@ -230,7 +230,7 @@ class WorkerPool:
     Example::
 
         with WorkerPool(2) as pool:
-            assert pool.run(_allreduce_rank) == [(0, 3.0), (1, 3.0)]
+            pool.run(_allreduce_rank)  # [(0, 3.0), (1, 3.0)]: one result per rank, in rank order
     """
 
     def __init__(self, world_size: int, *, threads: int = 1) -> None:
@@ -328,7 +328,8 @@ class WorkerPool:
         return results, errors, retired
 
     def _crash_log(self, rank: int) -> str:
-        assert self._logs is not None
+        if self._logs is None:
+            raise RuntimeError("the pool is closed: its ranks have no crash logs")
         return os.path.join(self._logs.name, f"rank{rank}.crash")
 
     def _start(self) -> None:
