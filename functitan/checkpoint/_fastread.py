@@ -16,6 +16,7 @@ caller falls back to tensorstore.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -23,7 +24,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 try:  # hardware crc32c (SSE4.2 / ARMv8), releases the GIL on large buffers
@@ -33,12 +33,20 @@ except ImportError:  # pragma: no cover - without it, restores go through tensor
 
 __all__ = ["Spec", "parse", "read_box"]
 
-_NP = {
-    "bool": np.dtype(np.bool_),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
-}
+
+@functools.cache
+def _np_dtypes() -> dict[str, np.dtype]:
+    """zarr data_type names numpy spells otherwise (ml_dtypes is imported on first use: it costs about 1 s)."""
+    import ml_dtypes
+
+    return {
+        "bool": np.dtype(np.bool_),
+        "bfloat16": np.dtype(ml_dtypes.bfloat16),
+        "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+        "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    }
+
+
 _LEAF = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 _MISSING = 2**64 - 1  # an inner chunk never written: its (offset, nbytes) in the shard index
 
@@ -76,7 +84,7 @@ def parse(zmeta: dict) -> Spec | None:
     if keys.get("configuration", {}).get("separator", "/") != "/":
         return None
     try:
-        dtype = _NP.get(zmeta["data_type"]) or np.dtype(zmeta["data_type"])
+        dtype = _np_dtypes().get(zmeta["data_type"]) or np.dtype(zmeta["data_type"])
     except TypeError:
         return None
     fill = zmeta.get("fill_value", 0)

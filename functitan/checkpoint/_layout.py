@@ -18,10 +18,9 @@ import math
 import os
 import weakref
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import optree
 import torch
@@ -35,52 +34,66 @@ FORMAT = "functitan.checkpoint/1"
 INNER_CHUNK_BYTES = 4 << 20
 TMP_MARK = ".tmp-"
 
+
 # torch dtype <-> numpy dtype. bf16 and fp8 have no numpy dtype: ml_dtypes supplies them, and tensors are
-# reinterpreted bit for bit through an unsigned int of the same width (never through float32).
-_TORCH_TO_NP: dict[torch.dtype, np.dtype] = {
-    torch.float64: np.dtype(np.float64),
-    torch.float32: np.dtype(np.float32),
-    torch.float16: np.dtype(np.float16),
-    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
-    torch.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn),
-    torch.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2),
-    torch.int64: np.dtype(np.int64),
-    torch.int32: np.dtype(np.int32),
-    torch.int16: np.dtype(np.int16),
-    torch.int8: np.dtype(np.int8),
-    torch.uint8: np.dtype(np.uint8),
-    torch.bool: np.dtype(np.bool_),
-    torch.complex64: np.dtype(np.complex64),
-}
-_NP_TO_TORCH = {v: k for k, v in _TORCH_TO_NP.items()}
+# reinterpreted bit for bit through an unsigned int of the same width (never through float32). Built on first use:
+# importing ml_dtypes costs about a second, which every process importing the trainer would pay otherwise.
+@cache
+def torch_to_np() -> dict[torch.dtype, np.dtype]:
+    import ml_dtypes
+
+    return {
+        torch.float64: np.dtype(np.float64),
+        torch.float32: np.dtype(np.float32),
+        torch.float16: np.dtype(np.float16),
+        torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+        torch.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn),
+        torch.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2),
+        torch.int64: np.dtype(np.int64),
+        torch.int32: np.dtype(np.int32),
+        torch.int16: np.dtype(np.int16),
+        torch.int8: np.dtype(np.int8),
+        torch.uint8: np.dtype(np.uint8),
+        torch.bool: np.dtype(np.bool_),
+        torch.complex64: np.dtype(np.complex64),
+    }
+
+
+@cache
+def np_to_torch() -> dict[np.dtype, torch.dtype]:
+    return {v: k for k, v in torch_to_np().items()}
+
+
 _BITS_VIEW = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 
 
 def np_dtype(dtype: torch.dtype, name: str) -> np.dtype:
-    if dtype not in _TORCH_TO_NP:
-        raise TypeError(f"{name}: dtype {dtype} cannot be checkpointed; supported: {sorted(map(str, _TORCH_TO_NP))}")
-    return _TORCH_TO_NP[dtype]
+    table = torch_to_np()
+    if dtype not in table:
+        raise TypeError(f"{name}: dtype {dtype} cannot be checkpointed; supported: {sorted(map(str, table))}")
+    return table[dtype]
 
 
 def torch_dtype(dtype: np.dtype, name: str, where: str) -> torch.dtype:
-    if np.dtype(dtype) not in _NP_TO_TORCH:
+    table = np_to_torch()
+    if np.dtype(dtype) not in table:
         raise ValueError(
             f"{name}: {where} stores dtype {np.dtype(dtype)}, which has no torch equivalent here; supported: "
-            f"{sorted(str(d) for d in _NP_TO_TORCH)}"
+            f"{sorted(str(d) for d in table)}"
         )
-    return _NP_TO_TORCH[np.dtype(dtype)]
+    return table[np.dtype(dtype)]
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A zero-copy numpy view of a CPU tensor (bf16/fp8 through their bits, never via float32)."""
     if t.dtype in _BITS_VIEW:
-        return t.view(_BITS_VIEW[t.dtype]).numpy().view(_TORCH_TO_NP[t.dtype])
+        return t.view(_BITS_VIEW[t.dtype]).numpy().view(torch_to_np()[t.dtype])
     return t.numpy()
 
 
 def from_numpy(a: np.ndarray) -> torch.Tensor:
     """The inverse of ``as_numpy``: a CPU tensor sharing ``a``'s memory."""
-    dt = _NP_TO_TORCH[a.dtype]
+    dt = np_to_torch()[a.dtype]
     if dt in _BITS_VIEW:
         bits = {1: np.uint8, 2: np.uint16}[a.dtype.itemsize]
         return torch.from_numpy(np.require(a, requirements="C").view(bits)).view(dt)

@@ -23,11 +23,10 @@ import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import optree
-import tensorstore as ts
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -36,6 +35,9 @@ from .. import _dtensor as _dt
 from ..errors import UserError
 from . import _fastread
 from . import _layout as L
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 __all__ = ["restore", "verify", "CheckpointError"]
 
@@ -152,6 +154,8 @@ def _read_leaves(
     path: str, meta: dict, named: list[tuple[str, Any]], pool: ThreadPoolExecutor, in_place: bool
 ) -> list[Any]:
     """Every leaf's value: functitan's own chunk files read directly (in ``pool``), others by tensorstore."""
+    import tensorstore as ts  # here, not at import: it pulls in ml_dtypes (~1 s per process)
+
     ctx = ts.Context()
     direct = meta.get("use_zarr3", False) and not meta.get("use_ocdbt", False)
     fast = [_fast_array(path, name, pool) if direct else None for name, _ in named]
@@ -336,4 +340,4 @@ def _fresh_out(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     compaction) and each reader thread's malloc arena keeps its own free memory, so a second restore
     page-faulted all of its memory again; torch's allocator in one thread behaves as a trainer's does.
     """
-    return L.as_numpy(torch.empty(shape, dtype=L._NP_TO_TORCH[np.dtype(dtype)]))
+    return L.as_numpy(torch.empty(shape, dtype=L.np_to_torch()[np.dtype(dtype)]))

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -186,9 +185,9 @@ def _plan(named: list, rank: int, ranks: tuple[int, ...]) -> list[_Leaf]:
         else:
             a = x if isinstance(x, np.ndarray) else _scalar_array(x, name)
             dtype = a.dtype
-            if dtype not in L._NP_TO_TORCH:
+            if dtype not in L.np_to_torch():
                 raise TypeError(
-                    f"{name}: numpy dtype {dtype} cannot be checkpointed; supported: {sorted(map(str, L._NP_TO_TORCH))}"
+                    f"{name}: numpy dtype {dtype} cannot be checkpointed; supported: {sorted(map(str, L.np_to_torch()))}"
                 )
             boxes = L.full_boxes(tuple(a.shape), ranks)
             my_off = (0,) * a.ndim
@@ -323,6 +322,8 @@ def _write_shards(item: str, plan: list[_Leaf], rank: int, *, background: bool =
     ``_WRITE_THREADS`` threads; tensorstore writes each zarr.json (one rank per leaf) and any leaf
     ``_fastwrite`` cannot (a partial edge cell, complex values).
     """
+    import tensorstore as ts  # here, not at import: it pulls in ml_dtypes (~1 s per process)
+
     ctx = ts.Context({"file_io_sync": False})
     opens, writes, written = [], [], []
     synced: set[str] = set()  # chunk files their writer flushed already (see _fastwrite.write_block)
