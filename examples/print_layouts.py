@@ -35,11 +35,16 @@ def _placements(degrees: dict) -> dict[str, str]:
     return {n: str(spec_placements(spec_of[n], rules, mesh)) for n in PARAMS}
 
 
+def _every_layout() -> dict[str, dict[str, str]]:
+    """All layouts in one group of 4 processes (one launch, not one per layout)."""
+    return {name: _placements(degrees) for name, degrees in LAYOUTS.items()}
+
+
 def main() -> None:
     print("mesh axes: (pp, dp_replicate, dp_shard, tp)")
-    for name, degrees in LAYOUTS.items():
-        print(f"\n{name}  {degrees}")
-        for param, pl in run_distributed(_placements, 4, degrees)[0].items():
+    for name, placements in run_distributed(_every_layout, 4)[0].items():
+        print(f"\n{name}  {LAYOUTS[name]}")
+        for param, pl in placements.items():
             print(f"  {param:<28} {pl}")
 
 
