@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -103,27 +104,44 @@ def test_there_are_notebooks():
     assert set(CLAIMS) == {p.stem for p in NOTEBOOKS}, "every notebook states its claims in CLAIMS"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_from_a_fresh_kernel(path, monkeypatch, tmp_path):
-    committed = nbformat.read(path, as_version=4)
-    code = [c for c in committed.cells if c.cell_type == "code"]
-    assert all(c.get("outputs") is not None for c in code)
-    assert any(c.get("outputs") for c in code), f"{path.name} is committed without outputs; run it and save"
-
-    # the kernel inherits the environment: make the repository importable as it is for `make test`
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    # the kernel's and its subprocesses' temporary files: a notebook removes what it wrote (checked below)
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    monkeypatch.setenv("TMPDIR", str(scratch))
+def _execute(path: Path, scratch: Path) -> tuple[object, float]:
+    """Run ``path`` from a fresh kernel with the claims cell appended: (the executed notebook, seconds)."""
     fresh = nbformat.read(path, as_version=4)
     fresh.cells.append(_claims_cell(path))
     client = nbclient.NotebookClient(
         fresh, timeout=3 * TIME_LIMIT_S, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
     )
+    # the kernel inherits this environment, with the repository importable as it is for `make test`, and its
+    # (and its subprocesses') temporary files in ``scratch``: a notebook removes what it wrote (checked below)
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     t0 = time.perf_counter()
-    client.execute()  # raises CellExecutionError on the first failing cell
-    elapsed = time.perf_counter() - t0
+    client.execute(env=env)  # raises CellExecutionError on the first failing cell
+    return fresh, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Every notebook, two at a time (2 cores; a notebook mostly waits on its kernel or its worker processes):
+    ``{stem: (future of (executed notebook, seconds), its scratch directory)}``."""
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="notebook")
+    runs = {}
+    for path in reversed(NOTEBOOKS):  # the last is the longest (04: train, resume, reshard, Orbax, HF): first
+        scratch = tmp_path_factory.mktemp(f"{path.stem}_tmp")
+        runs[path.stem] = (pool.submit(_execute, path, scratch), scratch)
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_from_a_fresh_kernel(path, executed):
+    committed = nbformat.read(path, as_version=4)
+    code = [c for c in committed.cells if c.cell_type == "code"]
+    assert all(c.get("outputs") is not None for c in code)
+    assert any(c.get("outputs") for c in code), f"{path.name} is committed without outputs; run it and save"
+
+    future, scratch = executed[path.stem]
+    fresh, elapsed = future.result()
     sys.stdout.write(f"\n{path.name}: {elapsed:.1f} s\n")
     _check_claims(path.stem, fresh.cells[-1])
 
@@ -136,5 +154,5 @@ def test_notebook_runs_from_a_fresh_kernel(path, monkeypatch, tmp_path):
     # (removed when the kernel's interpreter exits, which may come after this check)
     left = sorted(p.name for p in scratch.iterdir() if not p.name.startswith(("torchinductor_", "pymp-")))
     assert not left, f"{path.name} left {left} in the temporary directory; remove its workdir in the last cell"
-    if os.environ.get("CI"):  # CI has its 2 cores to itself; a shared workstation's wall time says little
+    if os.environ.get("CI"):  # CI has its 2 cores to itself (two notebooks share them); a workstation's says little
         assert elapsed < TIME_LIMIT_S, f"{path.name} took {elapsed:.0f} s; notebooks must run in under {TIME_LIMIT_S} s"
