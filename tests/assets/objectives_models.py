@@ -126,7 +126,7 @@ def loss(params: dict, batch: dict, c: Cfg, layout: Layout = Layout()):
         z_loss=c.z_loss,
         reduction=c.reduction,
     )
-    parts = {"ce": ce.mean() if isinstance(ce, TokenLoss) else ce}
+    parts = {"ce": ce}  # a TokenLoss: the step reports its sum over its count, over every rank and microbatch
     out = ce
     if c.router_z:
         zs = sum(torch.logsumexp(r, -1).square() for r in routers)  # (batch, seq piece)
@@ -136,11 +136,11 @@ def loss(params: dict, batch: dict, c: Cfg, layout: Layout = Layout()):
             term = (zs * local).sum() / local.sum()
         else:
             term = layout.token_mean(zs, valid)  # over the same tokens as ce: its sum adds to ce's
-        parts["router_z"] = term.mean() if isinstance(term, TokenLoss) else term
+        parts["router_z"] = term
         if isinstance(ce, TokenLoss):
             out = TokenLoss(ce.sum + c.router_z * term.sum, ce.count)
         else:
-            out = ce + c.router_z * parts["router_z"]
+            out = ce + c.router_z * (term.mean() if isinstance(term, TokenLoss) else term)
     if c.balance:  # Switch's load balancing: experts * sum_e f_e P_e over this batch's tokens, per layer
         n = targets.numel()
         for r in routers:
