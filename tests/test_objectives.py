@@ -421,6 +421,37 @@ def test_gradcheck_normalises_a_token_loss_and_reports_a_layout_that_raises_besi
     assert report["tp_sp"]["error"].startswith("ValueError: sequence parallelism over tp=2 needs the sequence length")
 
 
+def test_gradcheck_pp_layouts_pass_a_right_stage_split_over_steps_and_find_a_wrong_one():
+    """PP 2 under 1F1B and ZB-V (4 stages) against one process, over 2 SGD steps; a first stage that forgets the
+    position table is found by both (gradcheck had no pipeline layout)."""
+    from functitan.model import gradcheck
+
+    cfg = {"n_layers": 4, "head": "replicated"}
+    layouts = ("pp_1f1b", "pp_zb_v")
+    assert gradcheck(ASSET, overrides=cfg, layouts=layouts, steps=2) == {"pp_1f1b": {}, "pp_zb_v": {}}
+    wrong = gradcheck(ASSET, overrides={**cfg, "wrong_stage": True}, layouts=layouts)
+    for name in layouts:
+        assert {"loss", "wpe", "layers.0.qkv"} <= set(wrong[name]) and wrong[name]["wpe"] > 0.1, wrong[name]
+
+
+def test_gradcheck_reports_a_misnamed_slice_as_the_name_error_before_running_a_layout():
+    """It was a shape error (or a wrong gradient) of each layout; now no process starts."""
+    from functitan.model import gradcheck
+
+    report = gradcheck(USAGE, overrides={"ffn": "misnamed"}, layouts=("fsdp", "tp"))
+    for name in ("fsdp", "tp"):
+        assert report[name]["error"].startswith(
+            "ValueError: param 'layers.0.w_in' is declared with names ['experts', 'mlp', 'embed'] and used as "
+            "layers.0.w_in[...]"
+        ), report
+    from support import cli
+
+    out = cli("gradcheck", f"--model.name={USAGE}", "--model.ffn=misnamed", "--layouts=fsdp,pp_zb_v", "--steps", "3")
+    assert out.returncode == 1 and out.stdout.count("error: ValueError: param 'layers.0.w_in' is declared") == 2
+    bad = cli("gradcheck", f"--model.name={USAGE}", "--steps", "0")
+    assert bad.returncode == 2 and "functitan gradcheck: error: --steps=0: must be >= 1" in bad.stderr, bad.stderr
+
+
 # ----------------------------------------------------------------------------------------------- check_names
 
 

@@ -41,6 +41,7 @@ class Cfg:
     balance: float = 0.0  # a load-balancing term through layout.token_sum (a per-batch statistic: exact where one
     # data-parallel rank holds the batch; the mean of per-rank terms otherwise, as Switch's)
     aux: bool = False
+    wrong_stage: bool = False  # the pipeline's first stage forgets the position table (gradcheck's pp layouts)
 
 
 def params(c: Cfg) -> dict:
@@ -175,8 +176,13 @@ def stage_model(c: Cfg, layout: Layout, *, seq_len: int, dtype: torch.dtype = to
         opts = dict(label_smoothing=c.label_smoothing, z_loss=c.z_loss, reduction=c.reduction)
         return layout.cross_entropy(logits, targets, c.vocab_size, **opts)
 
+    def first(top: dict, tokens: torch.Tensor) -> torch.Tensor:
+        if c.wrong_stage:
+            return layout.embed(tokens, top["wte"], c.vocab_size)
+        return embed(top, tokens, c, layout)
+
     return StageModel(
-        first=lambda p, mb: embed(layout.params(p), objective(mb, c)[0], c, layout),
+        first=lambda p, mb: first(layout.params(p), objective(mb, c)[0]),
         blocks=lambda layers, x: layout.blocks(lambda p, x: block(p, x, c, layout)[0], layers, x),
         last=last,
         activation=lambda mb: ((mb["inputs"].shape[0], mb["inputs"].shape[1] // layout.seq_shards, c.dim), dtype),
