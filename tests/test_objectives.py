@@ -380,16 +380,22 @@ def _cli(run_dir: Path, *flags: str) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "cli" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_masked_lm_through_the_cli_on_two_ranks_equals_one_process(tmp_path):
+def test_masked_lm_through_the_cli_on_two_and_four_ranks_equals_one_process(tmp_path):
     """``functitan train`` as typed: a 15% MLM mask drawn from the tokens (a count that varies by row), FSDP 2 x 2
-    microbatches against one process; the loss's aux outputs come out as metrics."""
+    microbatches and FSDP 2 x TP 2 + SP on 4 ranks against one process; the loss's aux outputs come out as
+    metrics, averaged over the data-parallel ranks (the token mean of the cross-entropy is the loss's)."""
     one = _cli(tmp_path / "one")
     two = _cli(tmp_path / "two", "--nproc", "2", "--parallelism.dp_shard=2")
-    assert len(one) == len(two) == 3
-    torch.testing.assert_close(
-        torch.tensor([r["loss"] for r in two]), torch.tensor([r["loss"] for r in one]), atol=2e-5, rtol=1e-5
-    )
-    assert all(isinstance(r["aux/ce"], float) for r in one + two) and one[-1]["loss"] < one[0]["loss"]
+    flags = ("--parallelism.dp_shard=2", "--parallelism.tp=2", "--parallelism.sequence_parallel=true")
+    four = _cli(tmp_path / "four", "--nproc", "4", *flags)
+    assert len(one) == len(two) == len(four) == 3
+    for run in (two, four):
+        for key in ("loss", "aux/ce"):
+            torch.testing.assert_close(
+                torch.tensor([r[key] for r in run]), torch.tensor([r[key] for r in one]), atol=1e-6, rtol=0
+            )
+    assert all(r["aux/ce"] == pytest.approx(r["loss"], abs=1e-6) for r in one + two + four)
+    assert one[-1]["loss"] < one[0]["loss"]
 
 
 def test_the_masked_lm_block_of_docs_models_md_is_the_mean_over_the_masked_tokens():
