@@ -390,9 +390,9 @@ def test_masked_lm_through_the_cli_on_two_and_four_ranks_equals_one_process(tmp_
     four = _cli(tmp_path / "four", "--nproc", "4", *flags)
     assert len(one) == len(two) == len(four) == 3
     for run in (two, four):
-        for key in ("loss", "aux/ce"):
+        for metric in ("loss", "aux/ce"):
             torch.testing.assert_close(
-                torch.tensor([r[key] for r in run]), torch.tensor([r[key] for r in one]), atol=1e-6, rtol=0
+                torch.tensor([r[metric] for r in run]), torch.tensor([r[metric] for r in one]), atol=1e-6, rtol=0
             )
     assert all(r["aux/ce"] == pytest.approx(r["loss"], abs=1e-6) for r in one + two + four)
     assert one[-1]["loss"] < one[0]["loss"]
@@ -506,3 +506,60 @@ def test_check_names_refuses_a_data_dependent_loss_too_large_for_real_tensors(mo
         ValueError, match=r"model 'gather': its loss runs an op that meta tensors cannot run \(.*nonzero"
     ):
         check_names(_GATHER, _GATHER.config("debug"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _UseCfg:
+    vocab_size: int = 11
+    use: str = "half"
+
+
+def _use_params(c: _UseCfg) -> dict:
+    return {
+        "wte": Param((c.vocab_size, 4), ("vocab", "embed"), normal(0.2)),
+        "w": Param((8, 4), ("mlp", "embed"), normal(0.2)),
+        "b": Param((3,), ("mlp",), normal(0.2)),
+    }
+
+
+def _use_loss(params: dict, batch: dict, c: _UseCfg, layout: Layout = Layout()):
+    x = layout.embed(batch["inputs"], params["wte"], c.vocab_size)  # (batch, seq, embed)
+    w = params["w"]
+    if c.use == "half":  # the first half of the rows: each tp rank holds another half
+        h = layout.einsum("batch seq embed, mlp embed -> batch seq mlp", x, w[:4])
+    elif c.use == "reshaped":
+        h = layout.einsum("batch seq embed, mlp embed -> batch seq mlp", x, w.reshape(4, 8).reshape(8, 4))
+    else:  # "bias": a bias of 3 added to 8 columns
+        h = layout.einsum("batch seq embed, mlp embed -> batch seq mlp", x, w) + params["b"]
+    return h.square().mean()
+
+
+_USES = Model(
+    name="uses",
+    configs={"debug": _UseCfg()},
+    params=_use_params,
+    loss=_use_loss,
+    apply=lambda p, tokens, c, layout: layout.embed(tokens, p["wte"], c.vocab_size),
+    flops_per_token=lambda c, s: 1.0,
+)
+
+
+@pytest.mark.parametrize(
+    "use, tp, message",
+    [
+        ("half", 2, r"param 'w' \(names \['mlp', 'embed'\]\) is cut along its dim 'mlp' by w\[\.\.\.\] at .*in "
+         r"_use_loss, and tp=2 shards that dim"),
+        ("reshaped", 2, r"param 'w' \(names \['mlp', 'embed'\]\) is contracted at .* as w\.reshape\.reshape, a reshaped "
+         r"view whose dims have no names, while tp=2 shards its dim 'mlp'"),
+        ("bias", 1, r"param 'b' \(shape \(3,\), names \['mlp'\]\) used as b does not broadcast at .*in _use_loss with "
+         r"shapes \[\(1, 8, 8\), \(3,\)\]"),
+    ],
+)  # fmt: skip
+def test_check_names_refuses_a_cut_of_a_sharded_dim_a_reshaped_view_and_a_bias_that_does_not_broadcast(
+    use, tp, message
+):
+    """On main: a slice of another rank's rows, an unchecked view and a raw torch broadcast error."""
+    with pytest.raises(ValueError, match=message):
+        check_names(_USES, _USES.config("debug", use=use), tp=tp)
+    if use != "bias":  # with nothing tp-sharded the same view is right: only the names are compared
+        assert check_names(_USES, _USES.config("debug", use=use), tp=1) == {"wte", "w"}
