@@ -66,7 +66,8 @@ USAGE = str(Path(__file__).parent / "assets" / "usage_models.py")
 USAGE_CFGS: dict[str, dict[str, Any]] = {
     "soft": {},
     "index": dict(ffn="index"),
-    "capacity": dict(ffn="capacity"),
+    "capacity": dict(ffn="capacity"),  # 24 slots per expert: tokens are dropped, as the batch of the rank decides
+    "capacity_all": dict(ffn="capacity", capacity=128),  # no token dropped: the same on every data-parallel split
     "stacked": dict(stacked=True),
     "stacked_untied": dict(stacked=True, tie=False),
 }
@@ -76,6 +77,7 @@ USAGE_CASES_2 = [
     ("index_tp2", dict(tp=2), False, 1, "index"),
     ("index_fsdp2", dict(dp_shard=2), False, 1, "index"),
     ("capacity_tp2", dict(tp=2), False, 1, "capacity"),
+    ("capacity_fsdp2", dict(dp_shard=2), False, 1, "capacity_all"),
     ("stacked_tp2_sp", dict(tp=2), True, 1, "stacked"),
 ]
 REFUSED_2 = [("stacked_pp2", dict(pp=2), False, 2, "stacked_untied")]
@@ -223,7 +225,9 @@ def test_masked_losses_equal_one_process_on_two_ranks(two_ranks):
 
 def test_sliced_stacked_and_dispatched_experts_equal_one_process(two_ranks):
     """Expert weights sliced per expert (``w_in[e]``) through the Layout (TP 2 + SP, FSDP 2 x 2 microbatches),
-    top-1 dispatch by index (TP 2, FSDP 2), capacity slots (TP 2), layers declared as one stack (TP 2 + SP)."""
+    top-1 dispatch by index (TP 2, FSDP 2), capacity slots (TP 2; FSDP 2 where no token is dropped: which tokens
+    a full expert drops depends on the batch a rank holds, as in GShard), layers declared as one stack (TP 2 +
+    SP)."""
     _check(two_ranks, USAGE_CASES_2)
 
 
