@@ -125,12 +125,11 @@ class NameTable:
         if use is None:
             return
         self.seen.add(use.path)
-        shape = use.shape
-        if len(shape) != 2 or shape[0] != num_rows or use.expr != use.path:
+        shape = use.shape if use.expr == use.path else tuple(table.shape)  # a view: its own rows (stack[i])
+        if len(shape) != 2 or shape[0] != num_rows:
             raise ValueError(
                 f"param {use.path!r} (shape {shape}, names {list(use.declared)}) is looked up at {site(frame)} as "
-                f"{use.expr}, a table of {num_rows} rows; pass the param itself and its declared row count "
-                f"(its shape[0] = {shape[0]})"
+                f"{use.expr}, a table of {num_rows} rows; pass the table's row count (its shape[0] = {shape[0]})"
             )
 
 
