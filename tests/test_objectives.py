@@ -292,6 +292,20 @@ def test_check_names_follows_every_use_of_a_param_and_refuses_by_name(overrides,
         check_names(model, c, **layout)
 
 
+def test_the_trainer_checks_for_its_own_tp_and_sequence_parallelism():
+    """``check_model`` (what ``functitan train`` runs before any collective) passes the layout on: the index MoE
+    trains under TP 2 and is refused under TP 2 + SP; the raw matmul is refused under TP 2 only."""
+    from functitan._model_setup import check_model
+
+    layout = dict(pp=1, seq_len=16)
+    check_model(*_usage(ffn="index"), tp=2, sequence_parallel=False, **layout)
+    with pytest.raises(ValueError, match=r"param 'layers\.0\.w_in' .* is contracted column-parallel at"):
+        check_model(*_usage(ffn="index"), tp=2, sequence_parallel=True, **layout)
+    check_model(*_usage(ffn="raw"), tp=1, sequence_parallel=False, **layout)
+    with pytest.raises(ValueError, match=r"param 'layers\.0\.w_in' .* is contracted by a raw matmul at"):
+        check_model(*_usage(ffn="raw"), tp=2, sequence_parallel=False, **layout)
+
+
 def test_check_names_passes_what_trains_exactly():
     """The same model's uses that train exactly (the tests above) pass the check, and the raw matmul where no
     dim is tp-sharded."""
