@@ -64,7 +64,7 @@ def _setup(name: str, flavor: str, overrides: Mapping[str, Any]) -> tuple[Model,
 def _trainer(
     model: Model, cfg: Any, decl: Any, seed: int, lname: str | None, seq_len: int
 ) -> tuple[Any, Any, Any, Any]:
-    """``(train step, state, layout, pp group or None)`` of SGD at lr 1 under layout ``lname`` (None: one process):
+    """``(train step, state, layout, full params)`` of SGD at lr 1 under layout ``lname`` (None: one process):
     the trainer's own step, so a TokenLoss is normalised and a pipeline split as in training."""
     from .. import optim, pipeline
     from .._loss import split_aux
@@ -102,7 +102,8 @@ def _trainer(
             grad_fn = value_and_grad(lambda p, b: split_aux(model.loss(p, b, cfg, layout))[0])
     opt = optim.sgd(1.0)
     step = make_train_step(grad_fn, opt, norm_across=across)
-    return step, TrainState(step=0, params=params, opt_state=opt.init(params), data_state=None, rng=0), layout, across
+    state = TrainState(step=0, params=params, opt_state=opt.init(params), data_state=None, rng=0)
+    return step, state, layout, full
 
 
 def _train(
@@ -120,10 +121,12 @@ def _train(
     from torch.distributed.tensor import DTensor
 
     model, cfg = _setup(name, flavor, overrides)
-    step, state, layout, _ = _trainer(model, cfg, _declaration(model, cfg), seed, lname, seq_len)
+    step, state, layout, init_params = _trainer(model, cfg, _declaration(model, cfg), seed, lname, seq_len)
     full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).detach()  # noqa: E731
     named = lambda s: {n: full(t) for n, t in flatten_with_names(s.params)[0]}  # noqa: E731
-    losses, first = [], named(state)
+    mine = {n for n, _ in flatten_with_names(state.params)[0]}  # a pipeline rank's: its stages' params only
+    first = {n: t for n, t in flatten_with_names(init_params)[0] if n in mine}
+    losses: list[float] = []
     for i in range(steps):
         b = {
             k: v.chunk(layout.dp_size)[layout.dp_rank]
