@@ -526,58 +526,25 @@ def test_check_names_refuses_a_data_dependent_loss_too_large_for_real_tensors(mo
         check_names(_GATHER, _GATHER.config("debug"))
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _UseCfg:
-    vocab_size: int = 11
-    use: str = "half"
-
-
-def _use_params(c: _UseCfg) -> dict:
-    return {
-        "wte": Param((c.vocab_size, 4), ("vocab", "embed"), normal(0.2)),
-        "w": Param((8, 4), ("mlp", "embed"), normal(0.2)),
-        "b": Param((3,), ("mlp",), normal(0.2)),
-    }
-
-
-def _use_loss(params: dict, batch: dict, c: _UseCfg, layout: Layout = Layout()):
-    x = layout.embed(batch["inputs"], params["wte"], c.vocab_size)  # (batch, seq, embed)
-    w = params["w"]
-    if c.use == "half":  # the first half of the rows: each tp rank holds another half
-        h = layout.einsum("batch seq embed, mlp embed -> batch seq mlp", x, w[:4])
-    elif c.use == "reshaped":
-        h = layout.einsum("batch seq embed, mlp embed -> batch seq mlp", x, w.reshape(4, 8).reshape(8, 4))
-    else:  # "bias": a bias of 3 added to 8 columns
-        h = layout.einsum("batch seq embed, mlp embed -> batch seq mlp", x, w) + params["b"]
-    return h.square().mean()
-
-
-_USES = Model(
-    name="uses",
-    configs={"debug": _UseCfg()},
-    params=_use_params,
-    loss=_use_loss,
-    apply=lambda p, tokens, c, layout: layout.embed(tokens, p["wte"], c.vocab_size),
-    flops_per_token=lambda c, s: 1.0,
-)
-
-
 @pytest.mark.parametrize(
-    "use, tp, message",
+    "overrides, tp, message",
     [
-        ("half", 2, r"param 'w' \(names \['mlp', 'embed'\]\) is cut along its dim 'mlp' by w\[\.\.\.\] at .*in "
-         r"_use_loss, and tp=2 shards that dim"),
-        ("reshaped", 2, r"param 'w' \(names \['mlp', 'embed'\]\) is contracted at .* as w\.reshape\.reshape, a reshaped "
-         r"view whose dims have no names, while tp=2 shards its dim 'mlp'"),
-        ("bias", 1, r"param 'b' \(shape \(3,\), names \['mlp'\]\) used as b does not broadcast at .*in _use_loss with "
-         r"shapes \[\(1, 8, 8\), \(3,\)\]"),
+        (dict(ffn="half"), 2, r"param 'layers\.0\.w_in' \(names \['experts', 'mlp', 'embed'\]\) is cut along its dim "
+         r"'mlp' by layers\.0\.w_in\[\.\.\.\]\[\.\.\.\] at .*usage_models\.py:\d+ in _expert, and tp=2 shards that dim"),
+        (dict(ffn="reshaped"), 2, r"param 'layers\.0\.w_in' \(names \['experts', 'mlp', 'embed'\]\) is contracted at "
+         r".*usage_models\.py:\d+ in _expert as layers\.0\.w_in\[\.\.\.\]\.reshape\.view, a reshaped view whose dims "
+         r"have no names, while tp=2 shards its dim 'mlp'"),
+        (dict(bias="short"), 1, r"param 'layers\.0\.b_in' \(shape \(7,\), names \['mlp'\]\) used as layers\.0\.b_in "
+         r"does not broadcast at .*usage_models\.py:\d+ in _expert with shapes \[\(1, 8, 8\), \(7,\)\]"),
     ],
+    ids=["half", "reshaped", "short_bias"],
 )  # fmt: skip
 def test_check_names_refuses_a_cut_of_a_sharded_dim_a_reshaped_view_and_a_bias_that_does_not_broadcast(
-    use, tp, message
+    overrides, tp, message
 ):
     """On main: a slice of another rank's rows, an unchecked view and a raw torch broadcast error."""
+    model, c = _usage(**overrides)
     with pytest.raises(ValueError, match=message):
-        check_names(_USES, _USES.config("debug", use=use), tp=tp)
-    if use != "bias":  # with nothing tp-sharded the same view is right: only the names are compared
-        assert check_names(_USES, _USES.config("debug", use=use), tp=1) == {"wte", "w"}
+        check_names(model, c, tp=tp)
+    if tp > 1:  # with nothing tp-sharded the same view is right: only the names are compared
+        assert "layers.0.w_in" in check_names(model, c, tp=1)

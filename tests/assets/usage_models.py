@@ -10,7 +10,11 @@ are used:
 - ``"index"``: top-1 dispatch by index (``torch.nonzero``), tokens flattened to ``tokens embed``;
 - ``"capacity"``: GShard-style dispatch into ``experts capacity embed`` slots;
 
-``bias="wrong"`` declares the FFN's bias on ``embed`` while it is added to ``mlp`` (same size here).
+- ``"half"``: half of each expert's width, ``w_in[e][:mlp // 2]`` (a cut of the dim TP shards);
+- ``"reshaped"``: ``w_in[e]`` through a reshape (a view whose dims have no names).
+
+``bias="wrong"`` declares the FFN's bias on ``embed`` while it is added to ``mlp`` (same size here);
+``bias="short"`` declares it one shorter than ``mlp`` (it does not broadcast).
 ``stacked=True`` declares the layers as one stack with a leading ``layers`` dim instead of a list.
 """
 
@@ -41,11 +45,11 @@ class Cfg:
 
 def _layer(c: Cfg, lead: tuple[int, ...] = (), names: tuple[str, ...] = ()) -> dict:
     d, m, e = c.dim, c.mlp, c.experts
-    bias_names = ("mlp",) if c.bias == "right" else ("embed",)
+    bias_names = ("embed",) if c.bias == "wrong" else ("mlp",)
     return {
         "router": Param((*lead, e, d), (*names, "experts", "embed"), normal(0.5)),
         "w_in": Param((*lead, e, m, d), (*names, "experts", "mlp", "embed"), normal(0.4)),
-        "b_in": Param((*lead, m), (*names, *bias_names), normal(0.2)),
+        "b_in": Param((*lead, m - (c.bias == "short")), (*names, *bias_names), normal(0.2)),
         "w_out": Param((*lead, e, d, m), (*names, "experts", "embed", "mlp"), normal(0.4)),
     }
 
@@ -61,14 +65,19 @@ def params(c: Cfg) -> dict:
 def _expert(p: dict, x: torch.Tensor, e: int, c: Cfg, layout: Layout, names: str) -> torch.Tensor:
     """Expert ``e`` on ``x`` (``names``: its dims, ending in ``embed``) through the Layout."""
     mlp = "hidden" if c.ffn == "misnamed" else "mlp"
-    h = layout.einsum(f"{names}, {mlp} embed -> {names[: -len('embed')]}{mlp}", x, p["w_in"][e]) + p["b_in"]
-    return layout.einsum(f"{names[: -len('embed')]}mlp, embed mlp -> {names}", F.gelu(h), p["w_out"][e])
+    w_in, w_out, b_in = p["w_in"][e], p["w_out"][e], p["b_in"]
+    if c.ffn == "half":  # half of each expert's width: a cut of the dim TP shards
+        w_in, w_out, b_in = w_in[: c.mlp // 2], w_out[:, : c.mlp // 2], b_in[: c.mlp // 2]
+    if c.ffn == "reshaped":  # the same values through a reshape: a view whose dims have no names
+        w_in = w_in.reshape(-1).view(c.mlp, c.dim)
+    h = layout.einsum(f"{names}, {mlp} embed -> {names[: -len('embed')]}{mlp}", x, w_in) + b_in
+    return layout.einsum(f"{names[: -len('embed')]}mlp, embed mlp -> {names}", F.gelu(h), w_out)
 
 
 def ffn(p: dict, x: torch.Tensor, c: Cfg, layout: Layout) -> torch.Tensor:
     """``x (batch, seq, embed)`` -> the experts' mix, same shape."""
     gates = layout.einsum("batch seq embed, experts embed -> batch seq experts", x, p["router"]).softmax(-1)
-    if c.ffn in ("soft", "misnamed"):
+    if c.ffn in ("soft", "misnamed", "half", "reshaped"):
         return sum(gates[..., e : e + 1] * _expert(p, x, e, c, layout, "batch seq embed") for e in range(c.experts))
     if c.ffn == "raw":
         out = 0.0
