@@ -85,7 +85,7 @@ def check_model(model: Model, model_cfg: Any, *, tp: int, pp: int, seq_len: int,
         )
     if model.check_layout is not None:
         model.check_layout(model_cfg, tp=tp, seq_len=seq_len, sequence_parallel=sequence_parallel)
-    check_names(model, model_cfg)
+    check_names(model, model_cfg, tp=tp, sequence_parallel=sequence_parallel)
 
 
 def check_resumed_model(run_dir: Path, name: str, model_cfg: Any) -> None:

@@ -405,9 +405,18 @@ class Layout:
         """
         if self.names is not None:
             self.names.check_einsum(pattern, operands[-1], sys._getframe(1))
+            return self._named(pattern, *operands)
         if self._tp is not None and len(operands) == 2:
             return self._tp.einsum(pattern, *operands)
         return parse_einsum(pattern, len(operands))[2](*operands)
+
+    def _named(self, pattern: str, *operands: Tensor) -> Tensor:
+        """Check mode's contraction: the plain op, its output's names recorded for the bias check."""
+        _, out_names, op = parse_einsum(pattern, len(operands))
+        out = op(*operands)
+        if self.names is not None:
+            self.names.name_activation(out, out_names)
+        return out
 
     def einsums(self, x: Tensor, pairs: list[tuple[str, Tensor]]) -> list[Tensor]:
         """``[einsum(pattern, x, w) for pattern, w in pairs]``: contractions that share their input ``x``
@@ -418,6 +427,7 @@ class Layout:
             caller = sys._getframe(1)
             for pattern, w in pairs:
                 self.names.check_einsum(pattern, w, caller)
+            return [self._named(pattern, x, w) for pattern, w in pairs]
         if self._tp is not None:
             return self._tp.einsums(x, pairs)
         return [parse_einsum(pattern, 2)[2](x, w) for pattern, w in pairs]
@@ -431,6 +441,9 @@ class Layout:
         """
         if self.names is not None:
             self.names.check_rows(table, num_rows, sys._getframe(1))
+            out = F.embedding(tokens, table)
+            self.names.name_activation(out, ("batch", "seq", "embed"))
+            return out
         if self._tp is not None:
             return self._tp.embed(tokens, table, num_rows)
         return F.embedding(tokens, table)

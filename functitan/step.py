@@ -97,7 +97,8 @@ def make_train_step(
 
     ``metrics`` holds ``loss`` (mean over data-parallel ranks; a TokenLoss: over the step's tokens),
     ``grad_norm`` (of the full gradient, before clipping) and ``skipped``; with ``value_and_grad(loss_fn,
-    has_aux=True)``, also ``aux``: this rank's auxiliary outputs, detached.
+    has_aux=True)``, also ``aux``: the auxiliary outputs, detached, averaged over data-parallel ranks (a
+    ``TokenLoss`` leaf: its sum over its count, over the step; see ``_reduce_aux``).
     """
     if on_nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"training.on_nonfinite={on_nonfinite!r}; choose one of {NONFINITE_POLICIES}")
@@ -165,7 +166,7 @@ def _compiled_step(
 
     def update(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Tensor, Any]:
         value, grads = grad_fn(params, batch)
-        loss, aux = _loss_and_aux(value)
+        loss, aux = _loss_and_aux(value, reduce=False)  # reduced outside the graph
         with torch.no_grad():
             gnorm = optim.global_norm(grads, across=norm_across)
             stats, scale = _reduce_stats(loss, gnorm)
@@ -193,6 +194,7 @@ def _compiled_step(
         with config:
             params, opt_state, stats, aux = compiled(state.params, state.opt_state, batch)
         _set_requires_grad(params, True)
+        aux = _reduce_aux(aux)
         loss_v, gnorm_v = stats.tolist()
         finite = math.isfinite(loss_v) and math.isfinite(gnorm_v)
         if not finite and not skip:
@@ -245,16 +247,46 @@ def _normalise(grads: Any, gnorm: Tensor, scale: Tensor | None, max_norm: float,
     return scale_tree(grads, factor, in_place=in_place)
 
 
-def _loss_and_aux(value: Any) -> tuple[Tensor | TokenLoss, Any]:
-    """(loss, aux or None) from what the gradient function returned as its value."""
+def _loss_and_aux(value: Any, *, reduce: bool = True) -> tuple[Tensor | TokenLoss, Any]:
+    """(loss, aux or None) from what the gradient function returned as its value; aux detached and, with
+    ``reduce``, averaged over data-parallel ranks (``_reduce_aux``)."""
     if isinstance(value, (Tensor, TokenLoss)):
         return value, None
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], (Tensor, TokenLoss)):
-        return value[0], optree.tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, value[1])
+        aux = optree.tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, value[1])
+        return value[0], _reduce_aux(aux) if reduce else aux
     raise TypeError(
         f"the gradient function returned a {type(value).__name__} as its value; make_train_step takes "
         f"(loss, grads) or, from value_and_grad(..., has_aux=True), ((loss, aux), grads), with a 0-d tensor loss"
     )
+
+
+def _reduce_aux(aux: Any) -> Any:
+    """The step's aux values instead of this rank's: each 0-d float tensor averaged over data-parallel ranks, a
+    ``TokenLoss`` leaf (a token mean: ``layout.token_mean``, ``cross_entropy(reduction="tokens")``) its sum over
+    its count, both added over the ranks (and, by ``accumulate``, the microbatches). One all-reduce for all of
+    them; ranks that share a batch hold the same values, so the mean over all ranks is the data-parallel mean."""
+    leaves, treedef = optree.tree_flatten(aux, is_leaf=lambda x: isinstance(x, TokenLoss), none_is_leaf=True)
+    parts: list[Tensor] = []
+    for x in leaves:
+        if isinstance(x, TokenLoss):
+            parts += [x.sum.float().reshape(()), x.count.float().reshape(()).to(x.sum.device)]
+        elif isinstance(x, Tensor) and x.is_floating_point() and x.numel() == 1:
+            parts.append(x.float().reshape(()))
+    if not parts:
+        return aux
+    device = parts[0].device
+    reduced = iter(_mean_over_ranks(torch.stack([p.to(device) for p in parts])).unbind())
+    out = []
+    for x in leaves:
+        if isinstance(x, TokenLoss):
+            total, count = next(reduced), next(reduced)
+            out.append(torch.where(count > 0, total / count.clamp_min(1e-30), 0.0))
+        elif isinstance(x, Tensor) and x.is_floating_point() and x.numel() == 1:
+            out.append(next(reduced).to(x.dtype).reshape(x.shape))
+        else:
+            out.append(x)
+    return optree.tree_unflatten(treedef, out)
 
 
 def _metrics(loss: float, gnorm: float, skipped: int, aux: Any) -> dict[str, Any]:

@@ -60,6 +60,27 @@ CASES_2 = [
     ("tp2_sp_balance", dict(tp=2), True, 1, "balance"),
     ("pp2", dict(pp=2), False, 2, "pp"),
 ]
+# tests/assets/usage_models.py: a mixture of experts whose stacked expert weights are sliced (w_in[e]), dispatched
+# by index or by capacity, or whose layers are one stack
+USAGE = str(Path(__file__).parent / "assets" / "usage_models.py")
+USAGE_CFGS: dict[str, dict[str, Any]] = {
+    "soft": {},
+    "index": dict(ffn="index"),
+    "capacity": dict(ffn="capacity"),  # 24 slots per expert: tokens are dropped, as the batch of the rank decides
+    "capacity_all": dict(ffn="capacity", capacity=128),  # no token dropped: the same on every data-parallel split
+    "stacked": dict(stacked=True),
+    "stacked_untied": dict(stacked=True, tie=False),
+}
+USAGE_CASES_2 = [
+    ("soft_tp2_sp", dict(tp=2), True, 1, "soft"),
+    ("soft_fsdp2_mb2", dict(dp_shard=2), False, 2, "soft"),
+    ("index_tp2", dict(tp=2), False, 1, "index"),
+    ("index_fsdp2", dict(dp_shard=2), False, 1, "index"),
+    ("capacity_tp2", dict(tp=2), False, 1, "capacity"),
+    ("capacity_fsdp2", dict(dp_shard=2), False, 1, "capacity_all"),
+    ("stacked_tp2_sp", dict(tp=2), True, 1, "stacked"),
+]
+REFUSED_2 = [("stacked_pp2", dict(pp=2), False, 2, "stacked_untied")]
 CASES_4 = [
     ("fsdp2_tp2_sp", dict(dp_shard=2, tp=2), True, 2, "tied"),
     ("hsdp", dict(dp_replicate=2, dp_shard=2), False, 1, "tied"),
@@ -81,11 +102,18 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def _config(name: str, **extra: Any) -> Any:
+    if name in USAGE_CFGS:
+        return load_model(USAGE).config("debug", **USAGE_CFGS[name])
     return load_model(ASSET).config("debug", **{**CFGS[name], **extra})
 
 
 def _reference(cfg_name: str) -> tuple[float, dict[str, torch.Tensor], Any]:
     """One process, the whole batch, the plain mean over its valid tokens (``reduction="mean"``)."""
+    if cfg_name in USAGE_CFGS:  # the usage model returns a TokenLoss: its mean over the whole batch
+        model, c = load_model(USAGE), _config(cfg_name)
+        fn = lambda p, b: (lambda t: t.sum / t.count)(model.loss(p, b, c, Layout()))  # noqa: E731
+        value, grads = value_and_grad(fn)(init(model.params(c), key(0)), _batch())
+        return value.item(), dict(flatten_with_names(grads)[0]), None
     model = load_model(ASSET)
     c = _config(cfg_name, reduction="mean")
     value, grads = value_and_grad(lambda p, b: model.loss(p, b, c, Layout()), has_aux=c.aux)(
@@ -97,7 +125,7 @@ def _reference(cfg_name: str) -> tuple[float, dict[str, torch.Tensor], Any]:
 
 def _step(name: str, degrees: dict, sp: bool, microbatches: int, cfg_name: str) -> tuple[float, dict, Any]:
     """On every rank: one train step of ``cfg_name`` under this layout -> (loss, full gradients, aux)."""
-    model = load_model(ASSET)
+    model = load_model(USAGE if cfg_name in USAGE_CFGS else ASSET)
     c = _config(cfg_name)
     mesh = make_mesh(**degrees)
     rules = default_rules(sequence_parallel=sp)
@@ -113,7 +141,8 @@ def _step(name: str, degrees: dict, sp: bool, microbatches: int, cfg_name: str) 
     else:
         layout = Layout(mesh, rules)
         params = place(full, specs, rules, mesh)
-        grad_fn = accumulate(value_and_grad(lambda p, b: model.loss(p, b, c, layout), has_aux=c.aux), microbatches)
+        aux = getattr(c, "aux", False)
+        grad_fn = accumulate(value_and_grad(lambda p, b: model.loss(p, b, c, layout), has_aux=aux), microbatches)
     opt = optim.sgd(1.0)
     step = make_train_step(grad_fn, opt, norm_across=across)
     state = TrainState(step=0, params=params, opt_state=opt.init(params), data_state=None, rng=0)
@@ -125,8 +154,14 @@ def _step(name: str, degrees: dict, sp: bool, microbatches: int, cfg_name: str) 
 
 
 def _steps(cases: list) -> dict[str, Any]:
-    """Every case in one process group (one launch per world size); on 2 ranks also the SP refusals."""
-    out: dict[str, Any] = {case[0]: _step(*case) for case in cases}
+    """Every case in one process group (one launch per world size); on 2 ranks also the SP refusals. A case that
+    raises ValueError returns its message (the refusals expected before step 1)."""
+    out: dict[str, Any] = {}
+    for case in cases:
+        try:
+            out[case[0]] = _step(*case)
+        except ValueError as e:
+            out[case[0]] = str(e)
     if torch.distributed.get_world_size() == 2:
         out["refusals"] = _refusals()
     return out
@@ -165,16 +200,19 @@ def _check(results: list[dict], cases: list) -> None:
                 err = (g - ref_grads[n]).abs().max().item()
                 if not torch.allclose(g, ref_grads[n], **TOL):
                     failures.append(f"{name} rank {rank}: {n} gradient off by {err:.3g}")
-            if ref_aux is not None and name.startswith("tp"):  # one data-parallel rank: its aux is the batch's
+            if ref_aux is not None:  # token means over the step; balance (a per-batch statistic) on one dp rank
                 for k, v in ref_aux.items():
-                    if abs(aux[k].item() - v.item()) > 1e-5:
-                        failures.append(f"{name} rank {rank}: aux {k} {aux[k].item():.6f}, one process {v.item():.6f}")
+                    if k == "balance" and not name.startswith("tp"):
+                        continue
+                    want = (v.mean() if isinstance(v, TokenLoss) else v).item()
+                    if abs(aux[k].item() - want) > 1e-6:
+                        failures.append(f"{name} rank {rank}: aux {k} {aux[k].item():.7f}, one process {want:.7f}")
     assert not failures, "\n".join(failures)
 
 
 @pytest.fixture(scope="module")
 def two_ranks(gloo) -> list[dict]:
-    return gloo.run(_steps, 2, CASES_2)
+    return gloo.run(_steps, 2, CASES_2 + USAGE_CASES_2 + REFUSED_2)
 
 
 def test_masked_losses_equal_one_process_on_two_ranks(two_ranks):
@@ -183,6 +221,104 @@ def test_masked_losses_equal_one_process_on_two_ranks(two_ranks):
     counts = (_batch()["targets"] != -100).sum(1)  # what the layouts split: a count that varies by row, none empty
     assert counts.min() > 0 and len(set(counts.tolist())) >= 5, counts
     _check(two_ranks, CASES_2)
+
+
+def test_sliced_stacked_and_dispatched_experts_equal_one_process(two_ranks):
+    """Expert weights sliced per expert (``w_in[e]``) through the Layout (TP 2 + SP, FSDP 2 x 2 microbatches),
+    top-1 dispatch by index (TP 2, FSDP 2), capacity slots (TP 2; FSDP 2 where no token is dropped: which tokens
+    a full expert drops depends on the batch a rank holds, as in GShard), layers declared as one stack (TP 2 +
+    SP)."""
+    _check(two_ranks, USAGE_CASES_2)
+
+
+def test_a_layer_stack_under_pp_is_refused_by_name_before_step_1(two_ranks):
+    """It ended in a KeyError '0' in place_stages."""
+    for res in two_ranks:
+        assert res["stacked_pp2"].startswith(
+            "params ['layers.b_in', 'layers.router', 'layers.w_in', 'layers.w_out'] are declared as one stack over "
+            "all blocks (names ['layers', 'experts', 'embed']), which pipeline stages cannot split: declare "
+            "'layers' as a list with one param tree per block"
+        ), res["stacked_pp2"]
+
+
+def _usage(**overrides: Any) -> tuple[Model, Any]:
+    model = load_model(USAGE)
+    return model, model.config("debug", **overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, layout, message",
+    [
+        (  # on main: not checked (a slice is no param), 2.9e-3 off under TP 2
+            dict(ffn="misnamed"),
+            dict(),
+            r"param 'layers\.0\.w_in' is declared with names \['experts', 'mlp', 'embed'\] and used as "
+            r"layers\.0\.w_in\[\.\.\.\], whose dims are \['mlp', 'embed'\], but the contraction at "
+            r".*usage_models\.py:\d+ in _expert calls its dims \['hidden', 'embed'\]",
+        ),
+        (  # on main: trains 1.2e-2 off under TP 2, a shape error under SP
+            dict(ffn="raw"),
+            dict(tp=2),
+            r"param 'layers\.0\.w_in' \(names \['experts', 'mlp', 'embed'\]\) is contracted by a raw matmul at "
+            r".*usage_models\.py:\d+ in ffn, but tp=2 shards its dim 'mlp': .*; contract it with layout\.einsum\(",
+        ),
+        (  # on main: a raw broadcast error under TP 2, silently fine under FSDP (tp 1)
+            dict(bias="wrong"),
+            dict(),
+            r"param 'layers\.0\.b_in' \(names \['embed'\]\) at .*usage_models\.py:\d+ in _expert is added to a "
+            r"tensor whose trailing dims are \['mlp'\] .*declare it with the names of the dims it is added to, "
+            r"Param\(\(8,\), \('mlp',\)\)",
+        ),
+        (  # on main: a gloo abort "Received data size doesn't match" in step 1
+            dict(ffn="index"),
+            dict(tp=2, sequence_parallel=True),
+            r"param 'layers\.0\.w_in' \(names \['experts', 'mlp', 'embed'\]\) is contracted column-parallel at "
+            r".*usage_models\.py:\d+ in _expert \('tokens embed, mlp embed -> tokens mlp'\) with an input without "
+            r"a 'seq' dim",
+        ),
+        (  # on main: trained 2.9e-2 off (GShard dispatch from this rank's sequence piece)
+            dict(ffn="capacity"),
+            dict(tp=2, sequence_parallel=True),
+            r"param 'layers\.0\.w_in' .* is contracted column-parallel at .*usage_models\.py:\d+ in ffn "
+            r"\('experts capacity embed, experts mlp embed -> experts capacity mlp'\) with an input without a 'seq'",
+        ),
+    ],
+    ids=["slice_misnamed", "raw_matmul_tp2", "wrong_dim_bias", "index_moe_sp", "capacity_moe_sp"],
+)
+def test_check_names_follows_every_use_of_a_param_and_refuses_by_name(overrides, layout, message):
+    """What the trainer runs before any collective (``check_model``), for the layout it is given."""
+    model, c = _usage(**overrides)
+    with pytest.raises(ValueError, match=message):
+        check_names(model, c, **layout)
+
+
+def test_the_trainer_checks_for_its_own_tp_and_sequence_parallelism():
+    """``check_model`` (what ``functitan train`` runs before any collective) passes the layout on: the index MoE
+    trains under TP 2 and is refused under TP 2 + SP; the raw matmul is refused under TP 2 only."""
+    from functitan._model_setup import check_model
+
+    layout = dict(pp=1, seq_len=16)
+    check_model(*_usage(ffn="index"), tp=2, sequence_parallel=False, **layout)
+    with pytest.raises(ValueError, match=r"param 'layers\.0\.w_in' .* is contracted column-parallel at"):
+        check_model(*_usage(ffn="index"), tp=2, sequence_parallel=True, **layout)
+    check_model(*_usage(ffn="raw"), tp=1, sequence_parallel=False, **layout)
+    with pytest.raises(ValueError, match=r"param 'layers\.0\.w_in' .* is contracted by a raw matmul at"):
+        check_model(*_usage(ffn="raw"), tp=2, sequence_parallel=False, **layout)
+
+
+def test_check_names_passes_what_trains_exactly():
+    """The same model's uses that train exactly (the tests above) pass the check, and the raw matmul where no
+    dim is tp-sharded."""
+    for overrides, layouts in (
+        ({}, (dict(), dict(tp=2), dict(tp=2, sequence_parallel=True))),
+        (dict(ffn="index"), (dict(), dict(tp=2))),
+        (dict(ffn="capacity"), (dict(tp=2),)),
+        (dict(stacked=True), (dict(tp=2, sequence_parallel=True),)),
+        (dict(ffn="raw"), (dict(),)),
+    ):
+        model, c = _usage(**overrides)
+        for layout in layouts:
+            assert "layers.0.w_in" in check_names(model, c, **layout) or overrides, (overrides, layout)
 
 
 def test_a_column_parallel_input_without_seq_is_refused_under_sp(two_ranks):
@@ -262,16 +398,22 @@ def _cli(run_dir: Path, *flags: str) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "cli" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_masked_lm_through_the_cli_on_two_ranks_equals_one_process(tmp_path):
+def test_masked_lm_through_the_cli_on_two_and_four_ranks_equals_one_process(tmp_path):
     """``functitan train`` as typed: a 15% MLM mask drawn from the tokens (a count that varies by row), FSDP 2 x 2
-    microbatches against one process; the loss's aux outputs come out as metrics."""
+    microbatches and FSDP 2 x TP 2 + SP on 4 ranks against one process; the loss's aux outputs come out as
+    metrics, averaged over the data-parallel ranks (the token mean of the cross-entropy is the loss's)."""
     one = _cli(tmp_path / "one")
     two = _cli(tmp_path / "two", "--nproc", "2", "--parallelism.dp_shard=2")
-    assert len(one) == len(two) == 3
-    torch.testing.assert_close(
-        torch.tensor([r["loss"] for r in two]), torch.tensor([r["loss"] for r in one]), atol=2e-5, rtol=1e-5
-    )
-    assert all(isinstance(r["aux/ce"], float) for r in one + two) and one[-1]["loss"] < one[0]["loss"]
+    flags = ("--parallelism.dp_shard=2", "--parallelism.tp=2", "--parallelism.sequence_parallel=true")
+    four = _cli(tmp_path / "four", "--nproc", "4", *flags)
+    assert len(one) == len(two) == len(four) == 3
+    for run in (two, four):
+        for metric in ("loss", "aux/ce"):
+            torch.testing.assert_close(
+                torch.tensor([r[metric] for r in run]), torch.tensor([r[metric] for r in one]), atol=1e-6, rtol=0
+            )
+    assert all(r["aux/ce"] == pytest.approx(r["loss"], abs=1e-6) for r in one + two + four)
+    assert one[-1]["loss"] < one[0]["loss"]
 
 
 def test_the_masked_lm_block_of_docs_models_md_is_the_mean_over_the_masked_tokens():
@@ -301,6 +443,37 @@ def test_gradcheck_normalises_a_token_loss_and_reports_a_layout_that_raises_besi
     assert report["fsdp"] == {}
     assert report["tp_sp"] == {"error": report["tp_sp"]["error"]}
     assert report["tp_sp"]["error"].startswith("ValueError: sequence parallelism over tp=2 needs the sequence length")
+
+
+def test_gradcheck_pp_layouts_pass_a_right_stage_split_over_steps_and_find_a_wrong_one():
+    """PP 2 under 1F1B and ZB-V (4 stages) against one process, over 2 SGD steps; a first stage that forgets the
+    position table is found by both (gradcheck had no pipeline layout)."""
+    from functitan.model import gradcheck
+
+    cfg = {"n_layers": 4, "head": "replicated"}
+    layouts = ("pp_1f1b", "pp_zb_v")
+    assert gradcheck(ASSET, overrides=cfg, layouts=layouts, steps=2) == {"pp_1f1b": {}, "pp_zb_v": {}}
+    wrong = gradcheck(ASSET, overrides={**cfg, "wrong_stage": True}, layouts=layouts)
+    for name in layouts:
+        assert {"loss", "wpe", "layers.0.qkv"} <= set(wrong[name]) and wrong[name]["wpe"] > 0.1, wrong[name]
+
+
+def test_gradcheck_reports_a_misnamed_slice_as_the_name_error_before_running_a_layout():
+    """It was a shape error (or a wrong gradient) of each layout; now no process starts."""
+    from functitan.model import gradcheck
+
+    report = gradcheck(USAGE, overrides={"ffn": "misnamed"}, layouts=("fsdp", "tp"))
+    for name in ("fsdp", "tp"):
+        assert report[name]["error"].startswith(
+            "ValueError: param 'layers.0.w_in' is declared with names ['experts', 'mlp', 'embed'] and used as "
+            "layers.0.w_in[...]"
+        ), report
+    from support import cli
+
+    out = cli("gradcheck", f"--model.name={USAGE}", "--model.ffn=misnamed", "--layouts=fsdp,pp_zb_v", "--steps", "3")
+    assert out.returncode == 1 and out.stdout.count("error: ValueError: param 'layers.0.w_in' is declared") == 2
+    bad = cli("gradcheck", f"--model.name={USAGE}", "--steps", "0")
+    assert bad.returncode == 2 and "functitan gradcheck: error: --steps=0: must be >= 1" in bad.stderr, bad.stderr
 
 
 # ----------------------------------------------------------------------------------------------- check_names
@@ -351,3 +524,27 @@ def test_check_names_refuses_a_data_dependent_loss_too_large_for_real_tensors(mo
         ValueError, match=r"model 'gather': its loss runs an op that meta tensors cannot run \(.*nonzero"
     ):
         check_names(_GATHER, _GATHER.config("debug"))
+
+
+@pytest.mark.parametrize(
+    "overrides, tp, message",
+    [
+        (dict(ffn="half"), 2, r"param 'layers\.0\.w_in' \(names \['experts', 'mlp', 'embed'\]\) is cut along its dim "
+         r"'mlp' by layers\.0\.w_in\[\.\.\.\]\[\.\.\.\] at .*usage_models\.py:\d+ in _expert, and tp=2 shards that dim"),
+        (dict(ffn="reshaped"), 2, r"param 'layers\.0\.w_in' \(names \['experts', 'mlp', 'embed'\]\) is contracted at "
+         r".*usage_models\.py:\d+ in _expert as layers\.0\.w_in\[\.\.\.\]\.reshape\.view, a reshaped view whose dims "
+         r"have no names, while tp=2 shards its dim 'mlp'"),
+        (dict(bias="short"), 1, r"param 'layers\.0\.b_in' \(shape \(7,\), names \['mlp'\]\) used as layers\.0\.b_in "
+         r"does not broadcast at .*usage_models\.py:\d+ in _expert with shapes \[\(1, 8, 8\), \(7,\)\]"),
+    ],
+    ids=["half", "reshaped", "short_bias"],
+)  # fmt: skip
+def test_check_names_refuses_a_cut_of_a_sharded_dim_a_reshaped_view_and_a_bias_that_does_not_broadcast(
+    overrides, tp, message
+):
+    """On main: a slice of another rank's rows, an unchecked view and a raw torch broadcast error."""
+    model, c = _usage(**overrides)
+    with pytest.raises(ValueError, match=message):
+        check_names(model, c, tp=tp)
+    if tp > 1:  # with nothing tp-sharded the same view is right: only the names are compared
+        assert "layers.0.w_in" in check_names(model, c, tp=1)

@@ -15,7 +15,7 @@ from ._gradcheck import GRADCHECK_LAYOUTS, gradcheck
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="functitan gradcheck",
-        description="Compare one step's loss and gradients under parallel layouts (gloo processes on this machine) "
+        description="Compare one step's loss and gradients (--steps N: N steps' losses and updates) under parallel layouts (gloo processes on this machine) "
         "with one process; list every parameter that differs. Keep the model tiny.",
         epilog="example: functitan gradcheck --model.name=models.gpt2 --model.flavor=debug --layouts=fsdp,tp_sp",
     )
@@ -26,8 +26,9 @@ def main(argv: Sequence[str]) -> int:
     )
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps to compare (default 1)")
     ns, rest = parser.parse_known_args(list(argv))
-    for flag, value in (("--batch", ns.batch), ("--seq-len", ns.seq_len)):
+    for flag, value in (("--batch", ns.batch), ("--seq-len", ns.seq_len), ("--steps", ns.steps)):
         if value < 1:
             print(f"functitan gradcheck: error: {flag}={value}: must be >= 1, e.g. {flag} 4", file=sys.stderr)
             return 2
@@ -45,6 +46,7 @@ def main(argv: Sequence[str]) -> int:
             layouts=ns.layouts.split(","),
             batch=ns.batch,
             seq_len=ns.seq_len,
+            steps=ns.steps,
         )
     except ValueError as e:
         print(f"functitan gradcheck: error: {e}", file=sys.stderr)

@@ -275,9 +275,10 @@ def place_stages(params: dict, specs: dict, rules: Rules, stages: Stages, *, req
     ``params`` are the full model's values, identical on every rank (like `place`); ``rules`` may name
     ``pp`` (it is dropped, see `stage_rules`).
     """
+    stage_specs = _select_specs(specs, stages)  # first: a stacked declaration is refused by name, not a KeyError
     return place(
         rank_tree(params, stages),
-        _select_specs(specs, stages),
+        stage_specs,
         stage_rules(rules),
         stages.stage_mesh,
         requires_grad=requires_grad,
@@ -286,7 +287,15 @@ def place_stages(params: dict, specs: dict, rules: Rules, stages: Stages, *, req
 
 def _select_specs(specs: dict, stages: Stages) -> dict:
     key = stages.model.blocks_key
-    if not isinstance(specs.get(key), list) or (specs[key] and is_spec(specs[key])):
+    blocks = specs.get(key)
+    if isinstance(blocks, dict) and blocks and all(is_spec(s) and s[:1] == ("layers",) for s in blocks.values()):
+        raise ValueError(
+            f"params {sorted(f'{key}.{k}' for k in blocks)} are declared as one stack over all blocks (names "
+            f"{list(next(iter(blocks.values())))}), which pipeline stages cannot split: declare {key!r} as a list "
+            f"with one param tree per block ([{{...}} for _ in range(n_layers)], dropping the leading 'layers' "
+            f"dim), or use parallelism.pp=1"
+        )
+    if not isinstance(blocks, list) or (blocks and is_spec(blocks)):
         raise ValueError(
             f"specs[{key!r}] must be a list with one spec tree per block, got {type(specs.get(key)).__name__}"
         )

@@ -41,6 +41,7 @@ class Cfg:
     balance: float = 0.0  # a load-balancing term through layout.token_sum (a per-batch statistic: exact where one
     # data-parallel rank holds the batch; the mean of per-rank terms otherwise, as Switch's)
     aux: bool = False
+    wrong_stage: bool = False  # the pipeline's first stage forgets the position table (gradcheck's pp layouts)
 
 
 def params(c: Cfg) -> dict:
@@ -126,7 +127,7 @@ def loss(params: dict, batch: dict, c: Cfg, layout: Layout = Layout()):
         z_loss=c.z_loss,
         reduction=c.reduction,
     )
-    parts = {"ce": ce.mean() if isinstance(ce, TokenLoss) else ce}
+    parts = {"ce": ce}  # a TokenLoss: the step reports its sum over its count, over every rank and microbatch
     out = ce
     if c.router_z:
         zs = sum(torch.logsumexp(r, -1).square() for r in routers)  # (batch, seq piece)
@@ -136,11 +137,11 @@ def loss(params: dict, batch: dict, c: Cfg, layout: Layout = Layout()):
             term = (zs * local).sum() / local.sum()
         else:
             term = layout.token_mean(zs, valid)  # over the same tokens as ce: its sum adds to ce's
-        parts["router_z"] = term.mean() if isinstance(term, TokenLoss) else term
+        parts["router_z"] = term
         if isinstance(ce, TokenLoss):
             out = TokenLoss(ce.sum + c.router_z * term.sum, ce.count)
         else:
-            out = ce + c.router_z * parts["router_z"]
+            out = ce + c.router_z * (term.mean() if isinstance(term, TokenLoss) else term)
     if c.balance:  # Switch's load balancing: experts * sum_e f_e P_e over this batch's tokens, per layer
         n = targets.numel()
         for r in routers:
@@ -175,8 +176,13 @@ def stage_model(c: Cfg, layout: Layout, *, seq_len: int, dtype: torch.dtype = to
         opts = dict(label_smoothing=c.label_smoothing, z_loss=c.z_loss, reduction=c.reduction)
         return layout.cross_entropy(logits, targets, c.vocab_size, **opts)
 
+    def first(top: dict, tokens: torch.Tensor) -> torch.Tensor:
+        if c.wrong_stage:
+            return layout.embed(tokens, top["wte"], c.vocab_size)
+        return embed(top, tokens, c, layout)
+
     return StageModel(
-        first=lambda p, mb: embed(layout.params(p), objective(mb, c)[0], c, layout),
+        first=lambda p, mb: first(layout.params(p), objective(mb, c)[0]),
         blocks=lambda layers, x: layout.blocks(lambda p, x: block(p, x, c, layout)[0], layers, x),
         last=last,
         activation=lambda mb: ((mb["inputs"].shape[0], mb["inputs"].shape[1] // layout.seq_shards, c.dim), dtype),
