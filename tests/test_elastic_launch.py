@@ -131,29 +131,36 @@ def test_a_stopped_run_says_how_to_resume_it_and_that_command_resumes(tmp_path):
     assert f"functitan: {step + 1} steps (resumed at step {step})" in out.stdout
 
 
-def test_rank_user_error_is_one_line_and_exit_2(tmp_path):
-    # batch 8 over 3 ranks cannot stay constant: every rank raises BatchSplitError before training
-    cmd = [
-        sys.executable,
-        "-m",
-        "functitan.cli",
-        "train",
-        "--nproc",
-        "3",
-        *SMALL,
-        "--training.steps=2",
-        f"--metrics.run_dir={tmp_path}",
-        "--metrics.run_name=bad",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert out.returncode == 2, out.stderr[-3000:]
-    lines = [line for line in out.stderr.splitlines() if line.startswith("functitan: error:")]
-    assert lines == [
-        "functitan: error: training.batch_size=8 must split evenly over 3 data-parallel ranks x "
-        "training.microbatches=1 (world size 3); world sizes that keep it: 1, 2, 4, 8; or use a batch_size "
-        "that is a multiple of 3"
-    ]
-    assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
+def _train_error(overrides: dict) -> str:
+    """On each pool rank: the trainer on support.SMALL + ``overrides``; the user error it raises, as text."""
+    from support import SMALL as SMALL_CONFIG
+
+    from functitan.config import apply_overrides
+    from functitan.errors import UserError
+    from functitan.job_config import JobConfig
+    from functitan.train import run
+
+    try:
+        run(apply_overrides(JobConfig(), {**SMALL_CONFIG, **overrides}))
+    except (UserError, BatchSplitError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "trained"
+
+
+def test_a_batch_that_cannot_split_is_refused_on_every_rank_before_training(gloo, tmp_path):
+    # 7 sequences over 2 ranks cannot stay constant: every rank refuses by name before step 1 (the launcher shows
+    # a rank's refusal as its one line: test_an_error_under_nproc_is_exactly_one_line)
+    got = gloo.run(_train_error, 2, {"training.batch_size": 7, "metrics.run_dir": str(tmp_path)})
+    assert (
+        got
+        == [
+            "BatchSplitError: training.batch_size=7 must split evenly over 2 data-parallel ranks x "
+            "training.microbatches=1 (world size 2); world sizes that keep it: 1, 7; or use a batch_size "
+            "that is a multiple of 2"
+        ]
+        * 2
+    )
+    assert not list(tmp_path.iterdir())  # refused before the run folder was made
 
 
 def test_an_error_under_nproc_is_exactly_one_line(tmp_path):
