@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from functitan.cli import COMMANDS
 from functitan.testing import TINY_RUN_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -324,6 +325,20 @@ BAD_INPUTS = {  # the command as typed ({d}: a folder of bad files) -> what its 
     "export hf {d}/ck {d}/exported --max-shard-bytes -5": "--max-shard-bytes=-5: must be >= 1",
     "trian": "unknown command 'trian'; did you mean 'train'?",
     "train --data.max_corpus_bytes=-1": "data.max_corpus_bytes=-1: must be >= 1",
+    "pipeline shwo": "functitan pipeline: error: unknown command 'shwo'; did you mean 'show'?",
+    "data prepaer": "functitan data: error: unknown command 'prepaer'; did you mean 'prepare'?",
+    "export hff {d}/ck {d}/exported": "functitan export: error: unknown command 'hff'; did you mean 'hf'?",
+    "import hff {d}/hf {d}/imported": "functitan import: error: unknown command 'hff'; did you mean 'hf'?",
+    # 4 TB for one weight: refused from the declared shapes, before init allocates
+    "train --model.dim=1048576": "model.dim=1048576: the model (llama, 6,598,421,381,120 params) needs 26.4 TB to "
+    "initialise its fp32 parameters, and this host has ",
+    "rendezvous --host nosuch.invalid": "cannot listen on nosuch.invalid:29400: the host 'nosuch.invalid' does not "
+    "resolve",
+    "rendezvous --host 192.0.2.1 --port 0": "cannot listen on 192.0.2.1:0: 192.0.2.1 (192.0.2.1) is not an address "
+    "of this machine; pick another --port",
+    "train --nnodes 1 --rdzv-endpoint nosuch.invalid:29400 --rdzv-id r --rdzv-conf read_timeout=1": "functitan: "
+    "error: --rdzv-endpoint=nosuch.invalid:29400: no rendezvous store there within 1 s: the host 'nosuch.invalid' "
+    "does not resolve",
 }
 
 
@@ -355,6 +370,90 @@ def test_each_bad_input_is_one_line_and_exit_code_2(command, bad_files, capsys, 
     (line,) = err.splitlines()  # one line, no traceback
     assert line.startswith("functitan"), line
     assert BAD_INPUTS[command].format(d=bad_files) in line, line
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_misspelt_command_suggests_the_command(command, capsys):  # and the subcommands: BAD_INPUTS
+    from functitan.cli import main
+
+    typo = command + command[-1]  # a letter typed twice: trainn, rendezvouss, ...
+    assert main([typo]) == 2
+    assert capsys.readouterr().err == (
+        f"functitan: error: unknown command {typo!r}; did you mean {command!r}? (functitan --help)\n"
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_port_in_use_or_no_store_at_the_rendezvous_endpoint_is_one_line_within_the_bound(capsys):
+    # torchrun waited 111 s on an endpoint nobody answered on, then printed a traceback; rendezvous on a port
+    # in use printed C++ stack frames after its one line
+    import socket
+
+    from functitan.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["rendezvous", "--port", str(port)]) == 2
+    assert capsys.readouterr().err == (
+        f"functitan rendezvous: error: cannot listen on 0.0.0.0:{port}: port {port} is in use on this machine (by "
+        "another program or another store); pick another --port, or a --host address of this machine (default "
+        "0.0.0.0: all of them)\n"
+    )
+    nobody = _free_port()
+    t0 = time.monotonic()
+    rdzv = [
+        "--nnodes",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{nobody}",
+        "--rdzv-id",
+        "r",
+        "--rdzv-conf",
+        "read_timeout=1",
+    ]
+    assert main(["train", *TINY, "--nproc", "2", *rdzv]) == 2
+    assert time.monotonic() - t0 < 5
+    assert capsys.readouterr().err == (
+        f"functitan: error: --rdzv-endpoint=127.0.0.1:{nobody}: no rendezvous store there within 1 s: nothing "
+        f"listens on port {nobody} of 127.0.0.1; start `functitan rendezvous --port {nobody}` on 127.0.0.1 first (or "
+        "fix the address; --rdzv-conf read_timeout=SECONDS waits longer)\n"
+    )
+
+
+def test_a_fallback_warning_is_one_line_without_the_source_line(tmp_path, capsys):
+    # warnings.warn's format printed `warnings.warn(` and the file:line of the trainer under the message
+    import warnings
+
+    import torch
+
+    from functitan.checkpoint import CheckpointManager
+    from functitan.errors import user_errors_exit
+
+    state = {"w": torch.arange(4.0)}
+    with CheckpointManager(tmp_path, interval=1, keep_last=2, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(state, step=step)
+    (tmp_path / "2" / "default" / "_COMMIT").unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert (
+            user_errors_exit(
+                lambda: 0 if CheckpointManager(tmp_path, interval=1, keep_last=2).restore_latest(state) else 1
+            )
+            == 0
+        )
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"functitan: warning: checkpoint step 2 in {tmp_path} is damaged ("), line
+    assert line.endswith("restored step 1 instead (a damaged step is saved again when the run reaches it)"), line
 
 
 def test_a_full_disk_during_a_save_is_one_line_naming_the_checkpoint_folder(tmp_path, capsys, monkeypatch):

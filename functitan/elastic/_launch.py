@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO
 
 from ._orphans import LAUNCHER_PID
+from ._reach import REACH_TIMEOUT_S, reach_problem
 
 __all__ = [
     "LaunchError",
@@ -219,6 +220,8 @@ def launch(spec: LaunchSpec, argv: Sequence[str]) -> int:
     0: training finished, or stopped by SIGTERM/SIGINT after every local worker saved; 2: a user error on a
     rank (printed once); otherwise torchrun's code (128 + N when stopped by signal N without a clean save).
     """
+    if spec.elastic:
+        _check_reach(spec)
     with tempfile.TemporaryDirectory(prefix="functitan-errors-") as tmp:
         error_dir = Path(tmp)
         # A fresh store for the workers of every rendezvous round. Sharing the agent's store across rounds hangs
@@ -273,6 +276,25 @@ def launch(spec: LaunchSpec, argv: Sequence[str]) -> int:
                 return 2
         pump.release()
         return rc
+
+
+def _check_reach(spec: LaunchSpec) -> None:
+    """The rendezvous store answers at ``--rdzv-endpoint`` within ``read_timeout`` (or REACH_TIMEOUT_S): else one
+    line naming the endpoint, what was found and the bound, not torchrun's traceback after 111 s."""
+    host, _, port_text = spec.rdzv_endpoint.rpartition(":")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise LaunchError(f"--rdzv-endpoint={spec.rdzv_endpoint}: expected HOST:PORT, e.g. --rdzv-endpoint=node0:29400")
+    try:
+        bound = float(spec.rdzv_conf.get("read_timeout", REACH_TIMEOUT_S))
+    except ValueError:
+        raise LaunchError(f"--rdzv-conf read_timeout={spec.rdzv_conf['read_timeout']}: seconds, e.g. 60") from None
+    problem = reach_problem(host.strip("[]"), int(port_text), bound)
+    if problem is not None:
+        raise LaunchError(
+            f"--rdzv-endpoint={spec.rdzv_endpoint}: no rendezvous store there within {bound:g} s: {problem}; start "
+            f"`functitan rendezvous --port {port_text}` on {host} first (or fix the address; "
+            "--rdzv-conf read_timeout=SECONDS waits longer)"
+        )
 
 
 def _wait(proc: subprocess.Popen) -> int:
