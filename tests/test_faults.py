@@ -485,6 +485,61 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_checkpoint_folder(tmp_
     assert sorted(p.name for p in root.iterdir() if p.name.isdigit()) == ["1"]
 
 
+def _train_on_a_disk_that_fills_up(argv: list[str], error_dir: str) -> tuple[int, str]:
+    """On a pool rank: ``functitan train`` while the disk fills up during step 2's save, seen by rank 0 only
+    (rank 1's shards fit), then by TensorBoard's event writer. ``(exit code, what the rank printed on stderr)``."""
+    import contextlib
+    import errno
+    import io
+
+    import torch.distributed as dist
+    from tensorboard.summary.writer import record_writer
+
+    from functitan.checkpoint import _fastwrite
+    from functitan.cli import main
+
+    os.environ["FUNCTITAN_ERROR_DIR"] = error_dir
+    write, record = _fastwrite.write_block, record_writer.RecordWriter.write
+    full = dist.get_rank() == 0 and []
+
+    def fills_up(path, *args, **kwargs):
+        if full is not False and f"{os.sep}2.tmp-" in path:
+            full.append(path)
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return write(path, *args, **kwargs)
+
+    def events(self, data):
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return record(self, data)
+
+    _fastwrite.write_block, record_writer.RecordWriter.write = fills_up, events
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            code = main(["train", *argv])
+    finally:
+        _fastwrite.write_block, record_writer.RecordWriter.write = write, record
+    return code, err.getvalue()
+
+
+def test_a_full_disk_seen_by_one_of_two_ranks_is_the_same_line_on_both_and_no_traceback(tmp_path, gloo):
+    # rank 1 waited at the commit barrier and failed naming no path; TensorBoard's writer thread printed a traceback
+    run = tmp_path / "full"
+    argv = [*TINY, "--parallelism.dp_shard=2", "--training.steps=2", "--checkpoint.enable=true"]
+    argv += ["--checkpoint.interval=1", f"--metrics.run_dir={tmp_path}", "--metrics.run_name=full"]
+    (code0, err0), (code1, err1) = gloo.run(_train_on_a_disk_that_fills_up, 2, argv, str(tmp_path), timeout=300)
+    assert (code0, code1) == (2, 2), (err0[-3000:], err1[-3000:])
+    root = run / "checkpoints"
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert lines[0] == lines[1], lines
+    assert lines[0].startswith(f"saving checkpoint {root}/2: no space left on the device of {root} ("), lines[0]
+    assert "MB free; this save writes about " in lines[0] and "the committed steps are untouched" in lines[0]
+    for err in (err0, err1):  # the one line, no writer thread's traceback, no message naming no path
+        assert err.strip() == "functitan: error: " + lines[0].strip(), err[-3000:]
+    assert sorted(p.name for p in root.iterdir() if p.name.isdigit()) == ["1"]
+
+
 # ------------------------------------------------------------------------------------------ 5. metadata integrity
 
 
