@@ -32,7 +32,15 @@ from .checkpoint import (
 )
 from .config import parse_config, to_dict
 from .data import build_loader
-from .elastic import Preemption, launch, parse_launch_args, report_stopped, split_batch, watch_launcher
+from .elastic import (
+    Preemption,
+    launch,
+    parse_launch_args,
+    report_run,
+    report_stopped,
+    split_batch,
+    watch_launcher,
+)
 from .errors import pop_debug, user_errors_exit
 from .hostmem import keep_freed_memory
 from .job_config import JobConfig, build_optimizer, build_schedule, learning_rate_schedule
@@ -101,6 +109,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
             mesh=mesh,
             when_busy=cfg.checkpoint.when_busy,
         )
+    report_run(ckpt.root if ckpt is not None else None)  # the launcher names the newest step if the job dies
     if ckpt is not None and ckpt.latest_step() is not None:
         check_resumed_model(run_dir, name, model_cfg)
     restored = (

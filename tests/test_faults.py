@@ -27,12 +27,14 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def _train(run_dir: Path, name: str, *args: str, log: Path) -> subprocess.Popen:
-    """``functitan train`` as typed, on the tiny model, training for long enough to be killed while it trains."""
+def _train(run_dir: Path, name: str, *args: str, log: Path, stdout: bool = False) -> subprocess.Popen:
+    """``functitan train`` as typed, on the tiny model, training for long enough to be killed while it trains
+    (``stdout``: its stdout goes to ``log`` too)."""
     cmd = [sys.executable, "-m", "functitan.cli", "train", *TINY, "--training.steps=100000"]
     cmd += [f"--metrics.run_dir={run_dir}", f"--metrics.run_name={name}", *args]
     with open(log, "wb") as err:
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=_env())
+        out = err if stdout else subprocess.DEVNULL
+        return subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env=_env())
 
 
 def _wait_for_metrics(run: Path, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
@@ -196,6 +198,60 @@ def test_sigterm_to_plan_measure_stops_its_training_job_and_waits_for_it(tmp_pat
     finally:
         planner.kill()
         planner.wait()
+
+
+def _committed(root: Path) -> list[int]:
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_torchrun_killed_or_a_second_signal_at_the_final_save_is_one_line_naming_the_newest_step(tmp_path):
+    # a kill -9 of torchrun made the launcher exit 247 without a word; a second SIGTERM while the workers saved
+    # printed torchrun's SignalException traceback and said nothing of the checkpoints
+    ckpt = ("--checkpoint.enable=true", "--checkpoint.interval=2", "--nproc", "1")
+    jobs = {
+        name: _train(tmp_path, name, *ckpt, log=tmp_path / f"{name}.log", stdout=True) for name in ("kill", "twice")
+    }
+    try:
+        for name, proc in jobs.items():
+            deadline = time.monotonic() + 180
+            while not _committed(tmp_path / name / "checkpoints"):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"{name}.log").read_text()
+                time.sleep(0.2)
+        torchrun = [p for p in _descendants(jobs["kill"].pid) if b"elastic._torchrun" in _cmdline(p)]
+        os.kill(torchrun[0], signal.SIGKILL)
+        jobs["twice"].send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        jobs["twice"].send_signal(signal.SIGTERM)  # while the worker finishes its step and saves
+        codes = {name: proc.wait(60) for name, proc in jobs.items()}
+    finally:
+        for proc in jobs.values():
+            proc.kill()
+            proc.wait()
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in jobs}
+    newest = {name: _committed(tmp_path / name / "checkpoints")[-1] for name in jobs}
+    assert codes["kill"] == 128 + signal.SIGKILL, logs["kill"][-3000:]
+    assert logs["kill"].strip().splitlines()[-1] == (
+        f"functitan: error: torchrun (pid {torchrun[0]}) was killed by SIGKILL, and its workers with it; the newest "
+        f"checkpoint is step {newest['kill']} ({tmp_path}/kill/checkpoints/{newest['kill']})"
+    )
+    assert "Traceback" not in logs["twice"], logs["twice"][-3000:]
+    last = logs["twice"].strip().splitlines()[-1]
+    if codes["twice"] == 0:  # the worker saved before torchrun went down: its own line says where
+        assert f"checkpoint saved in {tmp_path}/twice/checkpoints/{newest['twice']};" in last, last
+    else:
+        assert codes["twice"] == 128 + signal.SIGTERM, logs["twice"][-3000:]
+        assert last == (
+            "functitan: stopped by SIGTERM (and 1 more) before every worker saved (0 of 1 did); the newest checkpoint "
+            f"is step {newest['twice']} ({tmp_path}/twice/checkpoints/{newest['twice']})"
+        )
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _flock_free(path: Path) -> bool:
