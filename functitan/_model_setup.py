@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,11 @@ from .checkpoint import is_hf_dir, load_hf, recorded_model_config
 from .config import ConfigError
 from .job_config import JobConfig
 from .model import Model, check_names, config_from_dict, config_to_dict, load_model
+from .model import count as count_params
 from .model import init as init_params
 from .random import fold_in
 
-__all__ = ["DEFAULT_MODEL", "init_model", "check_model", "check_resumed_model"]
+__all__ = ["DEFAULT_MODEL", "init_model", "check_fits", "check_model", "check_resumed_model"]
 
 DEFAULT_MODEL = "llama"
 
@@ -55,7 +57,64 @@ def init_model(
             f"the model's vocab_size {model_cfg.vocab_size} is smaller than the tokenizer's {vocab}; "
             f"set data.tokenizer to the model's tokenizer"
         )
+    check_fits(model, model_cfg, mcfg, device)
     return name, model, model_cfg, init_params(model.params(model_cfg), fold_in(rng, "params"), device=device)
+
+
+def check_fits(model: Model, model_cfg: Any, mcfg: Any, device: torch.device) -> None:
+    """Before init allocates: the full fp32 params every local rank draws (``init`` builds them whole, then
+    ``place`` keeps the shard) fit in the memory free on ``device``. From the declared shapes only, so any model;
+    the optimizer's moments and activations come on top, so this bound is the least a run needs, not all of it.
+    ``--model.dim=1048576`` asked for 2.2 TB of the host and died in ``torch.randn`` with a traceback."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1  # one host's memory
+    need = 4 * count_params(model.params(model_cfg)) * ranks
+    free = _free_bytes(device)
+    if free is None or need <= free:
+        return
+    key = _largest_override(model, model_cfg, mcfg)
+    per = f" on each of {ranks} local ranks" if ranks > 1 else ""
+    where = "this host" if device.type == "cpu" else str(device)
+    raise ConfigError(
+        f"{key + ': ' if key else ''}the model ({model.name}, {count_params(model.params(model_cfg)):,} params) "
+        f"needs {_gb(need)} to initialise its fp32 parameters{per}, and {where} has {_gb(free)} free; "
+        f"{'lower ' + key.split('=')[0] if key else 'choose a smaller model.flavor'}, or train on more memory"
+    )
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` (host: MemAvailable from /proc/meminfo), None where unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _largest_override(model: Model, model_cfg: Any, mcfg: Any) -> str:
+    """``model.<key>=<value>`` of the ``--model.<key>`` flag whose default would shrink the model most ("" when
+    no flag grew it): the key the one-line refusal names."""
+    total = count_params(model.params(model_cfg))
+    base = model.configs.get(mcfg.flavor or "debug")
+    best, saved = "", 0
+    for key in dict(mcfg.overrides):
+        if base is None or not hasattr(base, key) or key == "vocab_size":
+            continue
+        try:
+            smaller = total - count_params(model.params(model.replace(model_cfg, **{key: getattr(base, key)})))
+        except (ValueError, TypeError):  # that default alone is not a valid config
+            continue
+        if smaller > saved:
+            best, saved = f"model.{key}={getattr(model_cfg, key)}", smaller
+    return best
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e12:.1f} TB" if n >= 1e12 else f"{n / 1e9:.1f} GB"
 
 
 def _with_overrides(model: Model, base: Any, mcfg: Any, what: str) -> Any:

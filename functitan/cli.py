@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import sys
 from collections.abc import Callable, Sequence
@@ -73,10 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
-        near = difflib.get_close_matches(command, COMMANDS, n=1, cutoff=0.6)
-        hint = f"did you mean {near[0]!r}?" if near else f"the commands: {', '.join(COMMANDS)}"
-        print(f"functitan: error: unknown command {command!r}; {hint} (functitan --help)", file=sys.stderr)
-        return 2
+        from .errors import unknown_command
+
+        return unknown_command("functitan", command, COMMANDS)
     return _load(COMMANDS[command][1])(rest)
 
 

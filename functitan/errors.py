@@ -15,13 +15,25 @@ launcher set that variable; the launcher shows the first failing rank's line onc
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import os
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["UserError", "USER_ERRORS", "EXIT_USER_ERROR", "report_error", "user_errors_exit", "pop_debug"]
+__all__ = [
+    "UserError",
+    "USER_ERRORS",
+    "EXIT_USER_ERROR",
+    "report_error",
+    "user_errors_exit",
+    "pop_debug",
+    "unknown_command",
+    "UserNotice",
+]
 
 EXIT_USER_ERROR = 2
 USER_ERRORS = (ValueError, OSError)
@@ -30,6 +42,11 @@ USER_ERRORS = (ValueError, OSError)
 class UserError(ValueError):
     """An error the user fixes; its message names the key, file or value and the fix (base of ConfigError,
     CheckpointError and NonFiniteLossError)."""
+
+
+class UserNotice(RuntimeWarning):
+    """A warning whose message is the whole story (a damaged checkpoint fallen back from): a command shows it as
+    one ``functitan: warning:`` line, without Python's file:line and source line."""
 
 
 def report_error(message: str) -> None:
@@ -57,11 +74,42 @@ def pop_debug(argv: Sequence[str]) -> tuple[bool, list[str]]:
 
 
 def user_errors_exit(body: Callable[[], int], *, debug: bool = False) -> int:
-    """Run a command's ``body``; a user error becomes one line on stderr and exit code 2 (see the module doc)."""
+    """Run a command's ``body``; a user error becomes one line on stderr and exit code 2 (see the module doc).
+
+    A ``UserNotice`` warning prints as one ``functitan: warning:`` line, not Python's two lines with the source
+    line that warned; ``--debug`` keeps Python's format."""
     try:
-        return body()
+        with contextlib.nullcontext() if debug else _one_line_warnings():
+            return body()
     except USER_ERRORS as exc:
         if debug:
             raise
         report_error(_message(exc))
         return EXIT_USER_ERROR
+
+
+@contextlib.contextmanager
+def _one_line_warnings() -> Iterator[None]:
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 - warnings' signature
+        if not issubclass(category, UserNotice):  # torch's, a library's: Python's format
+            return previous(message, category, filename, lineno, file, line)
+        print(f"functitan: warning: {' '.join(str(message).split())}", file=file or sys.stderr, flush=True)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
+
+
+def unknown_command(prog: str, name: str, known: Iterable[str]) -> int:
+    """A command (or subcommand) name that is none of ``known``: one line with the nearest name, exit code 2.
+
+    ``prog``: the command so far, ``"functitan"`` or ``"functitan data"``."""
+    known = list(known)
+    near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]!r}?" if near else f"the commands: {', '.join(known)}"
+    print(f"{prog}: error: unknown command {name!r}; {hint} ({prog} --help)", file=sys.stderr)
+    return EXIT_USER_ERROR

@@ -32,7 +32,15 @@ from .checkpoint import (
 )
 from .config import parse_config, to_dict
 from .data import build_loader
-from .elastic import Preemption, launch, parse_launch_args, report_stopped, split_batch, watch_launcher
+from .elastic import (
+    Preemption,
+    launch,
+    parse_launch_args,
+    report_run,
+    report_stopped,
+    split_batch,
+    watch_launcher,
+)
 from .errors import pop_debug, user_errors_exit
 from .hostmem import keep_freed_memory
 from .job_config import JobConfig, build_optimizer, build_schedule, learning_rate_schedule
@@ -101,6 +109,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
             mesh=mesh,
             when_busy=cfg.checkpoint.when_busy,
         )
+    report_run(ckpt.root if ckpt is not None else None)  # the launcher names the newest step if the job dies
     if ckpt is not None and ckpt.latest_step() is not None:
         check_resumed_model(run_dir, name, model_cfg)
     restored = (
@@ -270,6 +279,7 @@ def _loop(
     start = state.step  # 0, or the step a checkpoint resumed at
     first_loss = last_loss = float("nan")
     stop = 0
+    failed = True  # closing the sinks and the saver must not replace the error that stopped the loop
     try:
         with Preemption() as preemption:
             M.reset_peak_memory(device)
@@ -305,10 +315,9 @@ def _loop(
                     M.reset_peak_memory(device)
                 if ckpt is not None:
                     ckpt.maybe_save(state, force=state.step == steps or bool(stop), defer_staging=True)
+        failed = False
     finally:
-        sinks.close()
-        if ckpt is not None:
-            ckpt.close()  # waits for the last async save
+        _close(ckpt, sinks, failed=failed)
     rejoin = bool(stop) and not preemption.signum and "FUNCTITAN_ELASTIC_RUN" in os.environ
     if stop:
         _report_stop(stop, state.step, ckpt, rejoin=rejoin, resume=_resume_hint(cfg, ckpt, run_dir))
@@ -323,6 +332,20 @@ def _loop(
         "stopped_by": Preemption.name(stop) if stop else None,
         "rejoin": rejoin,
     }
+
+
+def _close(ckpt: Any, sinks: Any, *, failed: bool) -> None:
+    """Wait for the last async save, then close the sinks; raise the first error, the checkpoint's before the
+    event file's (a disk that fills up fails both), and none while another error stopped the loop."""
+    errors = []
+    for close in (ckpt.close if ckpt is not None else None, sinks.close):
+        try:
+            if close is not None:
+                close()
+        except Exception as e:  # noqa: BLE001 - close the rest, then raise the first
+            errors.append(e)
+    if errors and not failed:
+        raise errors[0]
 
 
 def _position(data_state: Any, batch_seqs: int, cfg: JobConfig, world: int) -> dict[str, int]:

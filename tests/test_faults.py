@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from functitan.cli import COMMANDS
 from functitan.testing import TINY_RUN_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,12 +27,14 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def _train(run_dir: Path, name: str, *args: str, log: Path) -> subprocess.Popen:
-    """``functitan train`` as typed, on the tiny model, training for long enough to be killed while it trains."""
+def _train(run_dir: Path, name: str, *args: str, log: Path, stdout: bool = False) -> subprocess.Popen:
+    """``functitan train`` as typed, on the tiny model, training for long enough to be killed while it trains
+    (``stdout``: its stdout goes to ``log`` too)."""
     cmd = [sys.executable, "-m", "functitan.cli", "train", *TINY, "--training.steps=100000"]
     cmd += [f"--metrics.run_dir={run_dir}", f"--metrics.run_name={name}", *args]
     with open(log, "wb") as err:
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=_env())
+        out = err if stdout else subprocess.DEVNULL
+        return subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env=_env())
 
 
 def _wait_for_metrics(run: Path, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
@@ -197,6 +200,60 @@ def test_sigterm_to_plan_measure_stops_its_training_job_and_waits_for_it(tmp_pat
         planner.wait()
 
 
+def _committed(root: Path) -> list[int]:
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.is_dir() else []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_torchrun_killed_or_a_second_signal_at_the_final_save_is_one_line_naming_the_newest_step(tmp_path):
+    # a kill -9 of torchrun made the launcher exit 247 without a word; a second SIGTERM while the workers saved
+    # printed torchrun's SignalException traceback and said nothing of the checkpoints
+    ckpt = ("--checkpoint.enable=true", "--checkpoint.interval=2", "--nproc", "1")
+    jobs = {
+        name: _train(tmp_path, name, *ckpt, log=tmp_path / f"{name}.log", stdout=True) for name in ("kill", "twice")
+    }
+    try:
+        for name, proc in jobs.items():
+            deadline = time.monotonic() + 180
+            while not _committed(tmp_path / name / "checkpoints"):
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"{name}.log").read_text()
+                time.sleep(0.2)
+        torchrun = [p for p in _descendants(jobs["kill"].pid) if b"elastic._torchrun" in _cmdline(p)]
+        os.kill(torchrun[0], signal.SIGKILL)
+        jobs["twice"].send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        jobs["twice"].send_signal(signal.SIGTERM)  # while the worker finishes its step and saves
+        codes = {name: proc.wait(60) for name, proc in jobs.items()}
+    finally:
+        for proc in jobs.values():
+            proc.kill()
+            proc.wait()
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in jobs}
+    newest = {name: _committed(tmp_path / name / "checkpoints")[-1] for name in jobs}
+    assert codes["kill"] == 128 + signal.SIGKILL, logs["kill"][-3000:]
+    assert logs["kill"].strip().splitlines()[-1] == (
+        f"functitan: error: torchrun (pid {torchrun[0]}) was killed by SIGKILL, and its workers with it; the newest "
+        f"checkpoint is step {newest['kill']} ({tmp_path}/kill/checkpoints/{newest['kill']})"
+    )
+    assert "Traceback" not in logs["twice"], logs["twice"][-3000:]
+    last = logs["twice"].strip().splitlines()[-1]
+    if codes["twice"] == 0:  # the worker saved before torchrun went down: its own line says where
+        assert f"checkpoint saved in {tmp_path}/twice/checkpoints/{newest['twice']};" in last, last
+    else:
+        assert codes["twice"] == 128 + signal.SIGTERM, logs["twice"][-3000:]
+        assert last == (
+            "functitan: stopped by SIGTERM (and 1 more) before every worker saved (0 of 1 did); the newest checkpoint "
+            f"is step {newest['twice']} ({tmp_path}/twice/checkpoints/{newest['twice']})"
+        )
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def _flock_free(path: Path) -> bool:
     import fcntl
 
@@ -324,6 +381,20 @@ BAD_INPUTS = {  # the command as typed ({d}: a folder of bad files) -> what its 
     "export hf {d}/ck {d}/exported --max-shard-bytes -5": "--max-shard-bytes=-5: must be >= 1",
     "trian": "unknown command 'trian'; did you mean 'train'?",
     "train --data.max_corpus_bytes=-1": "data.max_corpus_bytes=-1: must be >= 1",
+    "pipeline shwo": "functitan pipeline: error: unknown command 'shwo'; did you mean 'show'?",
+    "data prepaer": "functitan data: error: unknown command 'prepaer'; did you mean 'prepare'?",
+    "export hff {d}/ck {d}/exported": "functitan export: error: unknown command 'hff'; did you mean 'hf'?",
+    "import hff {d}/hf {d}/imported": "functitan import: error: unknown command 'hff'; did you mean 'hf'?",
+    # 4 TB for one weight: refused from the declared shapes, before init allocates
+    "train --model.dim=1048576": "model.dim=1048576: the model (llama, 6,598,421,381,120 params) needs 26.4 TB to "
+    "initialise its fp32 parameters, and this host has ",
+    "rendezvous --host nosuch.invalid": "cannot listen on nosuch.invalid:29400: the host 'nosuch.invalid' does not "
+    "resolve",
+    "rendezvous --host 192.0.2.1 --port 0": "cannot listen on 192.0.2.1:0: 192.0.2.1 (192.0.2.1) is not an address "
+    "of this machine; pick another --port",
+    "train --nnodes 1 --rdzv-endpoint nosuch.invalid:29400 --rdzv-id r --rdzv-conf read_timeout=1": "functitan: "
+    "error: --rdzv-endpoint=nosuch.invalid:29400: no rendezvous store there within 1 s: the host 'nosuch.invalid' "
+    "does not resolve",
 }
 
 
@@ -357,6 +428,90 @@ def test_each_bad_input_is_one_line_and_exit_code_2(command, bad_files, capsys, 
     assert BAD_INPUTS[command].format(d=bad_files) in line, line
 
 
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_a_misspelt_command_suggests_the_command(command, capsys):  # and the subcommands: BAD_INPUTS
+    from functitan.cli import main
+
+    typo = command + command[-1]  # a letter typed twice: trainn, rendezvouss, ...
+    assert main([typo]) == 2
+    assert capsys.readouterr().err == (
+        f"functitan: error: unknown command {typo!r}; did you mean {command!r}? (functitan --help)\n"
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_port_in_use_or_no_store_at_the_rendezvous_endpoint_is_one_line_within_the_bound(capsys):
+    # torchrun waited 111 s on an endpoint nobody answered on, then printed a traceback; rendezvous on a port
+    # in use printed C++ stack frames after its one line
+    import socket
+
+    from functitan.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["rendezvous", "--port", str(port)]) == 2
+    assert capsys.readouterr().err == (
+        f"functitan rendezvous: error: cannot listen on 0.0.0.0:{port}: port {port} is in use on this machine (by "
+        "another program or another store); pick another --port, or a --host address of this machine (default "
+        "0.0.0.0: all of them)\n"
+    )
+    nobody = _free_port()
+    t0 = time.monotonic()
+    rdzv = [
+        "--nnodes",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{nobody}",
+        "--rdzv-id",
+        "r",
+        "--rdzv-conf",
+        "read_timeout=1",
+    ]
+    assert main(["train", *TINY, "--nproc", "2", *rdzv]) == 2
+    assert time.monotonic() - t0 < 5
+    assert capsys.readouterr().err == (
+        f"functitan: error: --rdzv-endpoint=127.0.0.1:{nobody}: no rendezvous store there within 1 s: nothing "
+        f"listens on port {nobody} of 127.0.0.1; start `functitan rendezvous --port {nobody}` on 127.0.0.1 first (or "
+        "fix the address; --rdzv-conf read_timeout=SECONDS waits longer)\n"
+    )
+
+
+def test_a_fallback_warning_is_one_line_without_the_source_line(tmp_path, capsys):
+    # warnings.warn's format printed `warnings.warn(` and the file:line of the trainer under the message
+    import warnings
+
+    import torch
+
+    from functitan.checkpoint import CheckpointManager
+    from functitan.errors import user_errors_exit
+
+    state = {"w": torch.arange(4.0)}
+    with CheckpointManager(tmp_path, interval=1, keep_last=2, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.maybe_save(state, step=step)
+    (tmp_path / "2" / "default" / "_COMMIT").unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert (
+            user_errors_exit(
+                lambda: 0 if CheckpointManager(tmp_path, interval=1, keep_last=2).restore_latest(state) else 1
+            )
+            == 0
+        )
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"functitan: warning: checkpoint step 2 in {tmp_path} is damaged ("), line
+    assert line.endswith("restored step 1 instead (a damaged step is saved again when the run reaches it)"), line
+
+
 def test_a_full_disk_during_a_save_is_one_line_naming_the_checkpoint_folder(tmp_path, capsys, monkeypatch):
     # the device fills up while step 2 saves (the writer's ENOSPC), after step 1 committed
     import errno
@@ -383,6 +538,61 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_checkpoint_folder(tmp_
         "the committed steps are untouched: free space (or lower checkpoint.keep_last, or point checkpoint.folder "
         "at a larger disk) and run the same command to resume"
     ), line
+    assert sorted(p.name for p in root.iterdir() if p.name.isdigit()) == ["1"]
+
+
+def _train_on_a_disk_that_fills_up(argv: list[str], error_dir: str) -> tuple[int, str]:
+    """On a pool rank: ``functitan train`` while the disk fills up during step 2's save, seen by rank 0 only
+    (rank 1's shards fit), then by TensorBoard's event writer. ``(exit code, what the rank printed on stderr)``."""
+    import contextlib
+    import errno
+    import io
+
+    import torch.distributed as dist
+    from tensorboard.summary.writer import record_writer
+
+    from functitan.checkpoint import _fastwrite
+    from functitan.cli import main
+
+    os.environ["FUNCTITAN_ERROR_DIR"] = error_dir
+    write, record = _fastwrite.write_block, record_writer.RecordWriter.write
+    full = dist.get_rank() == 0 and []
+
+    def fills_up(path, *args, **kwargs):
+        if full is not False and f"{os.sep}2.tmp-" in path:
+            full.append(path)
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return write(path, *args, **kwargs)
+
+    def events(self, data):
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return record(self, data)
+
+    _fastwrite.write_block, record_writer.RecordWriter.write = fills_up, events
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            code = main(["train", *argv])
+    finally:
+        _fastwrite.write_block, record_writer.RecordWriter.write = write, record
+    return code, err.getvalue()
+
+
+def test_a_full_disk_seen_by_one_of_two_ranks_is_the_same_line_on_both_and_no_traceback(tmp_path, gloo):
+    # rank 1 waited at the commit barrier and failed naming no path; TensorBoard's writer thread printed a traceback
+    run = tmp_path / "full"
+    argv = [*TINY, "--parallelism.dp_shard=2", "--training.steps=2", "--checkpoint.enable=true"]
+    argv += ["--checkpoint.interval=1", f"--metrics.run_dir={tmp_path}", "--metrics.run_name=full"]
+    (code0, err0), (code1, err1) = gloo.run(_train_on_a_disk_that_fills_up, 2, argv, str(tmp_path), timeout=300)
+    assert (code0, code1) == (2, 2), (err0[-3000:], err1[-3000:])
+    root = run / "checkpoints"
+    lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
+    assert lines[0] == lines[1], lines
+    assert lines[0].startswith(f"saving checkpoint {root}/2: no space left on the device of {root} ("), lines[0]
+    assert "MB free; this save writes about " in lines[0] and "the committed steps are untouched" in lines[0]
+    for err in (err0, err1):  # the one line, no writer thread's traceback, no message naming no path
+        assert err.strip() == "functitan: error: " + lines[0].strip(), err[-3000:]
     assert sorted(p.name for p in root.iterdir() if p.name.isdigit()) == ["1"]
 
 

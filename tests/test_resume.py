@@ -65,7 +65,7 @@ def _train_and_capture(overrides: dict, crash_at: int | None = None):
             out = run(apply_overrides(JobConfig(), {**SMALL, **overrides}))
         except Crash:
             return None
-    warned = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     return out["first_loss"], out["steps"], warned, printed.getvalue()
 
 

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import UserError, pop_debug, user_errors_exit
+from ..errors import UserError, pop_debug, unknown_command, user_errors_exit
 from ._hf import MAX_SHARD_BYTES
 from ._manager import check_checkpoint_path
 
@@ -107,8 +107,10 @@ def main(command: str, argv: Sequence[str]) -> int:
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     if args and args[0] in ("-h", "--help"):
         args = ["hf", *args]
-    if not args or args[0] != "hf":
+    if not args:
         parser.error(f"the only format is hf: functitan {command} hf ...")
+    if args[0] != "hf":
+        return unknown_command(f"functitan {command}", args[0], ["hf"])
     ns = parser.parse_args(args[1:])
 
     def body() -> int:

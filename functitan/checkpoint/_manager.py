@@ -28,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..errors import UserNotice
 from ..tree import combine, partition
 from . import _layout as L
 from ._restore import CheckpointError, _read_json, restore
@@ -286,7 +287,7 @@ class CheckpointManager:
                     warnings.warn(
                         f"{damaged}; restored step {step} instead (a damaged step is saved again when the run "
                         f"reaches it)",
-                        RuntimeWarning,
+                        UserNotice,
                         stacklevel=2,
                     )
                 self._last_saved = step

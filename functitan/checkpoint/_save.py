@@ -91,8 +91,8 @@ class SaveHandle:
             cb, self._on_done = self._on_done, None
             cb()
         if self._error is not None:
-            if _disk_full(self._error):
-                raise _no_space(self.path, self.nbytes) from None
+            if _disk_full(self._error):  # the bytes of every rank's shards when the ranks agreed on the failure
+                raise _no_space(self.path, getattr(self._error, "need", self.nbytes)) from None
             raise RuntimeError(f"saving checkpoint {self.path} failed: {self._error}") from self._error
         return self.path
 
@@ -112,9 +112,23 @@ def _no_space(path: str, nbytes: int) -> CheckpointError:
         free = "free space unknown"
     return CheckpointError(
         f"saving checkpoint {path}: no space left on the device of {folder} ({free}; this save writes about "
-        f"{nbytes / 1e6:.0f} MB per rank); the committed steps are untouched: free space (or lower "
+        f"{nbytes / 1e6:.0f} MB); the committed steps are untouched: free space (or lower "
         f"checkpoint.keep_last, or point checkpoint.folder at a larger disk) and run the same command to resume"
     )
+
+
+class _PeerFailed(OSError):
+    """Raised on every rank of a save when one rank's part failed: a full disk (``errno`` ENOSPC, ``need``: the
+    bytes of the whole save) or another rank's error, so no rank waits out the commit barrier's timeout."""
+
+    def __init__(self, code: int, message: str, need: int = 0) -> None:
+        super().__init__(code, message)
+        self.need = need
+
+
+def _nbytes(plan: list[_Leaf]) -> int:
+    """What this rank's shards of ``plan`` take on disk, about (no compression)."""
+    return sum(math.prod(p.box[1]) * leaf.dtype.itemsize for leaf in plan for p in leaf.pieces)
 
 
 # ----------------------------------------------------------------------------------------------- plan
@@ -400,6 +414,29 @@ class _Group:
         if self.pg is not None:
             dist.barrier(group=self.pg)
 
+    def agree(self, error: BaseException | None, nbytes: int) -> int:
+        """The barrier that also tells every rank how each one's part went: the sum of the ranks' ``nbytes``
+        when none failed; else raises on every rank, the same disk-full error when any rank's disk was full (a
+        peer of a full rank used to wait at the barrier, then fail naming no path)."""
+        if self.pg is None:
+            if error is not None:
+                raise error
+            return nbytes
+        mine = None if error is None else (_disk_full(error), f"{type(error).__name__}: {error}")
+        outcomes: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(outcomes, (mine, nbytes), group=self.pg)
+        total = sum(n for _, n in outcomes)
+        failed = [(rank, out) for rank, (out, _) in zip(self.ranks, outcomes) if out is not None]
+        if not failed:
+            return total
+        full = [rank for rank, (disk_full, _) in failed if disk_full]
+        if full:
+            raise _PeerFailed(errno.ENOSPC, f"No space left on device (rank {full[0]})", total) from error
+        if error is not None:
+            raise error
+        rank, (_, message) = failed[0]
+        raise _PeerFailed(errno.EIO, f"rank {rank}: {message}") from None
+
     def shared_token(self) -> str:
         """A fresh uuid, the same on every rank (rank 0's, broadcast as 16 bytes)."""
         token = torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8).clone()
@@ -432,48 +469,60 @@ def _commit(
         ev.synchronize()
     tmp = f"{final}{L.TMP_MARK}{group.shared_token()}"
     item = os.path.join(tmp, item_rel) if item_rel else tmp
-    os.makedirs(item, exist_ok=True)
-    sizes = _write_shards(item, plan, group.rank, background=background)
-    leaves = [[leaf.name, list(leaf.keys), leaf.vtype, leaf.metadata["shape"]] for leaf in plan]
-    _write_json(os.path.join(item, f"_sizes.{group.rank}"), {"files": sizes, "leaves": leaves})
-    group.barrier()
-    if group.leader:
-        files: dict[str, int] = {}
-        entries: dict[str, list] = {}  # every rank's leaves (pipeline ranks hold different ones), first seen wins
-        for r in group.ranks:
-            part = os.path.join(item, f"_sizes.{r}")
-            with open(part) as f:
-                doc = json.load(f)
-            files.update(doc["files"])
-            for entry in doc["leaves"]:
-                entries.setdefault(entry[0], entry)
-            os.remove(part)
-        merged = list(entries.values())
-        empties = [[name, list(keys), vtype, None] for name, keys, vtype in empty]
-        if len(merged) != len(plan):  # trees differ across ranks: write the whole tree's metadata
-            both = _as_sequences(merged + empties)
-            merged, empties = both[: len(merged)], both[len(merged) :]
-        meta = L.orbax_metadata(
-            [(n, tuple(k), v) for n, k, v, _ in merged], [(n, tuple(k), v) for n, k, v, _ in empties]
-        )
-        files[L.METADATA] = _write_json(os.path.join(item, L.METADATA), meta)
-        commit = {"format": L.FORMAT, "files": files, "arrays": {name: shape for name, _, _, shape in merged}}
-        commit["checksums"] = _metadata_checksums(item, files)
-        _write_json(os.path.join(item, L.COMMIT), commit)
-        _fsync(item, directory=True)
-        if item != tmp:
-            _fsync(tmp, directory=True)
-        doomed = _move_aside(final) if replace and os.path.exists(final) else None
-        os.rename(tmp, final)
-        _fsync(os.path.dirname(os.path.abspath(final)), directory=True)
-        if doomed is not None:
-            shutil.rmtree(doomed, ignore_errors=True)
-        if after_commit is not None:
-            after_commit()
-    group.barrier()
+    error: BaseException | None = None
+    try:
+        os.makedirs(item, exist_ok=True)
+        sizes = _write_shards(item, plan, group.rank, background=background)
+        leaves = [[leaf.name, list(leaf.keys), leaf.vtype, leaf.metadata["shape"]] for leaf in plan]
+        _write_json(os.path.join(item, f"_sizes.{group.rank}"), {"files": sizes, "leaves": leaves})
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it at the barrier
+        error = exc
+    need = group.agree(error, _nbytes(plan))
+    try:
+        if group.leader:
+            _commit_as_leader(final, item, tmp, plan, empty, group, after_commit, replace)
+    except Exception as exc:  # noqa: BLE001 - as above
+        error = exc
+    group.agree(error, need if group.leader else 0)
     for leaf in plan:  # drop references to live values (synchronous saves) until the next save
         for p in leaf.pieces:
             p.source = None
+
+
+def _commit_as_leader(
+    final: str, item: str, tmp: str, plan: list[_Leaf], empty: list, group: _Group, after_commit, replace: bool
+) -> None:
+    """Merge every rank's sizes into ``_METADATA`` and ``_COMMIT``, then rename ``tmp`` to ``final``."""
+    files: dict[str, int] = {}
+    entries: dict[str, list] = {}  # every rank's leaves (pipeline ranks hold different ones), first seen wins
+    for r in group.ranks:
+        part = os.path.join(item, f"_sizes.{r}")
+        with open(part) as f:
+            doc = json.load(f)
+        files.update(doc["files"])
+        for entry in doc["leaves"]:
+            entries.setdefault(entry[0], entry)
+        os.remove(part)
+    merged = list(entries.values())
+    empties = [[name, list(keys), vtype, None] for name, keys, vtype in empty]
+    if len(merged) != len(plan):  # trees differ across ranks: write the whole tree's metadata
+        both = _as_sequences(merged + empties)
+        merged, empties = both[: len(merged)], both[len(merged) :]
+    meta = L.orbax_metadata([(n, tuple(k), v) for n, k, v, _ in merged], [(n, tuple(k), v) for n, k, v, _ in empties])
+    files[L.METADATA] = _write_json(os.path.join(item, L.METADATA), meta)
+    commit = {"format": L.FORMAT, "files": files, "arrays": {name: shape for name, _, _, shape in merged}}
+    commit["checksums"] = _metadata_checksums(item, files)
+    _write_json(os.path.join(item, L.COMMIT), commit)
+    _fsync(item, directory=True)
+    if item != tmp:
+        _fsync(tmp, directory=True)
+    doomed = _move_aside(final) if replace and os.path.exists(final) else None
+    os.rename(tmp, final)
+    _fsync(os.path.dirname(os.path.abspath(final)), directory=True)
+    if doomed is not None:
+        shutil.rmtree(doomed, ignore_errors=True)
+    if after_commit is not None:
+        after_commit()
 
 
 def _metadata_checksums(item: str, files: dict[str, int]) -> dict[str, int]:
@@ -579,7 +628,7 @@ class Checkpointer:
         events = [] if defer else _stage(plan, named, copy=_stage_copy)
         side = _side_stream(named) if defer else None
         handle = SaveHandle(path, None)
-        handle.nbytes = sum(math.prod(p.box[1]) * leaf.dtype.itemsize for leaf in plan for p in leaf.pieces)
+        handle.nbytes = _nbytes(plan)
         if defer:
             handle._staged.clear()
             handle._events = events

@@ -29,7 +29,7 @@ import numpy as np
 from functitan.data._corpus import _jsonl_text, expand_paths, is_jsonl
 from functitan.data._shards import FORMAT, INDEX, file_hash, tokenizer_identity
 from functitan.data._tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from functitan.errors import UserError, pop_debug, user_errors_exit
+from functitan.errors import UserError, pop_debug, unknown_command, user_errors_exit
 
 __all__ = ["prepare", "source_files", "DataError"]
 
@@ -352,9 +352,11 @@ def main(argv: Sequence[str]) -> int:
     import argparse
 
     debug, args = pop_debug(argv)
-    if not args or args[0] != "prepare":
-        print(USAGE, file=sys.stderr if args else sys.stdout)
-        return 2 if args else 0
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if args[0] != "prepare":
+        return unknown_command("functitan data", args[0], ["prepare"])
     synopsis, _, about = USAGE.removeprefix("usage: ").partition("\n\n")  # argparse writes "usage: " itself
     ap = argparse.ArgumentParser(
         prog="functitan data prepare",

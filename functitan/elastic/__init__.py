@@ -10,7 +10,15 @@
 
 from ._batch import BatchSplitError, split_batch, world_sizes_for
 from ._config import ElasticConfig
-from ._launch import LaunchError, LaunchSpec, launch, parse_launch_args, report_stopped, torchrun_command
+from ._launch import (
+    LaunchError,
+    LaunchSpec,
+    launch,
+    parse_launch_args,
+    report_run,
+    report_stopped,
+    torchrun_command,
+)
 from ._orphans import watch_launcher
 from ._preempt import Preemption
 
@@ -24,6 +32,7 @@ __all__ = [
     "launch",
     "parse_launch_args",
     "report_stopped",
+    "report_run",
     "torchrun_command",
     "Preemption",
     "watch_launcher",

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO
 
 from ._orphans import LAUNCHER_PID
+from ._reach import REACH_TIMEOUT_S, reach_problem
 
 __all__ = [
     "LaunchError",
@@ -37,6 +38,7 @@ __all__ = [
     "launch",
     "torchrun_command",
     "report_stopped",
+    "report_run",
     "RDZV_CONF",
 ]
 
@@ -219,6 +221,8 @@ def launch(spec: LaunchSpec, argv: Sequence[str]) -> int:
     0: training finished, or stopped by SIGTERM/SIGINT after every local worker saved; 2: a user error on a
     rank (printed once); otherwise torchrun's code (128 + N when stopped by signal N without a clean save).
     """
+    if spec.elastic:
+        _check_reach(spec)
     with tempfile.TemporaryDirectory(prefix="functitan-errors-") as tmp:
         error_dir = Path(tmp)
         # A fresh store for the workers of every rendezvous round. Sharing the agent's store across rounds hangs
@@ -264,7 +268,15 @@ def launch(spec: LaunchSpec, argv: Sequence[str]) -> int:
             if stopped >= spec.nproc:
                 pump.held = [line for line in pump.held if not line.startswith(b"functitan: error:")]
                 return 0
-            pump.release()
+            if "--debug" in argv:  # torchrun's SignalException traceback, a second signal's too
+                pump.release()
+            name = signal.Signals(received[0]).name
+            again = f" (and {len(received) - 1} more)" if len(received) > 1 else ""
+            print(
+                f"functitan: stopped by {name}{again} before every worker saved ({stopped} of {spec.nproc} did); "
+                f"{_newest_checkpoint(error_dir)}",
+                file=sys.stderr,
+            )
             return 128 + received[0]
         if rc != 0:
             message = _first_error(error_dir)
@@ -272,7 +284,57 @@ def launch(spec: LaunchSpec, argv: Sequence[str]) -> int:
                 print(f"functitan: error: {message}", file=sys.stderr)
                 return 2
         pump.release()
+        if rc < 0:  # torchrun itself was killed (the OOM killer, a kill -9 of it): its workers died with it
+            print(
+                f"functitan: error: torchrun (pid {proc.pid}) was killed by {signal.Signals(-rc).name}, and its "
+                f"workers with it; {_newest_checkpoint(error_dir)}",
+                file=sys.stderr,
+            )
+            return 128 - rc
         return rc
+
+
+def report_run(checkpoints: str | os.PathLike | None) -> None:
+    """On rank 0 of a launched job: where this run's checkpoints go (None: none are saved), for the launcher's
+    last line when the job dies before it finishes."""
+    error_dir = os.environ.get("FUNCTITAN_ERROR_DIR")
+    if error_dir and os.environ.get("RANK", "0") == "0":
+        (Path(error_dir) / "checkpoints").write_text("" if checkpoints is None else str(Path(checkpoints).resolve()))
+
+
+def _newest_checkpoint(error_dir: Path) -> str:
+    """ "the newest checkpoint is step N (DIR)", or why there is none (a step folder is committed once named)."""
+    reported = error_dir / "checkpoints"
+    if not reported.is_file():
+        return "no checkpoint: the job stopped before it began training"
+    if not reported.read_text():
+        return "no checkpoint (checkpoint.enable=false)"
+    root = Path(reported.read_text())
+    steps = sorted(int(e.name) for e in root.iterdir() if e.name.isdigit()) if root.is_dir() else []
+    return (
+        f"the newest checkpoint is step {steps[-1]} ({root / str(steps[-1])})"
+        if steps
+        else f"no checkpoint in {root} yet"
+    )
+
+
+def _check_reach(spec: LaunchSpec) -> None:
+    """The rendezvous store answers at ``--rdzv-endpoint`` within ``read_timeout`` (or REACH_TIMEOUT_S): else one
+    line naming the endpoint, what was found and the bound, not torchrun's traceback after 111 s."""
+    host, _, port_text = spec.rdzv_endpoint.rpartition(":")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise LaunchError(f"--rdzv-endpoint={spec.rdzv_endpoint}: expected HOST:PORT, e.g. --rdzv-endpoint=node0:29400")
+    try:
+        bound = float(spec.rdzv_conf.get("read_timeout", REACH_TIMEOUT_S))
+    except ValueError:
+        raise LaunchError(f"--rdzv-conf read_timeout={spec.rdzv_conf['read_timeout']}: seconds, e.g. 60") from None
+    problem = reach_problem(host.strip("[]"), int(port_text), bound)
+    if problem is not None:
+        raise LaunchError(
+            f"--rdzv-endpoint={spec.rdzv_endpoint}: no rendezvous store there within {bound:g} s: {problem}; start "
+            f"`functitan rendezvous --port {port_text}` on {host} first (or fix the address; "
+            "--rdzv-conf read_timeout=SECONDS waits longer)"
+        )
 
 
 def _wait(proc: subprocess.Popen) -> int:

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Sequence
 from datetime import timedelta
 
+from ._reach import listen_problem
+
 __all__ = ["main", "serve"]
 
 
@@ -43,6 +45,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
         print(f"functitan rendezvous: error: --port={args.port}: a TCP port is 0..65535, e.g. 29400", file=sys.stderr)
+        return 2
+    problem = listen_problem(args.host, args.port)  # before torch: its failure prints C++ stack frames, or waits
+    if problem is not None:
+        print(
+            f"functitan rendezvous: error: cannot listen on {args.host}:{args.port}: {problem}; pick another --port, "
+            "or a --host address of this machine (default 0.0.0.0: all of them)",
+            file=sys.stderr,
+        )
         return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol, TextIO
@@ -179,16 +180,37 @@ class TensorBoardSink:
 
         self.logdir = os.fspath(logdir)
         self._writer = SummaryWriter(log_dir=self.logdir)
+        self._previous_hook = threading.excepthook
+        threading.excepthook = self._quiet_writer_thread
+
+    def _quiet_writer_thread(self, args: threading.ExceptHookArgs) -> None:
+        """The event writer's thread dies of an OSError (a full disk) with a traceback of its own; the error comes
+        back from the next ``write``/``close``, as one line naming the folder. Other threads: the usual hook."""
+        if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            self._previous_hook(args)
+
+    def _named(self, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except OSError as e:  # the writer's own error names no file
+            raise OSError(e.errno, f"writing TensorBoard events: {e.strerror or e}", self.logdir) from None
 
     def write(self, step: int, metrics: Metrics) -> None:
-        for key, value in metrics.items():
-            value = _scalar(key, value)
-            if value is not None:
-                self._writer.add_scalar(key, float(value), global_step=int(step))
-        self._writer.flush()
+        def add() -> None:
+            for key, value in metrics.items():
+                value = _scalar(key, value)
+                if value is not None:
+                    self._writer.add_scalar(key, float(value), global_step=int(step))
+            self._writer.flush()
+
+        self._named(add)
 
     def close(self) -> None:
-        self._writer.close()
+        try:
+            self._named(self._writer.close)
+        finally:
+            if threading.excepthook == self._quiet_writer_thread:
+                threading.excepthook = self._previous_hook
 
 
 # --- composition ---------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from functitan.errors import unknown_command
 from functitan.pipeline._csvfile import load_csv
 from functitan.pipeline._generators import SCHEDULE_NAMES, make_schedule
 from functitan.pipeline._render import render_png, render_text, summary
@@ -75,6 +76,8 @@ MAX_CELLS = 2**14  # pp x microbatches: a zb_v timeline of 64 x 256 prints in ~4
 
 def main(argv: list[str]) -> int:
     """Run `functitan pipeline ARGV...`; returns the exit status (0 ok, 2 bad input)."""
+    if argv and not argv[0].startswith("-") and argv[0] != "show":
+        return unknown_command("functitan pipeline", argv[0], ["show"])
     args = _parser().parse_args(argv)
     try:
         schedule = _build(args)
