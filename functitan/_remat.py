@@ -25,16 +25,16 @@ tensor([-0.4029, -0.4029])
 from __future__ import annotations
 
 import functools
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch._C._functorch import peek_interpreter_stack
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from . import _collectives
+from ._choices import REMAT_POLICIES, RematName
 
 __all__ = [
     "Policy",
@@ -52,9 +52,6 @@ __all__ = [
     "name",
 ]
 
-# The one declaration of the config spellings; job_config's training.remat reads it.
-RematName = Literal["none", "full", "selective", "offload"]
-REMAT_POLICIES: tuple[str, ...] = typing.get_args(RematName)
 
 _aten = torch.ops.aten
 # Expensive to recompute: matmuls and attention. The elementwise ops between them are recomputed.

@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from . import optim
-from ._remat import RematName
+from ._choices import NonFinitePolicy, RematName
 from .config import ConfigError, check
 from .data import DataConfig
 from .elastic import ElasticConfig
 from .pipeline._generators import ScheduleName
-from .step import NonFinitePolicy
 
 __all__ = [
     "ModelConfig",

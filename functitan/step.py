@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal, get_args
+from typing import Any
 
 import optree
 import torch
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import optim
+from ._choices import NONFINITE_POLICIES
 from ._loss import TokenLoss
 from .errors import UserError
 from .optim._transforms import scale_tree
@@ -31,9 +32,6 @@ from .random import fold_in
 from .train_state import TrainState
 
 __all__ = ["make_train_step", "NonFiniteLossError", "NONFINITE_POLICIES"]
-
-NonFinitePolicy = Literal["stop", "skip"]
-NONFINITE_POLICIES: tuple[str, ...] = get_args(NonFinitePolicy)
 
 
 class NonFiniteLossError(UserError, FloatingPointError):

@@ -10,11 +10,19 @@ A corpus larger than memory: ``functitan data prepare SRC... --out DIR`` once, t
 ``TokenLoader(shards=ShardSet(DIR), ...)`` (or ``--data.path=DIR``) reads it memory-mapped.
 """
 
+from typing import TYPE_CHECKING
+
+from functitan._lazy import lazy_exports
+from functitan.data._config import DataConfig
 from functitan.data._corpus import DEFAULT_CORPUS_BYTES, default_corpus, expand_paths, read_documents
-from functitan.data._loader import DataConfig, TokenLoader, build_loader, dp_coords
 from functitan.data._prepare import DataError, prepare
 from functitan.data._shards import ShardSet
 from functitan.data._tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:  # imported on first use (functitan._lazy): the loader makes torch tensors, the rest does not
+    from functitan.data._loader import TokenLoader, build_loader, dp_coords
+
+__getattr__ = lazy_exports(__name__, {"._loader": ("TokenLoader", "build_loader", "dp_coords")})
 
 __all__ = [
     "Tokenizer",

@@ -28,15 +28,14 @@ import operator
 import os
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from functitan.data._config import DataConfig
 from functitan.data._corpus import (
-    DEFAULT_CORPUS_BYTES,
     check_text_file,
     default_corpus,
     expand_paths,
@@ -46,7 +45,7 @@ from functitan.data._shards import ShardSet, is_prepared
 from functitan.data._tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from functitan.mesh import DP_AXES
 
-__all__ = ["TokenLoader", "DataConfig", "build_loader", "dp_coords"]
+__all__ = ["TokenLoader", "build_loader", "dp_coords"]
 
 _STATE_KEYS = ("epoch", "seq")
 _DOC_ORDERS_KEPT = 8  # per epoch: the files whose document order is kept between batches
@@ -322,37 +321,6 @@ def dp_coords(mesh: Any) -> tuple[int, int]:
             n = mesh.size(names.index(axis))
             rank, size = rank * n + mesh.get_local_rank(axis), size * n
     return rank, size
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    """What to train on; the batch shape and the data-parallel layout come from the trainer.
-
-    Attributes:
-        paths: text / .jsonl files or directories; empty for the default corpus (the Python stdlib).
-        path: a directory written by ``functitan data prepare`` (memory-mapped shards) instead of ``paths``.
-        tokenizer: a tokenizer.json or tiktoken file; None for the byte tokenizer (with ``path``: None for
-            the one the shards were made with, else it must be that one).
-        max_open_shards: with ``path``, the shards kept memory-mapped at once (bounds resident memory).
-        text_key: the JSONL field holding the text.
-        add_bos: put BOS before each document (EOS always follows it).
-        seed: the document shuffle seed.
-        max_corpus_bytes: the size cap of the default corpus.
-    """
-
-    paths: tuple[str, ...] = ()
-    path: str | None = None
-    tokenizer: str | None = None
-    text_key: str = "text"
-    add_bos: bool = False
-    seed: int = 0
-    max_corpus_bytes: int = DEFAULT_CORPUS_BYTES
-    max_open_shards: int = 4
-
-    def __post_init__(self) -> None:
-        for key in ("max_corpus_bytes", "max_open_shards"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"data.{key}={getattr(self, key)}: must be >= 1")
 
 
 def build_loader(

@@ -8,6 +8,9 @@
   others keep stepping.
 """
 
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
 from ._batch import BatchSplitError, split_batch, world_sizes_for
 from ._config import ElasticConfig
 from ._launch import (
@@ -20,7 +23,11 @@ from ._launch import (
     torchrun_command,
 )
 from ._orphans import watch_launcher
-from ._preempt import Preemption
+
+if TYPE_CHECKING:  # imported on first use (functitan._lazy): it agrees on a stop over torch.distributed
+    from ._preempt import Preemption
+
+__getattr__ = lazy_exports(__name__, {"._preempt": ("Preemption",)})
 
 __all__ = [
     "BatchSplitError",

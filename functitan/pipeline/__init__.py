@@ -11,10 +11,11 @@ into balanced stages and `pipeline_grad_fn` runs a rank's list as a train-step g
     True
 """
 
+from typing import TYPE_CHECKING
+
+from functitan._lazy import lazy_exports
 from functitan.pipeline._comms import with_comms
 from functitan.pipeline._csvfile import load_csv, save_csv
-from functitan.pipeline._executor import Span, StepTimeline, pipeline_grad_fn
-from functitan.pipeline._fit import fit_costs
 from functitan.pipeline._generators import (
     SCHEDULE_NAMES,
     ScheduleName,
@@ -37,18 +38,41 @@ from functitan.pipeline._schedule import (
     v_placement,
 )
 from functitan.pipeline._simulate import Costs, Simulation, simulate
-from functitan.pipeline._stages import (
-    StageModel,
-    Stages,
-    balance,
-    make_stages,
-    place_stages,
-    rank_tree,
-    stage_mesh,
-    stage_rules,
-    stage_tree,
-)
 from functitan.pipeline._validate import validate
+
+if TYPE_CHECKING:  # imported on first use (functitan._lazy): they import torch, schedules as data do not
+    from functitan.pipeline._executor import Span, StepTimeline, pipeline_grad_fn
+    from functitan.pipeline._fit import fit_costs
+    from functitan.pipeline._stages import (
+        StageModel,
+        Stages,
+        balance,
+        make_stages,
+        place_stages,
+        rank_tree,
+        stage_mesh,
+        stage_rules,
+        stage_tree,
+    )
+
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "._executor": ("Span", "StepTimeline", "pipeline_grad_fn"),
+        "._fit": ("fit_costs",),
+        "._stages": (
+            "StageModel",
+            "Stages",
+            "balance",
+            "make_stages",
+            "place_stages",
+            "rank_tree",
+            "stage_mesh",
+            "stage_rules",
+            "stage_tree",
+        ),
+    },
+)
 
 __all__ = [
     "KINDS",
