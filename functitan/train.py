@@ -33,6 +33,7 @@ from .checkpoint import (
 from .config import parse_config, to_dict
 from .data import build_loader
 from .elastic import (
+    NoQuorum,
     Preemption,
     launch,
     parse_launch_args,
@@ -285,7 +286,12 @@ def _loop(
             M.reset_peak_memory(device)
             while state.step < steps and not stop:
                 t0 = time.perf_counter()
-                stepped = advance(state, preemption, ckpt.staged if ckpt is not None else None)
+                try:
+                    stepped = advance(state, preemption, ckpt.staged if ckpt is not None else None)
+                except NoQuorum as exc:  # elastic.live, the peers gone: keep the steps committed so far
+                    if ckpt is not None:
+                        ckpt.maybe_save(state, force=True)
+                    raise NoQuorum(f"{exc}; {_saved(ckpt, state.step)}; then run the same command") from None
                 if stepped is None:  # stopped while waiting for peers (elastic.live): save the last committed step
                     stop = preemption.signum
                     if ckpt is not None:
@@ -367,10 +373,14 @@ def _resume_hint(cfg: JobConfig, ckpt: Any, run_dir: Path) -> str:
     return f"run the same command with --metrics.run_name={run_dir.name} to resume"
 
 
-def _report_stop(signum: int, step: int, ckpt: Any, *, rejoin: bool, resume: str) -> None:
-    saved = (
+def _saved(ckpt: Any, step: int) -> str:
+    return (
         f"checkpoint saved in {ckpt.step_dir(step)}" if ckpt is not None else "no checkpoint (checkpoint.enable=false)"
     )
+
+
+def _report_stop(signum: int, step: int, ckpt: Any, *, rejoin: bool, resume: str) -> None:
+    saved = _saved(ckpt, step)
     if rejoin:  # a peer was signalled, not us: exit non-zero so that our torchrun agent restarts us (elastic)
         print(f"functitan: a peer stopped after step {step}; {saved}; restarting to re-form the group", flush=True)
     elif dist.get_rank() == 0:

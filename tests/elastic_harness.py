@@ -20,6 +20,8 @@ from functitan.testing import TINY_RUN_ARGS, free_port
 
 __all__ = [
     "Loopback",
+    "start_lighthouse",
+    "live_group_args",
     "read_metrics",
     "committed",
     "descendants",
@@ -259,6 +261,39 @@ def restart_scenario(
     return out
 
 
+def start_lighthouse(h: Loopback, port: int, min_replicas: int, heartbeat_timeout_ms: int = 1000) -> None:
+    """A torchft lighthouse on ``127.0.0.1:port`` as process ``lighthouse`` (quick ticks: loopback)."""
+    lighthouse = Path(sys.executable).with_name("torchft_lighthouse")  # installed beside python by torchft
+    h.start(
+        "lighthouse",
+        [
+            str(lighthouse),
+            f"--min_replicas={min_replicas}",
+            f"--bind=127.0.0.1:{port}",
+            "--quorum_tick_ms=50",
+            "--join_timeout_ms=500",
+            f"--heartbeat_timeout_ms={heartbeat_timeout_ms}",
+        ],
+        python=False,
+    )
+
+
+def live_group_args(port: int, i: int, run_name: str, min_replicas: int, train_args: Sequence[str]) -> list[str]:
+    """``python -m functitan.cli train ...`` of live replica group ``r{i}`` against the lighthouse on ``port``."""
+    return [
+        "-m",
+        "functitan.cli",
+        "train",
+        "--elastic.live=true",
+        f"--elastic.lighthouse=http://127.0.0.1:{port}",
+        f"--elastic.replica_id=r{i}",
+        "--elastic.advertise_host=127.0.0.1",
+        f"--elastic.min_replicas={min_replicas}",
+        f"--metrics.run_name={run_name}",
+        *train_args,
+    ]
+
+
 def live_scenario(
     workdir: str | os.PathLike,
     train_args: Sequence[str],
@@ -284,21 +319,7 @@ def live_scenario(
     out: dict = {"events": []}
 
     def group(i: int):
-        return h.start(
-            f"replica{i}",
-            [
-                "-m",
-                "functitan.cli",
-                "train",
-                "--elastic.live=true",
-                f"--elastic.lighthouse=http://127.0.0.1:{port}",
-                f"--elastic.replica_id=r{i}",
-                "--elastic.advertise_host=127.0.0.1",
-                f"--elastic.min_replicas={replicas // 2 + 1}",
-                f"--metrics.run_name={name}-r{i}",
-                *args,
-            ],
-        )
+        return h.start(f"replica{i}", live_group_args(port, i, f"{name}-r{i}", replicas // 2 + 1, args))
 
     def last(i: int, replicas_seen: int | None = None, after: int = 0) -> int:
         return (
@@ -313,20 +334,8 @@ def live_scenario(
         out["events"].append((what, time.time(), last(i)))
 
     try:
-        lighthouse = Path(sys.executable).with_name("torchft_lighthouse")  # installed beside python by torchft
         # a majority: two quorums without a common member cannot both commit the same step (split brain)
-        h.start(
-            "lighthouse",
-            [
-                str(lighthouse),
-                f"--min_replicas={replicas // 2 + 1}",
-                f"--bind=127.0.0.1:{port}",
-                "--quorum_tick_ms=50",
-                "--join_timeout_ms=500",
-                f"--heartbeat_timeout_ms={heartbeat_timeout_ms}",
-            ],
-            python=False,
-        )
+        start_lighthouse(h, port, replicas // 2 + 1, heartbeat_timeout_ms)
         for i in range(replicas):
             group(i)
         h.wait_until(

@@ -14,19 +14,23 @@ Slow (torch starts in every process, rendezvous rounds take seconds): marked ``s
 
 import os
 import signal
+import time
 
 import pytest
 from elastic_harness import (
     ELASTIC_BATCH,
     ELASTIC_RUN_ARGS,
     ELASTIC_SEQ,
+    Loopback,
     committed,
+    live_group_args,
     live_scenario,
     read_metrics,
     restart_scenario,
+    start_lighthouse,
 )
 
-from functitan.testing import run_distributed
+from functitan.testing import free_port, run_distributed
 
 # fp32, the same global batch; 1, 2 and 3 ranks x 2-6 microbatches sum in different orders. Over ~20 steps of
 # Adam at lr 1e-2 the rounding differences grow to ~1e-5 relative.
@@ -144,3 +148,58 @@ def test_live_level_kill_and_join(tmp_path):
     assert joiner[0]["step"] > kill_step
     resumed = _resume_one_step(tmp_path, "live-r0", groups[0][-1]["step"])  # group 0's own checkpoint, no torchft
     assert resumed["loss"] == pytest.approx(reference[resumed["step"]]["loss"], **TOL)
+
+
+def _lone_groups(tmp_path, n: int, quorum_timeout_s: float) -> tuple[Loopback, list[str]]:
+    """A lighthouse that needs 2 groups and ``n`` live groups ``g{i}``, checkpointing only when they stop."""
+    pytest.importorskip("torchft")
+    h, port = Loopback(tmp_path / "logs"), free_port()
+    args = [a for a in ELASTIC_RUN_ARGS if not a.startswith("--checkpoint.interval=")]
+    args += [
+        "--checkpoint.interval=1000",
+        f"--elastic.quorum_timeout_s={quorum_timeout_s}",
+        "--elastic.timeout_s=2",
+        f"--metrics.run_dir={tmp_path}",
+    ]
+    start_lighthouse(h, port, 2)
+    for i in range(n):
+        h.start(f"g{i}", live_group_args(port, i, f"g{i}", 2, args))
+    return h, [f"g{i}" for i in range(n)]
+
+
+def _steps(tmp_path, name: str) -> int:
+    return max((r["step"] for r in read_metrics(tmp_path / name / "metrics.jsonl")), default=0)
+
+
+def test_live_group_without_a_quorum_saves_its_newest_step_and_says_why_in_one_line(tmp_path):
+    h, _ = _lone_groups(tmp_path, 2, quorum_timeout_s=3)
+    try:
+        h.wait_until("2 steps", lambda: _steps(tmp_path, "g0") >= 2, timeout=120)
+        h.kill("g1")  # g0's peer is gone: its next step fails, then no quorum forms within 3 s
+        h.wait_until("g0 to exit", lambda: h.procs["g0"].poll() is not None, timeout=60)
+    finally:
+        left = h.close()
+    assert not left - {h.procs["lighthouse"].pid}, left
+    assert h.procs["g0"].returncode == 2
+    errors = [line for line in h.log("g0").splitlines() if line.startswith("functitan: error:")]
+    assert len(errors) == 1, errors
+    for part in ("got no quorum", "elastic.quorum_timeout_s=3", "elastic.min_replicas=2", "--min_replicas", "start"):
+        assert part in errors[0], errors[0]
+    n = _steps(tmp_path, "g0")  # the newest committed step is on disk (checkpoint.interval=1000 saved none before)
+    assert f"checkpoint saved in {tmp_path / 'g0' / 'checkpoints' / str(n)};" in errors[0]
+    assert sorted(p.name for p in (tmp_path / "g0" / "checkpoints").iterdir()) == [str(n)]
+
+
+def test_live_group_stopped_while_waiting_for_a_quorum_exits_after_its_save(tmp_path):
+    h, _ = _lone_groups(tmp_path, 1, quorum_timeout_s=60)  # alone: the lighthouse needs 2 groups
+    try:
+        h.wait_until("g0 to wait for a quorum", lambda: "Start quorum" in h.log("g0"), timeout=120)
+        h.kill("g0", signal.SIGTERM)
+        t0 = time.monotonic()
+        h.wait_until("g0 to exit", lambda: h.procs["g0"].poll() is not None, timeout=90)
+        waited = time.monotonic() - t0
+    finally:
+        h.close()
+    assert h.procs["g0"].returncode == 0
+    assert waited < 20, f"exited {waited:.1f}s after SIGTERM: waited for the quorum (elastic.quorum_timeout_s=60)"
+    assert "stopped by SIGTERM after step 0; checkpoint saved in" in h.log("g0")

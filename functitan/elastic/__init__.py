@@ -3,6 +3,7 @@
 * :func:`launch` runs torchrun for ``functitan train --nproc N [--nnodes MIN:MAX ...]``, forwards SIGTERM/SIGINT
   and shows a rank's user error as one line.
 * :class:`Preemption` turns SIGTERM/SIGINT into "checkpoint at the next step boundary and exit 0".
+* :class:`NoQuorum`: a live group's peers are gone (the trainer saves, then reports it as one line).
 * :func:`split_batch` keeps the global batch when the data-parallel size changes.
 * ``functitan.elastic.live`` (needs the ``elastic`` extra, torchft): replica groups join and leave while the
   others keep stepping.
@@ -22,6 +23,7 @@ from ._launch import (
     report_stopped,
     torchrun_command,
 )
+from ._noquorum import NoQuorum
 from ._orphans import watch_launcher
 
 if TYPE_CHECKING:  # imported on first use (functitan._lazy): it agrees on a stop over torch.distributed
@@ -41,6 +43,7 @@ __all__ = [
     "report_stopped",
     "report_run",
     "torchrun_command",
+    "NoQuorum",
     "Preemption",
     "watch_launcher",
 ]

@@ -23,6 +23,8 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import threading
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
@@ -33,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from ..step import make_train_step
 from ..train_state import TrainState
+from ._noquorum import NoQuorum
 from ._preempt import Preempted, Preemption
 
 __all__ = ["LiveStepper", "share"]
@@ -51,6 +54,29 @@ def share(units: int, n: int, rank: int) -> range:
 
 def _local(x: Any) -> Any:
     return x.to_local() if isinstance(x, DTensor) else x
+
+
+class _DaemonExecutor:
+    """torchft's quorum executor, with daemon threads: a group stopped (SIGTERM) while its quorum RPC waits for
+    peers that are gone exits after its save, not ``elastic.quorum_timeout_s`` later (a ThreadPoolExecutor's
+    threads are joined at interpreter exit, and the RPC cannot be cancelled). One thread per quorum: the manager
+    waits for the previous quorum before it submits the next."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
+        fut: Future = Future()
+
+        def run() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args, **kwargs))
+                except BaseException as exc:  # noqa: BLE001 - re-raised by fut.result()
+                    fut.set_exception(exc)
+
+        threading.Thread(target=run, name="torchft_quorum", daemon=True).start()
+        return fut
+
+    def shutdown(self, wait: bool = True, **_: Any) -> None:
+        pass
 
 
 class LiveStepper:
@@ -112,13 +138,14 @@ class LiveStepper:
             self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             store_addr, store_port = "127.0.0.1", self._store.port
         host = ecfg.advertise_host or socket.gethostname()
+        self.ecfg, self.replica_id = ecfg, ecfg.replica_id or f"{host}-{os.getpid()}"
         self.manager = torchft.Manager(
             pg=torchft.ProcessGroupGloo(timeout=timeout),
             min_replica_size=ecfg.min_replicas,
             load_state_dict=self._load,
             state_dict=self._state_dict,
             use_async_quorum=False,
-            replica_id=ecfg.replica_id or f"{host}-{os.getpid()}",
+            replica_id=self.replica_id,
             store_addr=store_addr,
             store_port=store_port,
             rank=self.group_rank,
@@ -128,6 +155,8 @@ class LiveStepper:
             timeout=timeout,
             quorum_timeout=timedelta(seconds=ecfg.quorum_timeout_s),
         )
+        self.manager._executor.shutdown(wait=False)  # no thread started yet
+        self.manager._executor = _DaemonExecutor()
 
     # -- the state a peer sends or receives --------------------------------------------------------------
 
@@ -207,6 +236,8 @@ class LiveStepper:
                     self.manager.start_quorum()  # may replace self.state with a live peer's (healing)
             except Preempted:
                 return None
+            except TimeoutError as exc:  # the lighthouse formed no quorum in time: the peers are gone
+                raise NoQuorum.of(self.ecfg, self.replica_id, exc) from None
             state = self.state
             n, rank = self.manager.num_participants(), self.manager.participating_rank()
             position = state.data_state
