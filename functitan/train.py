@@ -277,9 +277,9 @@ def _loop(
     lr_at = learning_rate_schedule(cfg.optimizer, steps)
     sinks = M.make_sinks(run_dir, steps, rank=dist.get_rank())
     batch_seqs = loader.batch_size * loader.dp_size  # global: constant over world sizes (elastic)
-    start = state.step  # 0, or the step a checkpoint resumed at
+    start = state.step  # 0, or the step a checkpoint resumed at; elastic.live: a peer may heal us further on
     first_loss = last_loss = float("nan")
-    stop = 0
+    stop = ran = 0
     failed = True  # closing the sinks and the saver must not replace the error that stopped the loop
     try:
         with Preemption() as preemption:
@@ -291,6 +291,7 @@ def _loop(
                 except NoQuorum as exc:  # elastic.live, the peers gone: keep the steps committed so far
                     if ckpt is not None:
                         ckpt.maybe_save(state, force=True)
+                        ckpt.wait()  # committed before the message says so
                     raise NoQuorum(f"{exc}; {_saved(ckpt, state.step)}; then run the same command") from None
                 if stepped is None:  # stopped while waiting for peers (elastic.live): save the last committed step
                     stop = preemption.signum
@@ -303,7 +304,9 @@ def _loop(
                     data_s=out.pop("data_s", 0.0),
                     tokens=batch_seqs * cfg.training.seq_len,
                 )
-                first_loss = out["loss"] if state.step == start + 1 else first_loss
+                if ran == 0:  # the first step this process ran: a joiner's follows the step it healed to
+                    start, first_loss = state.step - 1, out["loss"]
+                ran += 1
                 last_loss = out["loss"]
                 stop = preemption.agreed(device)  # every rank stops at the same boundary
                 if state.step % cfg.metrics.log_every == 0 or state.step in (1, steps) or stop:

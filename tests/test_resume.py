@@ -147,3 +147,32 @@ def test_resuming_with_another_model_is_one_line_and_keeps_the_runs_record(tmp_p
         for proc in procs:
             proc.kill()
             proc.communicate()
+
+
+def _joined(overrides: dict):
+    """The trainer's run as a live joiner: the first step's state is healed from a peer at step 3."""
+    import functitan.train as train
+
+    real = train._stepper
+
+    @contextlib.contextmanager
+    def healing(*args, **kwargs):
+        with real(*args, **kwargs) as advance:
+
+            def healed(state, *a, **k):
+                return advance(state._replace(step=max(state.step, 3)), *a, **k)
+
+            yield healed
+
+    train._stepper = healing
+    try:
+        return _train_and_capture(overrides)
+    finally:
+        train._stepper = real
+
+
+def test_a_joiners_summary_starts_at_the_step_it_healed_to(tmp_path, gloo):
+    run = {"training.steps": 5, "metrics.run_dir": str(tmp_path), "metrics.run_name": "j"}
+    first, steps, _, printed = gloo.run(_joined, 1, run)[0]
+    assert steps == 5 and math.isfinite(first)
+    assert "functitan: 5 steps (resumed at step 3), loss at step 4 " in printed and "nan" not in printed, printed
