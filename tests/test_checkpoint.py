@@ -645,3 +645,38 @@ def test_a_restore_reads_with_its_share_of_the_hosts_cores(monkeypatch, cores, l
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     assert _restore._read_threads() == threads
+
+
+@pytest.mark.parametrize("dies_at", [1, 2])
+def test_a_peer_dying_during_a_save_is_one_line_or_nothing_when_the_step_committed(tmp_path, monkeypatch, dies_at):
+    import functitan.checkpoint._save as S
+
+    calls = []
+
+    def all_gather(out, obj, group=None):  # the survivors' gloo error when a rank of the save is killed
+        calls.append(1)
+        if len(calls) == dies_at:
+            raise RuntimeError(
+                "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:32178. This is "
+                "typically caused by a remote worker crashing. Check the logs of the remote worker"
+            )
+        out[0] = obj
+
+    mgr = CheckpointManager(tmp_path, interval=1, keep_last=2)
+    mgr._group.pg = "one rank, as if distributed"  # the commit's collectives run: 1 before the rename, 2 after
+    monkeypatch.setattr(S.dist, "all_gather_object", all_gather)
+    monkeypatch.setattr(S.dist, "broadcast", lambda *a, **k: None)
+    mgr.maybe_save(_state(1))
+    if dies_at == 2:  # after the commit (the rename): the step is saved, nothing to report
+        mgr.close()
+        assert mgr.all_steps() == [1]
+        return
+    with pytest.raises(CheckpointError) as err:  # a user error: one line, exit 2, no traceback
+        mgr.close()
+    assert str(err.value) == (
+        f"saving checkpoint {tmp_path / '1'} did not complete: a rank left during the save (gloo: "
+        "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:32178); the committed "
+        "checkpoints are untouched: run the same command to resume from the newest (an elastic run restarts "
+        "from it by itself)"
+    )
+    assert mgr.all_steps() == []

@@ -19,6 +19,9 @@ Commit protocol (a crash at any moment leaves the old set of checkpoints or the 
    ``<dir>.tmp-deleting-<uuid>``, removed after the commit);
 3. barrier, so that ``wait()`` returns on every rank only once the checkpoint is visible.
 
+A rank that dies mid-save fails the commit collectives on the others: their ``wait()`` returns if the commit marker is
+visible (the step was committed before it died), else raises one ``CheckpointError`` line, not a traceback.
+
 The barriers run on a private gloo group, so they never interleave with the training's collectives.
 """
 
@@ -35,6 +38,7 @@ import sys
 import threading
 import uuid
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +72,7 @@ class SaveHandle:
         self._stage_error: BaseException | None = None
         self._events: list = []  # a deferred CUDA staging's completion event
         self.nbytes = 0  # what this rank writes (its shards' bytes): the space a disk-full error asks for
+        self.marker = os.path.join(path, L.COMMIT)  # the commit marker (under the item, when the save has one)
 
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
@@ -91,10 +96,31 @@ class SaveHandle:
             cb, self._on_done = self._on_done, None
             cb()
         if self._error is not None:
+            if isinstance(self._error, _PeerLost):
+                if os.path.isfile(self.marker):  # committed before the peer left: the save is done
+                    return self.path
+                raise CheckpointError(
+                    f"saving checkpoint {self.path} did not complete: {self._error}; the committed checkpoints "
+                    f"are untouched: run the same command to resume from the newest (an elastic run restarts "
+                    f"from it by itself)"
+                ) from None
             if _disk_full(self._error):  # the bytes of every rank's shards when the ranks agreed on the failure
                 raise _no_space(self.path, getattr(self._error, "need", self.nbytes)) from None
             raise RuntimeError(f"saving checkpoint {self.path} failed: {self._error}") from self._error
         return self.path
+
+
+class _PeerLost(RuntimeError):
+    """A commit barrier failed: a rank of the save died, or missed the commit timeout."""
+
+
+@contextlib.contextmanager
+def _among_peers() -> Iterator[None]:
+    """Around a commit collective (the shared token, the barriers): a failure there means a peer is gone."""
+    try:
+        yield
+    except RuntimeError as exc:  # gloo: "Connection closed by peer ...", a reset, or the timeout
+        raise _PeerLost(f"a rank left during the save (gloo: {str(exc).split('. ')[0]})") from exc
 
 
 def _disk_full(exc: BaseException) -> bool:
@@ -424,7 +450,8 @@ class _Group:
             return nbytes
         mine = None if error is None else (_disk_full(error), f"{type(error).__name__}: {error}")
         outcomes: list[Any] = [None] * len(self.ranks)
-        dist.all_gather_object(outcomes, (mine, nbytes), group=self.pg)
+        with _among_peers():
+            dist.all_gather_object(outcomes, (mine, nbytes), group=self.pg)
         total = sum(n for _, n in outcomes)
         failed = [(rank, out) for rank, (out, _) in zip(self.ranks, outcomes) if out is not None]
         if not failed:
@@ -441,7 +468,8 @@ class _Group:
         """A fresh uuid, the same on every rank (rank 0's, broadcast as 16 bytes)."""
         token = torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8).clone()
         if self.pg is not None:
-            dist.broadcast(token, src=self.ranks[0], group=self.pg)
+            with _among_peers():
+                dist.broadcast(token, src=self.ranks[0], group=self.pg)
         return bytes(token.tolist()).hex()[:12]
 
 
@@ -628,6 +656,7 @@ class Checkpointer:
         events = [] if defer else _stage(plan, named, copy=_stage_copy)
         side = _side_stream(named) if defer else None
         handle = SaveHandle(path, None)
+        handle.marker = os.path.join(path, _item, L.COMMIT)
         handle.nbytes = _nbytes(plan)
         if defer:
             handle._staged.clear()
