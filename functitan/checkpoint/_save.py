@@ -19,8 +19,8 @@ Commit protocol (a crash at any moment leaves the old set of checkpoints or the 
    ``<dir>.tmp-deleting-<uuid>``, removed after the commit);
 3. barrier, so that ``wait()`` returns on every rank only once the checkpoint is visible.
 
-A rank that dies mid-save fails the commit collectives on the others: their ``wait()`` returns if the commit marker is
-visible (the step was committed before it died), else raises one ``CheckpointError`` line, not a traceback.
+A rank that dies mid-save fails the commit collectives on the others: their ``wait()`` returns if the commit
+marker is visible (the step was committed before it died), else raises one ``CheckpointError`` line.
 
 The barriers run on a private gloo group, so they never interleave with the training's collectives.
 """
