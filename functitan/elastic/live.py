@@ -23,8 +23,6 @@ from __future__ import annotations
 import copy
 import os
 import socket
-import threading
-from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
@@ -54,29 +52,6 @@ def share(units: int, n: int, rank: int) -> range:
 
 def _local(x: Any) -> Any:
     return x.to_local() if isinstance(x, DTensor) else x
-
-
-class _DaemonExecutor:
-    """torchft's quorum executor, with daemon threads: a group stopped (SIGTERM) while its quorum RPC waits for
-    peers that are gone exits after its save, not ``elastic.quorum_timeout_s`` later (a ThreadPoolExecutor's
-    threads are joined at interpreter exit, and the RPC cannot be cancelled). One thread per quorum: the manager
-    waits for the previous quorum before it submits the next."""
-
-    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
-        fut: Future = Future()
-
-        def run() -> None:
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args, **kwargs))
-                except BaseException as exc:  # noqa: BLE001 - re-raised by fut.result()
-                    fut.set_exception(exc)
-
-        threading.Thread(target=run, name="torchft_quorum", daemon=True).start()
-        return fut
-
-    def shutdown(self, wait: bool = True, **_: Any) -> None:
-        pass
 
 
 class LiveStepper:
@@ -155,8 +130,6 @@ class LiveStepper:
             timeout=timeout,
             quorum_timeout=timedelta(seconds=ecfg.quorum_timeout_s),
         )
-        self.manager._executor.shutdown(wait=False)  # no thread started yet
-        self.manager._executor = _DaemonExecutor()
 
     # -- the state a peer sends or receives --------------------------------------------------------------
 
