@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": (
         "train a model: a TOML config plus --section.key=value overrides (--nproc N, or --nnodes elastic)",
-        "functitan.train:main",
+        "functitan._train_cli:main",
     ),
     "rendezvous": ("run the store that elastic nodes meet in (docs/elastic.md)", "functitan.elastic._store:main"),
     "report": (

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _loss, optim, pipeline
+from . import _loss, _train_cli, optim, pipeline
 from . import metrics as M
 from ._model_setup import check_model, check_resumed_model, init_model
 from .checkpoint import (
@@ -30,19 +30,15 @@ from .checkpoint import (
     restore_params,
     write_model_config,
 )
-from .config import parse_config, to_dict
+from .config import to_dict
 from .data import build_loader
 from .elastic import (
     NoQuorum,
     Preemption,
-    launch,
-    parse_launch_args,
     report_run,
     report_stopped,
     split_batch,
-    watch_launcher,
 )
-from .errors import pop_debug, user_errors_exit
 from .hostmem import keep_freed_memory
 from .job_config import JobConfig, build_optimizer, build_schedule, learning_rate_schedule
 from .mesh import make_mesh, resolve_degrees
@@ -54,7 +50,7 @@ from .step import make_train_step
 from .train_state import TrainState
 from .transforms import accumulate, value_and_grad
 
-__all__ = ["main", "run", "EXIT_REJOIN", "make_layout", "place_model", "make_step", "local_batch"]
+__all__ = ["main", "run", "train_config", "EXIT_REJOIN", "make_layout", "place_model", "make_step", "local_batch"]
 
 EXIT_REJOIN = 3  # elastic: a peer left after a checkpoint; torchrun restarts this worker into the new group
 
@@ -458,32 +454,19 @@ def _run_dir(cfg: JobConfig, model_name: str) -> Path:
     return Path(cfg.metrics.run_dir) / name
 
 
-EXAMPLE = """examples:
-  functitan train --config configs/debug.toml --training.steps=500 --optimizer.lr=1e-3
-  functitan train --config configs/debug.toml --nproc 2 --parallelism.dp_shard=2      # FSDP on 2 processes
-  functitan report runs/<run-name>                                                   # then look at it
-"""
+def train_config(cfg: JobConfig) -> int:
+    """``run(cfg)`` as a process's exit status: 0, or ``EXIT_REJOIN`` for an elastic worker that must rejoin."""
+    try:
+        summary = run(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return EXIT_REJOIN if summary["rejoin"] else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``functitan train``; a user error is one line and exit code 2 on each failing rank (functitan.errors);
-    ``--nproc`` / ``--nnodes`` run it under torchrun (functitan.elastic)."""
-    debug, args = pop_debug(sys.argv[1:] if argv is None else argv)
-
-    def body() -> int:
-        spec, rest = parse_launch_args(args)
-        if spec is not None:
-            parse_config(JobConfig, rest, epilog=EXAMPLE)  # a bad value is reported once, before any process starts
-            return launch(spec, rest + (["--debug"] if debug else []))
-        watch_launcher()  # a worker of `--nproc`: dies with the launcher, even when SIGKILL leaves it no word
-        try:
-            summary = run(parse_config(JobConfig, args, epilog=EXAMPLE))
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        return EXIT_REJOIN if summary["rejoin"] else 0
-
-    return user_errors_exit(body, debug=debug)
+    """``functitan train`` (functitan._train_cli) with this module's ``run``."""
+    return _train_cli.main(argv, worker=train_config)
 
 
 if __name__ == "__main__":

@@ -48,3 +48,27 @@ def test_every_command_help_has_an_example(command, capsys):
     assert out.count("usage:") == 1 and out.startswith(f"usage: functitan {command}"), out[:200]
     example = out.split("example", 1)[1]
     assert f"functitan {command}" in example
+
+
+_LAUNCH_PATH = """
+import sys
+from functitan.cli import COMMANDS, _load
+from functitan.config import parse_config
+from functitan.job_config import JobConfig
+_load(COMMANDS["train"][1])
+cfg = parse_config(JobConfig, ["--config", sys.argv[1], "--parallelism.dp_shard=2", "--optimizer.schedule=wsd"])
+print(cfg.parallelism.dp_shard, sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
+"""
+
+
+def test_the_train_launcher_checks_a_config_without_torch():
+    # `functitan train --nproc N` parses and checks the config (its schedule included), then starts torchrun:
+    # torch's import (about 3 s) stays off that path, paid once by each worker
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "debug.toml"
+    out = subprocess.run([sys.executable, "-c", _LAUNCH_PATH, str(config)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split(maxsplit=1) == ["2", "[]\n"], out.stdout

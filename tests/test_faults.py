@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -588,7 +589,9 @@ def test_a_full_disk_seen_by_one_of_two_ranks_is_the_same_line_on_both_and_no_tr
     assert (code0, code1) == (2, 2), (err0[-3000:], err1[-3000:])
     root = run / "checkpoints"
     lines = [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)]
-    assert lines[0] == lines[1], lines
+    # each rank reads the free space itself (on several nodes, of its own disk): it may differ by a megabyte here
+    same = {re.sub(r"\(\d+ MB free", "(N MB free", line) for line in lines}
+    assert len(same) == 1, lines
     assert lines[0].startswith(f"saving checkpoint {root}/2: no space left on the device of {root} ("), lines[0]
     assert "MB free; this save writes about " in lines[0] and "the committed steps are untouched" in lines[0]
     for err in (err0, err1):  # the one line, no writer thread's traceback, no message naming no path

@@ -10,49 +10,103 @@ with ``torch._foreach_*`` and keeps every leaf's placement. Typical use::
     params = optim.apply_updates(params, updates)
 """
 
-from functitan.optim._adafactor import (
-    FactoredState,
-    ScaleByLionState,
-    adafactor,
-    lion,
-    scale_by_factored_rms,
-    scale_by_lion,
-)
-from functitan.optim._aliases import adamw, sgd
-from functitan.optim._base import EmptyState, GradientTransformation, apply_updates, chain, identity
-from functitan.optim._combinators import (
-    ApplyEvery,
-    EmaState,
-    InjectHyperparamsState,
-    MaskedState,
-    MultiStepsState,
-    MultiTransformState,
-    apply_every,
-    ema,
-    inject_hyperparams,
-    masked,
-    multi_steps,
-    multi_transform,
-    param_ema,
-)
-from functitan.optim._norm import global_norm
+from typing import TYPE_CHECKING
+
+from functitan._lazy import lazy_exports
 from functitan.optim._schedules import Schedule, constant, join_schedules, warmup_cosine, warmup_linear, wsd
-from functitan.optim._transforms import (
-    NO_DECAY_AXES,
-    Mask,
-    ScaleByAdamState,
-    ScaleByScheduleState,
-    TraceState,
-    add_decayed_weights,
-    clip_by_global_norm,
-    clip_to_norm,
-    decay_mask_from_specs,
-    default_decay_mask,
-    scale,
-    scale_by_adam,
-    scale_by_learning_rate,
-    set_to_zero,
-    trace,
+
+if TYPE_CHECKING:  # imported on first use (functitan._lazy): they import torch, the schedules do not
+    from functitan.optim._adafactor import (
+        FactoredState,
+        ScaleByLionState,
+        adafactor,
+        lion,
+        scale_by_factored_rms,
+        scale_by_lion,
+    )
+    from functitan.optim._aliases import adamw, sgd
+    from functitan.optim._base import EmptyState, GradientTransformation, apply_updates, chain, identity
+    from functitan.optim._combinators import (
+        ApplyEvery,
+        EmaState,
+        InjectHyperparamsState,
+        MaskedState,
+        MultiStepsState,
+        MultiTransformState,
+        apply_every,
+        ema,
+        inject_hyperparams,
+        masked,
+        multi_steps,
+        multi_transform,
+        param_ema,
+    )
+    from functitan.optim._norm import global_norm
+    from functitan.optim._transforms import (
+        NO_DECAY_AXES,
+        Mask,
+        ScaleByAdamState,
+        ScaleByScheduleState,
+        TraceState,
+        add_decayed_weights,
+        clip_by_global_norm,
+        clip_to_norm,
+        decay_mask_from_specs,
+        default_decay_mask,
+        scale,
+        scale_by_adam,
+        scale_by_learning_rate,
+        set_to_zero,
+        trace,
+    )
+
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "._adafactor": (
+            "FactoredState",
+            "ScaleByLionState",
+            "adafactor",
+            "lion",
+            "scale_by_factored_rms",
+            "scale_by_lion",
+        ),
+        "._aliases": ("adamw", "sgd"),
+        "._base": ("EmptyState", "GradientTransformation", "apply_updates", "chain", "identity"),
+        "._combinators": (
+            "ApplyEvery",
+            "EmaState",
+            "InjectHyperparamsState",
+            "MaskedState",
+            "MultiStepsState",
+            "MultiTransformState",
+            "apply_every",
+            "ema",
+            "inject_hyperparams",
+            "masked",
+            "multi_steps",
+            "multi_transform",
+            "param_ema",
+        ),
+        "._norm": ("global_norm",),
+        "._transforms": (
+            "NO_DECAY_AXES",
+            "Mask",
+            "ScaleByAdamState",
+            "ScaleByScheduleState",
+            "TraceState",
+            "add_decayed_weights",
+            "clip_by_global_norm",
+            "clip_to_norm",
+            "decay_mask_from_specs",
+            "default_decay_mask",
+            "scale",
+            "scale_by_adam",
+            "scale_by_learning_rate",
+            "set_to_zero",
+            "trace",
+        ),
+    },
 )
 
 __all__ = [

@@ -10,36 +10,43 @@ step 60 and 0.0 at step 110.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
-
-import torch
-from torch import Tensor
 
 __all__ = ["constant", "warmup_cosine", "warmup_linear", "wsd", "join_schedules"]
 
 Schedule = Callable[[Any], Any]  # step (int, or a 0-d tensor under torch.compile) -> rate (float, or 0-d tensor)
 
 # Each schedule reads a Python int eagerly (plain float math, no tensor op per step) and a 0-d step tensor under
-# torch.compile, where it becomes part of the compiled train step (no graph break, no recompile per step).
+# torch.compile, where it becomes part of the compiled train step (no graph break, no recompile per step). This
+# module does not import torch: a config is checked by building its schedule (functitan.job_config), in processes
+# that never need torch (the `--nproc` launcher); a tensor step means torch is already imported.
+
+
+def _torch(x: Any) -> Any:
+    """The torch module when ``x`` is a tensor, else None."""
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and isinstance(x, torch.Tensor) else None
 
 
 def _step(step: Any) -> Any:
-    return step.to(torch.float64) if isinstance(step, Tensor) else int(step)
+    torch = _torch(step)
+    return step.to(torch.float64) if torch else int(step)
 
 
 def _where(cond: Any, a: Any, b: Any) -> Any:
-    if isinstance(cond, Tensor):
+    if torch := _torch(cond):
         return torch.where(cond, torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64))
     return a if cond else b
 
 
 def _clamp01(x: Any) -> Any:
-    return x.clamp(0.0, 1.0) if isinstance(x, Tensor) else min(max(x, 0.0), 1.0)
+    return x.clamp(0.0, 1.0) if _torch(x) else min(max(x, 0.0), 1.0)
 
 
 def _cos(x: Any) -> Any:
-    return torch.cos(x) if isinstance(x, Tensor) else math.cos(x)
+    return torch.cos(x) if (torch := _torch(x)) else math.cos(x)
 
 
 def _check(peak: float, warmup_steps: int, total_steps: int, final: float, name: str) -> None:
@@ -69,7 +76,7 @@ def constant(value: float) -> Schedule:
     """``value`` at every step."""
     if value < 0:
         raise ValueError(f"constant: value={value}; a learning rate is non-negative")
-    return lambda step: torch.full_like(_step(step), float(value)) if isinstance(step, Tensor) else float(value)
+    return lambda step: _torch(step).full_like(_step(step), float(value)) if _torch(step) else float(value)
 
 
 def _warmup_then(
@@ -141,7 +148,7 @@ def join_schedules(schedules: list[Schedule], boundaries: list[int]) -> Schedule
         )
 
     def schedule(step: Any) -> Any:
-        if isinstance(step, Tensor):  # every piece evaluated, the right one selected: no data-dependent branch
+        if torch := _torch(step):  # every piece evaluated, the right one selected: no data-dependent branch
             out = schedules[0](step)
             for b, piece in zip(boundaries, schedules[1:]):
                 out = torch.where(step >= b, torch.as_tensor(piece(step - b), dtype=torch.float64), out)

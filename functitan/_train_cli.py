@@ -1,0 +1,42 @@
+"""``functitan train``'s command line, without torch: ``--nproc`` / ``--nnodes`` check the config and start
+torchrun from here, so the launcher never pays torch's import (about 3 s on every launch); a worker, or a run on
+one process, goes on into ``functitan.train``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+from .config import parse_config
+from .elastic import launch, parse_launch_args, watch_launcher
+from .errors import pop_debug, user_errors_exit
+from .job_config import JobConfig
+
+EXAMPLE = """examples:
+  functitan train --config configs/debug.toml --training.steps=500 --optimizer.lr=1e-3
+  functitan train --config configs/debug.toml --nproc 2 --parallelism.dp_shard=2      # FSDP on 2 processes
+  functitan report runs/<run-name>                                                   # then look at it
+"""
+
+
+def main(argv: Sequence[str] | None = None, *, worker: Callable[[JobConfig], int] | None = None) -> int:
+    """``functitan train``; a user error is one line and exit code 2 on each failing rank (functitan.errors).
+
+    ``worker``: what trains the parsed config and returns the exit status (``functitan.train``'s, imported when
+    needed; ``python -m functitan.train`` passes its own, so that module is not imported twice)."""
+    debug, args = pop_debug(sys.argv[1:] if argv is None else argv)
+
+    def body() -> int:
+        spec, rest = parse_launch_args(args)
+        if spec is not None:
+            parse_config(JobConfig, rest, epilog=EXAMPLE)  # a bad value is reported once, before any process starts
+            return launch(spec, rest + (["--debug"] if debug else []))
+        watch_launcher()  # a worker of `--nproc`: dies with the launcher, even when SIGKILL leaves it no word
+        cfg = parse_config(JobConfig, args, epilog=EXAMPLE)
+        if worker is not None:
+            return worker(cfg)
+        from .train import train_config
+
+        return train_config(cfg)
+
+    return user_errors_exit(body, debug=debug)
