@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import sys
 import time
@@ -461,7 +462,21 @@ def train_config(cfg: JobConfig) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    return EXIT_REJOIN if summary["rejoin"] else 0
+    code = EXIT_REJOIN if summary["rejoin"] else 0
+    if cfg.elastic.live and summary["stopped_by"]:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """Exit without joining torchft's quorum thread. A stop signal that cut a quorum wait short leaves the
+    request to the lighthouse running there, and interpreter exit would wait for it (up to
+    ``elastic.quorum_timeout_s``, past a scheduler's grace period); by now the checkpoint is committed and the
+    sinks are closed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,6 +22,8 @@ __all__ = [
     "Loopback",
     "start_lighthouse",
     "live_group_args",
+    "start_store",
+    "restart_node_args",
     "read_metrics",
     "committed",
     "descendants",
@@ -180,6 +182,29 @@ def _last_step(path: Path, world: int | None = None, after: int = 0) -> int:
     return max(steps, default=0)
 
 
+def start_store(h: Loopback, port: int, timeout: float) -> None:
+    """A standalone ``functitan rendezvous`` store on ``127.0.0.1:port`` as process ``store``."""
+    h.start("store", ["-m", "functitan.cli", "rendezvous", "--host=127.0.0.1", f"--port={port}"])
+    h.wait_until("the store", lambda: "rendezvous store on" in h.log("store"), timeout)
+
+
+def restart_node_args(port: int, name: str, nodes: int, train_args: Sequence[str]) -> list[str]:
+    """``python -m functitan.cli train ...`` of one restart-level node (``--nnodes nodes-1:nodes``) against the
+    store on ``port``; ``name`` is the rendezvous id (it also names the run)."""
+    return [
+        "-m",
+        "functitan.cli",
+        "train",
+        "--nproc=1",
+        f"--nnodes={nodes - 1}:{nodes}",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={name}",
+        "--max-restarts=20",
+        "--local-addr=127.0.0.1",
+        *train_args,
+    ]
+
+
 def restart_scenario(
     workdir: str | os.PathLike,
     train_args: Sequence[str],
@@ -203,28 +228,13 @@ def restart_scenario(
     out: dict = {"events": []}
 
     def node(i: int):
-        return h.start(
-            f"node{i}",
-            [
-                "-m",
-                "functitan.cli",
-                "train",
-                "--nproc=1",
-                f"--nnodes={nodes - 1}:{nodes}",
-                f"--rdzv-endpoint=127.0.0.1:{port}",
-                f"--rdzv-id={name}",
-                "--max-restarts=20",
-                "--local-addr=127.0.0.1",
-                *train_args,
-            ],
-        )
+        return h.start(f"node{i}", restart_node_args(port, name, nodes, train_args))
 
     def event(what: str) -> None:
         out["events"].append((what, time.time(), _last_step(metrics)))
 
     try:
-        h.start("store", ["-m", "functitan.cli", "rendezvous", "--host=127.0.0.1", f"--port={port}"])
-        h.wait_until("the store", lambda: "rendezvous store on" in h.log("store"), timeout)
+        start_store(h, port, timeout)
         for i in range(nodes):
             node(i)
         h.wait_until(

@@ -173,6 +173,24 @@ def _steps(tmp_path, name: str) -> int:
     return max((r["step"] for r in read_metrics(tmp_path / name / "metrics.jsonl")), default=0)
 
 
+def test_sigterm_to_a_live_group_waiting_for_a_quorum_saves_and_exits_at_once(tmp_path):
+    # it saved, then waited for torchft's quorum request to the lighthouse to time out (quorum_timeout_s), past
+    # a scheduler's grace period: interpreter exit joins the thread the request runs in
+    h, _ = _lone_groups(tmp_path, 1, quorum_timeout_s=60)
+    try:
+        h.wait_until("g0 in a quorum", lambda: "Received quorum request for replica r0" in h.log("lighthouse"), 120)
+        h.kill("g0", signal.SIGTERM)
+        took = h.wait_until("g0 to exit", lambda: h.procs["g0"].poll() is not None, timeout=90)
+    finally:
+        left = h.close()
+    assert not left - {h.procs["lighthouse"].pid}, left
+    assert h.procs["g0"].returncode == 0 and took < 15, (h.procs["g0"].returncode, took)
+    stopped = (
+        f"functitan: stopped by SIGTERM after step 0; checkpoint saved in {tmp_path / 'g0' / 'checkpoints' / '0'};"
+    )
+    assert stopped in h.log("g0"), h.log("g0")[-2000:]
+
+
 def test_live_group_without_a_quorum_saves_its_newest_step_and_says_why_in_one_line(tmp_path):
     h, _ = _lone_groups(tmp_path, 2, quorum_timeout_s=3)
     try:
