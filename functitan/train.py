@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,17 @@ from .step import make_train_step
 from .train_state import TrainState
 from .transforms import accumulate, value_and_grad
 
-__all__ = ["main", "run", "train_config", "EXIT_REJOIN", "make_layout", "place_model", "make_step", "local_batch"]
+__all__ = [
+    "main",
+    "run",
+    "train_config",
+    "EXIT_REJOIN",
+    "make_layout",
+    "place_model",
+    "Placed",
+    "make_step",
+    "local_batch",
+]
 
 EXIT_REJOIN = 3  # elastic: a peer left after a checkpoint; torchrun restarts this worker into the new group
 
@@ -86,13 +96,12 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
     )
 
     # 3. place: each rank keeps its shards (and only its pipeline stages); the grad_fn follows the layout
-    params, grad_fn, norm_across, loss_grad = place_model(
-        cfg, model, model_cfg, full_params, mesh, layout, rules, microbatches=microbatches
-    )
+    placed = place_model(cfg, model, model_cfg, full_params, mesh, layout, rules, microbatches=microbatches)
     del full_params
 
     # 4. optimizer and step
-    optimizer, train_step = make_step(cfg, model, model_cfg, grad_fn, norm_across)
+    optimizer, train_step = make_step(cfg, model, model_cfg, placed.grad_fn, placed.norm_across)
+    params = placed.params
     state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=loader.init_state(), rng=rng)
 
     # 5. checkpoint: resume from the newest complete checkpoint of this run, else a weights-only load_path
@@ -126,7 +135,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
         flops_per_token=model.flops_per_token(model_cfg, tcfg.seq_len),
         peak=M.peak_flops(device, layout.param_dtype or torch.float32),
     )
-    with lock, _stepper(cfg, train_step, loader, device, loss_grad=loss_grad, optimizer=optimizer) as advance:
+    with lock, _stepper(cfg, train_step, loader, device, loss_grad=placed.loss_grad, optimizer=optimizer) as advance:
         return _loop(cfg, state, advance, loader, meter, ckpt, run_dir, device)
 
 
@@ -159,6 +168,15 @@ def make_layout(cfg: JobConfig, mesh: Any) -> tuple[Layout, Any]:
     return layout, rules
 
 
+class Placed(NamedTuple):
+    """What ``place_model`` returns: this rank's params and the gradient functions that follow the layout."""
+
+    params: Any  # this rank's shards (with pipelining: of its stages only)
+    grad_fn: Any  # (params, batch) -> ((loss, aux), grads): accumulated microbatches, or the pipeline executor
+    norm_across: Any  # the process group the gradient norm sums over besides the mesh (pipelining: pp), or None
+    loss_grad: Any  # (params, microbatch) -> (mean loss, grads), for elastic.live; None with pipelining
+
+
 def place_model(
     cfg: JobConfig,
     model: Model,
@@ -170,10 +188,8 @@ def place_model(
     *,
     microbatches: int,
     stage_layers: Any = None,
-) -> tuple[Any, Any, Any, Any]:
-    """``(this rank's params, grad_fn, norm_across, loss_grad)``: shards (and only this rank's pipeline stages)
-    placed, and the grad_fn that follows the layout (accumulated microbatches, or the pipeline schedule's
-    executor; ``loss_grad`` is the per-microbatch one, None with pipelining).
+) -> Placed:
+    """Shards (and only this rank's pipeline stages) placed, and the grad_fn that follows the layout.
 
     ``stage_layers``: the blocks of each pipeline stage (default: balanced by cost; the planner fixes them)."""
     par, tcfg = cfg.parallelism, cfg.training
@@ -181,16 +197,16 @@ def place_model(
     if par.pp > 1:
         stage_model = model.stages(model_cfg, layout, seq_len=tcfg.seq_len, dtype=layout.param_dtype or torch.float32)
         stages = pipeline.make_stages(stage_model, build_schedule(par, tcfg.microbatches), mesh, layers=stage_layers)
-        return (
-            pipeline.place_stages(full_params, specs, rules, stages),
-            pipeline.pipeline_grad_fn(stages),
-            stages.pp_group,
-            None,
+        return Placed(
+            params=pipeline.place_stages(full_params, specs, rules, stages),
+            grad_fn=pipeline.pipeline_grad_fn(stages),
+            norm_across=stages.pp_group,
+            loss_grad=None,
         )
     params = place(full_params, specs, rules, mesh)
     objective = lambda p, b: _loss.split_aux(model.loss(p, b, model_cfg, layout))  # noqa: E731  (loss, aux)
     loss_grad = value_and_grad(lambda p, b: _loss.as_mean(objective(p, b)[0]))  # elastic.live: per-microbatch means
-    return params, accumulate(value_and_grad(objective, has_aux=True), microbatches), None, loss_grad
+    return Placed(params, accumulate(value_and_grad(objective, has_aux=True), microbatches), None, loss_grad)
 
 
 def make_step(cfg: JobConfig, model: Model, model_cfg: Any, grad_fn: Any, norm_across: Any) -> tuple[Any, Any]:

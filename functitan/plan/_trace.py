@@ -183,7 +183,7 @@ def build_step(cfg, model, model_cfg, mesh, *, fake: bool, stage_layers=None):
     """``(state, train_step, batch)`` of this rank, built by the trainer's own functions."""
     layout, rules = make_layout(cfg, mesh)
     rows, microbatches = local_batch(cfg, layout.dp_size)
-    params, grad_fn, norm_across, _ = place_model(
+    placed = place_model(
         cfg,
         model,
         model_cfg,
@@ -194,8 +194,8 @@ def build_step(cfg, model, model_cfg, mesh, *, fake: bool, stage_layers=None):
         microbatches=microbatches,
         stage_layers=stage_layers,
     )
-    optimizer, train_step = make_step(cfg, model, model_cfg, grad_fn, norm_across)
-    state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=None, rng=0)
+    optimizer, train_step = make_step(cfg, model, model_cfg, placed.grad_fn, placed.norm_across)
+    state = TrainState(step=0, params=placed.params, opt_state=optimizer.init(placed.params), data_state=None, rng=0)
     g = torch.Generator().manual_seed(cfg.training.seed)
     tokens = (
         torch.randint(0, model_cfg.vocab_size, (rows, cfg.training.seq_len + 1), generator=g)
