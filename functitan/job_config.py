@@ -178,6 +178,17 @@ class JobConfig:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def __post_init__(self) -> None:
+        live, mb = self.elastic.live, self.elastic.microbatch_size
+        if live and self.parallelism.pp > 1:
+            raise ConfigError(
+                f"elastic.live=true with parallelism.pp={self.parallelism.pp} is not supported; use "
+                "parallelism.pp=1 inside each replica group"
+            )
+        if live and self.training.batch_size % mb:
+            raise ConfigError(
+                f"training.batch_size={self.training.batch_size} must be a multiple of elastic.microbatch_size={mb}: "
+                "replica groups share out the global batch in units of microbatches"
+            )
         # the schedule depends on training.steps: build it once here, so that its errors name the keys
         opt, steps = self.optimizer, self.training.steps
         try:

@@ -232,10 +232,7 @@ def _stepper(cfg: JobConfig, train_step: Any, loader: Any, device: torch.device,
         return
     from .elastic.live import LiveStepper  # the elastic extra
 
-    if loss_grad is None:
-        raise ValueError(
-            "elastic.live=true with parallelism.pp > 1 is not supported; use pp=1 inside each replica group"
-        )
+    assert loss_grad is not None  # JobConfig refuses elastic.live with pipelining
     live = LiveStepper(
         cfg,
         loss_grad,

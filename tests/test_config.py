@@ -131,3 +131,30 @@ def test_train_help_and_bad_key_from_the_command_line():
 def test_bundled_config_parses():
     cfg = parse_config(JobConfig, ["--config", str(ROOT / "configs" / "debug.toml")])
     assert cfg.model.flavor == "debug" and cfg.training.steps >= 200
+
+
+LIVE = ["--elastic.live=true", "--elastic.microbatch_size=2", "--elastic.lighthouse=http://127.0.0.1:29510"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--elastic.live=true", "--elastic.lighthouse=http://h:1"], "elastic.microbatch_size=0: live=true needs >= 1"),
+        (LIVE[:2], "elastic.lighthouse='': live=true needs the torchft lighthouse as http://HOST:PORT"),
+        ([*LIVE[:2], "--elastic.lighthouse=h:1"], "elastic.lighthouse='h:1': live=true needs"),
+        ([*LIVE, "--elastic.quorum_timeout_s=0"], "elastic.quorum_timeout_s=0.0: must be > 0 seconds"),
+        ([*LIVE, "--elastic.min_replicas=0"], "elastic.min_replicas=0: must be >= 1"),
+        (
+            [*LIVE, "--parallelism.pp=2"],
+            "elastic.live=true with parallelism.pp=2 is not supported; use parallelism.pp=1",
+        ),
+        ([*LIVE, "--training.batch_size=9"], "training.batch_size=9 must be a multiple of elastic.microbatch_size=2"),
+        (["--elastic.microbatch_size=-1"], "elastic.microbatch_size=-1: must be >= 0"),
+    ],
+)
+def test_the_live_levels_needs_are_checked_when_the_config_is_parsed(argv, message):
+    # they were checked by the live stepper after the process group and the model were up, on every rank
+    with pytest.raises(ConfigError) as exc:
+        parse_config(JobConfig, argv)
+    assert message in str(exc.value), str(exc.value)
+    assert parse_config(JobConfig, [*LIVE, "--training.batch_size=8"]).elastic.live

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+
+from ..config import check
 
 __all__ = ["ElasticConfig"]
 
@@ -35,3 +38,31 @@ class ElasticConfig:
     timeout_s: float = 10.0
     quorum_timeout_s: float = 120.0
     advertise_host: str = ""
+
+    def __post_init__(self) -> None:
+        check(self.microbatch_size >= 0, "microbatch_size", self.microbatch_size, "must be >= 0 (0: keep microbatches)")
+        if not self.live:
+            return
+        # the live level's needs, checked where the config is parsed (the launcher), not at the first step
+        check(
+            self.microbatch_size >= 1,
+            "microbatch_size",
+            self.microbatch_size,
+            "live=true needs >= 1: the sequences per microbatch per rank, the unit replica groups share out",
+        )
+        check(
+            self.lighthouse.startswith(("http://", "https://")),
+            "lighthouse",
+            self.lighthouse,
+            "live=true needs the torchft lighthouse as http://HOST:PORT (start `torchft_lighthouse "
+            "--min_replicas 1 --bind HOST:PORT`)",
+        )
+        check(self.min_replicas >= 1, "min_replicas", self.min_replicas, "must be >= 1 (a majority of the groups)")
+        for name in ("timeout_s", "quorum_timeout_s"):
+            check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0 seconds")
+        check(
+            importlib.util.find_spec("torchft") is not None,
+            "live",
+            self.live,
+            "needs torchft: pip install 'functitan[elastic]'",
+        )

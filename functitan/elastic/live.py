@@ -76,28 +76,16 @@ class LiveStepper:
         loader: Any,
         device: torch.device,
     ):
-        try:
-            import torchft
-        except ImportError:
-            raise ValueError("elastic.live=true needs torchft: pip install 'functitan[elastic]'") from None
+        import torchft  # the elastic extra (ElasticConfig checked that it is installed, and the section's values)
+
         ecfg, tcfg = cfg.elastic, cfg.training
         self.group_rank = dist.get_rank() if dist.is_initialized() else 0
         self.group_size = dist.get_world_size() if dist.is_initialized() else 1
-        if ecfg.microbatch_size < 1:
-            raise ValueError(
-                "elastic.live=true needs elastic.microbatch_size >= 1: the sequences per microbatch per rank, "
-                "the unit that replica groups share out at every step"
-            )
-        unit = ecfg.microbatch_size * self.group_size
+        unit = ecfg.microbatch_size * self.group_size  # the group's size is known only here, once it runs
         if tcfg.batch_size % unit:
             raise ValueError(
                 f"training.batch_size={tcfg.batch_size} must be a multiple of elastic.microbatch_size="
                 f"{ecfg.microbatch_size} x {self.group_size} ranks per replica group = {unit}"
-            )
-        if not ecfg.lighthouse:
-            raise ValueError(
-                "elastic.live=true needs elastic.lighthouse=http://HOST:PORT (start `torchft_lighthouse "
-                "--min_replicas 1 --bind HOST:PORT`)"
             )
         self.units, self.unit, self.global_batch = tcfg.batch_size // unit, unit, tcfg.batch_size
         self.loader, self.device, self.loss_grad = loader, device, loss_grad
