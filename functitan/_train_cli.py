@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from .config import parse_config
 from .elastic import launch, parse_launch_args, watch_launcher
@@ -19,11 +20,12 @@ EXAMPLE = """examples:
 """
 
 
-def main(argv: Sequence[str] | None = None, *, worker: Callable[[JobConfig], int] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, worker: Callable[..., int] | None = None) -> int:
     """``functitan train``; a user error is one line and exit code 2 on each failing rank (functitan.errors).
 
-    ``worker``: what trains the parsed config and returns the exit status (``functitan.train``'s, imported when
-    needed; ``python -m functitan.train`` passes its own, so that module is not imported twice)."""
+    ``worker(cfg, stepper=...)``: what trains the parsed config and returns the exit status
+    (``functitan.train.train_config``, imported when needed; ``python -m functitan.train`` passes its own, so
+    that module is not imported twice). The stepper is chosen here: the trainer imports nothing of elastic."""
     debug, args = pop_debug(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
@@ -34,9 +36,18 @@ def main(argv: Sequence[str] | None = None, *, worker: Callable[[JobConfig], int
         watch_launcher()  # a worker of `--nproc`: dies with the launcher, even when SIGKILL leaves it no word
         cfg = parse_config(JobConfig, args, epilog=EXAMPLE)
         if worker is not None:
-            return worker(cfg)
+            return worker(cfg, stepper=_stepper(cfg))
         from .train import train_config
 
-        return train_config(cfg)
+        return train_config(cfg, stepper=_stepper(cfg))
 
     return user_errors_exit(body, debug=debug)
+
+
+def _stepper(cfg: JobConfig) -> Any:
+    """What runs each step: None (the trainer's own), or the live level's (the elastic extra, torchft)."""
+    if not cfg.elastic.live:
+        return None
+    from .elastic.live import live_stepper
+
+    return live_stepper

@@ -24,6 +24,8 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
+from ._worker_report import ERROR_DIR
+
 __all__ = [
     "UserError",
     "USER_ERRORS",
@@ -44,6 +46,11 @@ class UserError(ValueError):
     CheckpointError and NonFiniteLossError)."""
 
 
+class PeersGone(UserError):
+    """A step cannot go on because the job's peers are gone for good (``elastic.live``: no quorum). The trainer
+    saves the steps committed so far, then reports it with the checkpoint's path added (one line, exit 2)."""
+
+
 class UserNotice(RuntimeWarning):
     """A warning whose message is the whole story (a damaged checkpoint fallen back from): a command shows it as
     one ``functitan: warning:`` line, without Python's file:line and source line."""
@@ -53,7 +60,7 @@ def report_error(message: str) -> None:
     """Print ``functitan: error: <message>`` (one line) and leave it for the launcher in ``$FUNCTITAN_ERROR_DIR``."""
     line = " ".join(str(message).split("\n"))
     print(f"functitan: error: {line}", file=sys.stderr, flush=True)
-    error_dir = os.environ.get("FUNCTITAN_ERROR_DIR")
+    error_dir = os.environ.get(ERROR_DIR)
     if error_dir:
         rank = os.environ.get("RANK", "0")
         tmp = Path(error_dir) / f".rank{rank}.{uuid.uuid4().hex[:6]}"

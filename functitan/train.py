@@ -13,16 +13,19 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from . import _loss, _train_cli, optim, pipeline
+from . import _loss, optim, pipeline
 from . import metrics as M
+from ._batch import split_batch
 from ._model_setup import check_model, check_resumed_model, init_model
+from ._preempt import Preemption
+from ._worker_report import report_run, report_stopped
 from .checkpoint import (
     CheckpointManager,
     check_checkpoint_path,
@@ -33,13 +36,7 @@ from .checkpoint import (
 )
 from .config import to_dict
 from .data import build_loader
-from .elastic import (
-    NoQuorum,
-    Preemption,
-    report_run,
-    report_stopped,
-    split_batch,
-)
+from .errors import PeersGone
 from .hostmem import keep_freed_memory
 from .job_config import JobConfig, build_optimizer, build_schedule, learning_rate_schedule
 from .mesh import make_mesh, resolve_degrees
@@ -59,6 +56,7 @@ __all__ = [
     "make_layout",
     "place_model",
     "Placed",
+    "local_stepper",
     "make_step",
     "local_batch",
 ]
@@ -66,11 +64,19 @@ __all__ = [
 EXIT_REJOIN = 3  # elastic: a peer left after a checkpoint; torchrun restarts this worker into the new group
 
 
-def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
+def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None) -> dict[str, Any]:
     """Train as ``cfg`` says; returns a summary (first/last loss, steps, run directory, final state).
 
-    ``model``: the Model value to train (default: the one ``cfg.model.name`` resolves to).
+    ``model``: the Model value to train (default: the one ``cfg.model.name`` resolves to). ``stepper``: what runs
+    each global step (``local_stepper``, the default; ``elastic.live`` needs
+    ``functitan.elastic.live.live_stepper``, which ``functitan train`` passes).
     """
+    if stepper is None and cfg.elastic.live:
+        raise ValueError(
+            "elastic.live=true: pass stepper=functitan.elastic.live.live_stepper to functitan.train.run (the "
+            "`functitan train` command does)"
+        )
+    stepper = stepper or local_stepper
     _check_degrees_and_batch(cfg)
     _check_load_path(cfg)
     device = _init_process(cfg.training)
@@ -135,7 +141,7 @@ def run(cfg: JobConfig, model: Model | None = None) -> dict[str, Any]:
         flops_per_token=model.flops_per_token(model_cfg, tcfg.seq_len),
         peak=M.peak_flops(device, layout.param_dtype or torch.float32),
     )
-    with lock, _stepper(cfg, train_step, loader, device, loss_grad=placed.loss_grad, optimizer=optimizer) as advance:
+    with lock, stepper(cfg, train_step, loader, device, loss_grad=placed.loss_grad, optimizer=optimizer) as advance:
         return _loop(cfg, state, advance, loader, meter, ckpt, run_dir, device)
 
 
@@ -224,28 +230,16 @@ def make_step(cfg: JobConfig, model: Model, model_cfg: Any, grad_fn: Any, norm_a
 
 
 @contextlib.contextmanager
-def _stepper(cfg: JobConfig, train_step: Any, loader: Any, device: torch.device, *, loss_grad: Any, optimizer: Any):
-    """``advance(state, preemption) -> (state, metrics, data position)``: one global step, on this job's ranks or, with
-    ``elastic.live``, on the replica groups of a torchft quorum."""
-    if not cfg.elastic.live:
-        yield _advance(loader, train_step)
-        return
-    from .elastic.live import LiveStepper  # the elastic extra
+def local_stepper(
+    cfg: JobConfig, train_step: Any, loader: Any, device: torch.device, *, loss_grad: Any, optimizer: Any
+) -> Iterator[Any]:
+    """The default stepper: ``advance(state, preemption, before_update) -> (state, metrics, data position)``, one
+    global step on this job's ranks.
 
-    assert loss_grad is not None  # JobConfig refuses elastic.live with pipelining
-    live = LiveStepper(
-        cfg,
-        loss_grad,
-        optimizer,
-        max_norm=cfg.optimizer.max_norm,
-        on_nonfinite=cfg.training.on_nonfinite,
-        loader=loader,
-        device=device,
-    )
-    try:
-        yield live.advance
-    finally:
-        live.close()
+    A stepper is a context manager factory with this signature; ``run(cfg, stepper=...)`` takes another one, as
+    ``functitan train`` hands in ``functitan.elastic.live.live_stepper`` for ``elastic.live`` (replica groups of a
+    torchft quorum; ``loss_grad`` is the per-microbatch gradient it shares the batch out with)."""
+    yield _advance(loader, train_step)
 
 
 def _advance(loader: Any, train_step: Any) -> Any:
@@ -298,11 +292,11 @@ def _loop(
                 t0 = time.perf_counter()
                 try:
                     stepped = advance(state, preemption, ckpt.staged if ckpt is not None else None)
-                except NoQuorum as exc:  # elastic.live, the peers gone: keep the steps committed so far
+                except PeersGone as exc:  # elastic.live, no quorum: keep the steps committed so far
                     if ckpt is not None:
                         ckpt.maybe_save(state, force=True)
                         ckpt.wait()  # committed before the message says so
-                    raise NoQuorum(f"{exc}; {_saved(ckpt, state.step)}; then run the same command") from None
+                    raise type(exc)(f"{exc}; {_saved(ckpt, state.step)}; then run the same command") from None
                 if stepped is None:  # stopped while waiting for peers (elastic.live): save the last committed step
                     stop = preemption.signum
                     if ckpt is not None:
@@ -468,10 +462,11 @@ def _run_dir(cfg: JobConfig, model_name: str) -> Path:
     return Path(cfg.metrics.run_dir) / name
 
 
-def train_config(cfg: JobConfig) -> int:
-    """``run(cfg)`` as a process's exit status: 0, or ``EXIT_REJOIN`` for an elastic worker that must rejoin."""
+def train_config(cfg: JobConfig, *, stepper: Any = None) -> int:
+    """``run(cfg, stepper=stepper)`` as a process's exit status: 0, or ``EXIT_REJOIN`` for an elastic worker that
+    must rejoin."""
     try:
-        summary = run(cfg)
+        summary = run(cfg, stepper=stepper)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -493,8 +488,10 @@ def _exit_now(code: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``functitan train`` (functitan._train_cli) with this module's ``run``."""
-    return _train_cli.main(argv, worker=train_config)
+    """``functitan train`` (functitan._train_cli, which launches; this module trains) with this module's ``run``."""
+    from ._train_cli import main as cli
+
+    return cli(argv, worker=train_config)
 
 
 if __name__ == "__main__":

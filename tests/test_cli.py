@@ -59,11 +59,17 @@ _load(COMMANDS["train"][1])
 cfg = parse_config(JobConfig, ["--config", sys.argv[1], "--parallelism.dp_shard=2", "--optimizer.schedule=wsd"])
 print(cfg.parallelism.dp_shard, sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
 """
+_TRAINER = """
+import sys
+import functitan.train
+print(sorted(m for m in sys.modules if m.startswith("functitan.elastic")))
+"""
 
 
-def test_the_train_launcher_checks_a_config_without_torch():
+def test_the_train_launcher_checks_a_config_without_torch_and_the_trainer_imports_no_elastic():
     # `functitan train --nproc N` parses and checks the config (its schedule included), then starts torchrun:
-    # torch's import (about 3 s) stays off that path, paid once by each worker
+    # torch's import (about 3 s) stays off that path, paid once by each worker. The trainer (functitan.train)
+    # imports nothing of functitan.elastic: the command line launches and hands it its stepper
     import subprocess
     import sys
     from pathlib import Path
@@ -72,3 +78,5 @@ def test_the_train_launcher_checks_a_config_without_torch():
     out = subprocess.run([sys.executable, "-c", _LAUNCH_PATH, str(config)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split(maxsplit=1) == ["2", "[]\n"], out.stdout
+    out = subprocess.run([sys.executable, "-c", _TRAINER], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (0, "[]\n"), out.stderr[-2000:]

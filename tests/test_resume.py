@@ -43,7 +43,7 @@ def test_resume_after_step_10_is_bit_exact(world, layout, tmp_path, gloo):
 # ------------------------------------------------------------------------------------------- crash leftovers, damage
 
 
-def _train_and_capture(overrides: dict, crash_at: int | None = None):
+def _train_and_capture(overrides: dict, crash_at: int | None = None, stepper=None):
     """The trainer's run (crashing after step ``crash_at``), returning its summary numbers, warnings and output."""
     import io
     import warnings
@@ -62,7 +62,7 @@ def _train_and_capture(overrides: dict, crash_at: int | None = None):
     ):
         warnings.simplefilter("always")
         try:
-            out = run(apply_overrides(JobConfig(), {**SMALL, **overrides}))
+            out = run(apply_overrides(JobConfig(), {**SMALL, **overrides}), stepper=stepper)
         except Crash:
             return None
     warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
@@ -151,24 +151,18 @@ def test_resuming_with_another_model_is_one_line_and_keeps_the_runs_record(tmp_p
 
 def _joined(overrides: dict):
     """The trainer's run as a live joiner: the first step's state is healed from a peer at step 3."""
-    import functitan.train as train
-
-    real = train._stepper
+    from functitan.train import local_stepper
 
     @contextlib.contextmanager
     def healing(*args, **kwargs):
-        with real(*args, **kwargs) as advance:
+        with local_stepper(*args, **kwargs) as advance:
 
             def healed(state, *a, **k):
                 return advance(state._replace(step=max(state.step, 3)), *a, **k)
 
             yield healed
 
-    train._stepper = healing
-    try:
-        return _train_and_capture(overrides)
-    finally:
-        train._stepper = real
+    return _train_and_capture(overrides, stepper=healing)
 
 
 def test_a_joiners_summary_starts_at_the_step_it_healed_to(tmp_path, gloo):

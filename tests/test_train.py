@@ -136,3 +136,12 @@ def test_an_unnamed_run_is_named_after_the_model(tmp_path):
     (run,) = tmp_path.iterdir()
     assert run.name.startswith("gpt2-20") and len(run.name) == len("gpt2-20261201-061433"), run.name
     assert f"logs in {run}" in out.stdout
+
+
+def test_a_live_config_without_its_stepper_is_refused_before_anything_starts():
+    # run() is the trainer; `functitan train` hands it functitan.elastic.live.live_stepper for elastic.live
+    live = ["--elastic.live=true", "--elastic.microbatch_size=2", "--elastic.lighthouse=http://127.0.0.1:1"]
+    from functitan.config import parse_config
+
+    with pytest.raises(ValueError, match=r"elastic.live=true: pass stepper=functitan.elastic.live.live_stepper"):
+        run(parse_config(JobConfig, live))

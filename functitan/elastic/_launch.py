@@ -3,7 +3,7 @@
 It owns torchrun and every process below it:
 
 * SIGTERM / SIGINT to the launcher go to torchrun, which passes them to its workers; they save a checkpoint at
-  the next step boundary and exit (functitan.elastic._preempt). The launcher waits for all of them, so a
+  the next step boundary and exit (functitan._preempt). The launcher waits for all of them, so a
   scheduler that kills the launcher never leaves an orphaned job racing its restart on the run directory.
 * A user error on any rank (the rank prints one line and writes it to ``$FUNCTITAN_ERROR_DIR/rank{RANK}.txt``)
   is shown once, as ``functitan: error: ...``, exit code 2, without torchrun's ChildFailedError traceback. A
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from .._worker_report import CHECKPOINTS, ERROR_DIR, STOPPED
 from ._orphans import LAUNCHER_PID
 from ._reach import REACH_TIMEOUT_S, reach_problem
 
@@ -37,8 +38,6 @@ __all__ = [
     "parse_launch_args",
     "launch",
     "torchrun_command",
-    "report_stopped",
-    "report_run",
     "RDZV_CONF",
 ]
 
@@ -229,7 +228,7 @@ def launch(spec: LaunchSpec, argv: Sequence[str]) -> int:
         # restarts here: after a worker died, the new round's gloo ranks read each other's stale addresses and
         # wait forever (torchrun --standalone --max-restarts, torch 2.13); several agents on one host deadlock
         # on scale-up the same way.
-        env = {**os.environ, "FUNCTITAN_ERROR_DIR": str(error_dir), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        env = {**os.environ, ERROR_DIR: str(error_dir), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         env[LAUNCHER_PID] = str(os.getpid())  # torchrun and the workers die with us, even by SIGKILL
         if spec.elastic:
             env["FUNCTITAN_ELASTIC_RUN"] = spec.rdzv_id
@@ -264,7 +263,7 @@ def launch(spec: LaunchSpec, argv: Sequence[str]) -> int:
                 proc.wait()
         if received:
             # workers that saved and stopped since the signal (an elastic scale-up also stops them, earlier)
-            stopped = sum(1 for f in error_dir.glob("stopped-*") if f.stat().st_mtime >= signalled_at[0] - 1.0)
+            stopped = sum(1 for f in error_dir.glob(f"{STOPPED}*") if f.stat().st_mtime >= signalled_at[0] - 1.0)
             if stopped >= spec.nproc:
                 pump.held = [line for line in pump.held if not line.startswith(b"functitan: error:")]
                 return 0
@@ -294,17 +293,9 @@ def launch(spec: LaunchSpec, argv: Sequence[str]) -> int:
         return rc
 
 
-def report_run(checkpoints: str | os.PathLike | None) -> None:
-    """On rank 0 of a launched job: where this run's checkpoints go (None: none are saved), for the launcher's
-    last line when the job dies before it finishes."""
-    error_dir = os.environ.get("FUNCTITAN_ERROR_DIR")
-    if error_dir and os.environ.get("RANK", "0") == "0":
-        (Path(error_dir) / "checkpoints").write_text("" if checkpoints is None else str(Path(checkpoints).resolve()))
-
-
 def _newest_checkpoint(error_dir: Path) -> str:
     """ "the newest checkpoint is step N (DIR)", or why there is none (a step folder is committed once named)."""
-    reported = error_dir / "checkpoints"
+    reported = error_dir / CHECKPOINTS
     if not reported.is_file():
         return "no checkpoint: the job stopped before it began training"
     if not reported.read_text():
@@ -343,10 +334,3 @@ def _wait(proc: subprocess.Popen) -> int:
             return proc.wait()
         except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for clarity
             continue
-
-
-def report_stopped(step: int) -> None:
-    """On a rank: tell the launcher that this worker stopped cleanly after a signal, at ``step``."""
-    error_dir = os.environ.get("FUNCTITAN_ERROR_DIR")
-    if error_dir:
-        (Path(error_dir) / f"stopped-rank{os.environ.get('RANK', '0')}").write_text(f"{step}\n")

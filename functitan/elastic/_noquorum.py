@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import UserError
+from ..errors import PeersGone
 
 __all__ = ["NoQuorum"]
 
 
-class NoQuorum(UserError):
+class NoQuorum(PeersGone):
     """No quorum within ``elastic.quorum_timeout_s``: the message names the lighthouse, the settings and the fix.
 
     The trainer saves the steps committed so far before it reports this (one line, exit 2).

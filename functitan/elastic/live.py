@@ -20,9 +20,11 @@ collective with it times out (``elastic.timeout_s``). Requires the ``elastic`` e
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import socket
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -31,12 +33,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .._preempt import Preempted, Preemption
 from ..step import make_train_step
 from ..train_state import TrainState
 from ._noquorum import NoQuorum
-from ._preempt import Preempted, Preemption
 
-__all__ = ["LiveStepper", "share"]
+__all__ = ["LiveStepper", "live_stepper", "share"]
 
 
 def share(units: int, n: int, rank: int) -> range:
@@ -216,3 +218,25 @@ class LiveStepper:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+@contextlib.contextmanager
+def live_stepper(
+    cfg: Any, train_step: Any, loader: Any, device: torch.device, *, loss_grad: Any, optimizer: Any
+) -> Iterator[Any]:
+    """The trainer's stepper for ``elastic.live`` (``functitan.train.run(cfg, stepper=live_stepper)``): each
+    global step on the replica groups of a torchft quorum. ``train_step`` (the job's own step) is not used: the
+    stepper builds one over ``loss_grad``, the per-microbatch gradient, to share the batch out across groups."""
+    live = LiveStepper(
+        cfg,
+        loss_grad,
+        optimizer,
+        max_norm=cfg.optimizer.max_norm,
+        on_nonfinite=cfg.training.on_nonfinite,
+        loader=loader,
+        device=device,
+    )
+    try:
+        yield live.advance
+    finally:
+        live.close()
