@@ -89,19 +89,6 @@ def rank_blocks(shape: ModelShape, cand: Candidate, microbatches: int) -> dict[i
     return dict(enumerate(_rank_blocks(shape.stage_model, cand.pp, cand.schedule, cand.stages_per_rank)))
 
 
-def job_config_par(cand: Candidate):
-    from ..job_config import ParallelismConfig
-
-    return ParallelismConfig(
-        dp_replicate=cand.dp_replicate,
-        dp_shard=cand.dp_shard,
-        tp=cand.tp,
-        pp=cand.pp,
-        pipeline_schedule=cand.schedule,
-        stages_per_rank=cand.stages_per_rank,
-    )
-
-
 def predict(
     base_cfg: Any, model: Any, model_cfg: Any, shape: ModelShape, cand: Candidate, *, batch_size: int, seq_len: int
 ) -> Prediction:
