@@ -253,6 +253,18 @@ def test_llama_costs_put_the_head_on_a_shorter_last_stage():
     assert len(layers[1]) < len(layers[0])
 
 
+def test_blocks_per_rank_sums_the_default_cut_over_each_rank_s_stages():
+    # the planner sizes pipeline ranks with blocks_per_rank; make_stages cuts by balanced_layers: one cut
+    model = pipeline.StageModel(
+        first=None, blocks=None, last=None, activation=None, n_blocks=10, first_cost=1.0, last_cost=3.0
+    )
+    four = (range(0, 3), range(3, 7), range(7, 9), range(9, 10))
+    assert pipeline.balanced_layers(model, 4) == four
+    assert pipeline.blocks_per_rank(model, pipeline.one_f_one_b(pp=2, m=4)) == (6, 4)
+    assert pipeline.blocks_per_rank(model, pipeline.interleaved_1f1b(pp=2, v=2, m=4)) == (5, 5)  # stages 0, 2 | 1, 3
+    assert pipeline.blocks_per_rank(model, pipeline.zb_v(pp=2, m=4)) == (4, 6)  # V: stages 0, 3 | 1, 2
+
+
 def _rank_trees(schedule_name: str):
     mesh = make_mesh(pp=2)
     model = llama.stage_model(CFG, Layout(pipeline.stage_mesh(mesh)), seq_len=SEQ)

@@ -27,7 +27,7 @@ import bisect
 import operator
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -172,15 +172,6 @@ class TokenLoader:
         if self.device is not None:
             inputs, targets = inputs.to(self.device), targets.to(self.device)
         return {"inputs": inputs, "targets": targets}, {"epoch": e, "seq": j}
-
-    def iterate(
-        self, state: Mapping[str, Any] | None = None
-    ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, int]]]:
-        """``(batch, state_after)`` forever, from ``state`` (default the start)."""
-        state = self.init_state() if state is None else state
-        while True:
-            batch, state = self.next(state)
-            yield batch, state
 
     @property
     def sequences_per_epoch(self) -> int:

@@ -154,10 +154,6 @@ class Model:
             values[key] = _convert(f"model.{key}", hints[key], value)
         return dataclasses.replace(cfg, **values)
 
-    def shape_names(self) -> list[str]:
-        """The config fields a user may override (``--model.<field>=value``)."""
-        return [f.name for f in dataclasses.fields(self.config_type) if f.init]
-
 
 def _nearest(key: str, known: list[str]) -> str:
     near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)

@@ -39,10 +39,6 @@ __all__ = [
 ]
 
 
-def _leaves(tree: Any) -> tuple[list[Any], Any]:
-    return optree.tree_flatten(tree)
-
-
 def _holed(leaves: list[Any], treedef: Any, idx: list[int]) -> Any:
     """The tree with only the leaves at ``idx``; None (no leaf) elsewhere."""
     keep = set(idx)

@@ -127,6 +127,26 @@ def balance(
     return tuple(range(a, b) for a, b in zip(edges, edges[1:]))
 
 
+def balanced_layers(model: StageModel, n_stages: int) -> tuple[range, ...]:
+    """The blocks of each of ``n_stages`` stages as `make_stages` cuts ``model`` by default: `balance` of its
+    block, first and last costs. The planner sizes ranks by the same cut (`blocks_per_rank`), so a plan
+    predicts the stages the trainer builds."""
+    return balance(model.block_cost, model.n_blocks, n_stages, first_cost=model.first_cost, last_cost=model.last_cost)
+
+
+def blocks_per_rank(model: StageModel, schedule: Schedule) -> tuple[int, ...]:
+    """How many blocks each pipeline rank holds when `make_stages` cuts ``model`` for ``schedule`` by default:
+    the blocks of the rank's stages (``schedule.stages_of``), rank 0 first.
+
+    >>> m = StageModel(first=None, blocks=None, last=None, activation=None, n_blocks=8, last_cost=2.0)
+    >>> from functitan.pipeline import one_f_one_b
+    >>> blocks_per_rank(m, one_f_one_b(pp=2, m=4))  # the head costs two blocks: the last rank holds fewer
+    (5, 3)
+    """
+    layers = balanced_layers(model, schedule.num_stages)
+    return tuple(sum(len(layers[s]) for s in schedule.stages_of(r)) for r in range(schedule.pp))
+
+
 # ----------------------------------------------------------------------------------------------- stages
 
 
@@ -208,7 +228,7 @@ def make_stages(
         )
     n = schedule.num_stages
     if layers is None:
-        layers = balance(model.block_cost, model.n_blocks, n, first_cost=model.first_cost, last_cost=model.last_cost)
+        layers = balanced_layers(model, n)
     layers = tuple(layers)
     flat = [i for r in layers for i in r]
     if len(layers) != n or flat != list(range(model.n_blocks)) or any(len(r) == 0 for r in layers):

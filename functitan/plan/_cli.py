@@ -146,7 +146,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         render_png(result, args.png)
         print(f"wrote {args.png}")
     return 0
-
-
-def _recommended(result):
-    return result.cfg

@@ -34,7 +34,7 @@ import math
 from typing import NamedTuple
 
 from .. import pipeline
-from ..job_config import build_schedule
+from ..job_config import ParallelismConfig, build_schedule
 from ._candidates import Candidate
 from ._devices import Cluster
 
@@ -79,8 +79,6 @@ def pipe_stats(pp: int, schedule: str, v: int, m: int) -> tuple[float, tuple[int
     """``(bubble fraction, microbatches in flight per rank)`` of a schedule, from functitan's simulator with
     equal F, B and W costs. Past ``2 * stages`` microbatches a schedule is in steady state (its warm-up and
     cool-down idle time no longer grows), so it is simulated there and the busy time scaled to ``m``."""
-    from ..job_config import ParallelismConfig
-
     if pp == 1:
         return 0.0, (1,)
     par = ParallelismConfig(pp=pp, pipeline_schedule=schedule, stages_per_rank=v)

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections import Counter
 from typing import Any, NamedTuple
 
-from .. import pipeline
-from ..job_config import JobConfig, ModelConfig, build_schedule
+from ..job_config import JobConfig, ModelConfig
 from ..model import Param, count, load_model
 from ..tree import flatten_with_names
 from ._candidates import Candidate, enumerate_candidates, job_config
 from ._cost import ModelDims, Time, analytic_comm, analytic_memory, step_time
 from ._devices import Cluster
-from ._predict import ModelShape, model_shape, predict
+from ._predict import ModelShape, model_shape, predict, rank_blocks
 
 __all__ = ["Row", "Plan", "plan", "PlanError"]
 
@@ -67,25 +65,6 @@ def model_dims(model: Any, model_cfg: Any, shape: ModelShape) -> ModelDims:
         top_params=total - block * shape.n_blocks,
         n_blocks=n,
     )
-
-
-@functools.cache
-def _rank_blocks(stage_model: Any, pp: int, schedule: str, v: int) -> tuple[int, ...]:
-    """Blocks per pipeline rank: the trainer's balance of the model's block costs over the schedule's stages."""
-    from ..job_config import ParallelismConfig
-
-    sched = build_schedule(ParallelismConfig(pp=pp, pipeline_schedule=schedule, stages_per_rank=v), pp * v)
-    sm = stage_model
-    layers = pipeline.balance(
-        sm.block_cost, sm.n_blocks, sched.num_stages, first_cost=sm.first_cost, last_cost=sm.last_cost
-    )
-    return tuple(sum(len(layers[s]) for s in sched.stages_of(r)) for r in range(pp))
-
-
-def worst_blocks(shape: ModelShape, c: Candidate) -> int:
-    if c.pp == 1:
-        return shape.n_blocks
-    return max(_rank_blocks(shape.stage_model, c.pp, c.schedule, c.stages_per_rank))
 
 
 def load(name: str | None, flavor: str | None, overrides: dict) -> tuple[str, Any, Any]:
@@ -153,7 +132,7 @@ def plan(
     fpt = model.flops_per_token(model_cfg, seq_len)
     screen = []
     for c in cands:
-        blocks = worst_blocks(shape, c)
+        blocks = max(rank_blocks(shape, c))  # the fullest pipeline rank
         mem = analytic_memory(c, dims, seq_len=seq_len, batch_size=batch_size, blocks=blocks)
         t = step_time(
             c,

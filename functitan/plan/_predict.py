@@ -17,12 +17,16 @@ schedule simulator's ``peak_activations``): four small traces per rank instead o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import torch
 
+from .. import pipeline
+from ..job_config import ParallelismConfig, build_schedule
 from ..sharding import Layout
 from ._candidates import Candidate, job_config
+from ._cost import pipe_stats
 from ._trace import trace_rank
 
 __all__ = ["Prediction", "predict", "ModelShape", "model_shape"]
@@ -80,26 +84,19 @@ def _lerp_comm(c1: dict, c2: dict, k: float, scale: float) -> dict:
     return out
 
 
-def rank_blocks(shape: ModelShape, cand: Candidate, microbatches: int) -> dict[int, int]:
-    """pp rank -> blocks it holds in the real model (the trainer's balance of the model's block costs)."""
+def rank_blocks(shape: ModelShape, cand: Candidate) -> tuple[int, ...]:
+    """The blocks each pp rank holds in the real model, rank 0 first: the trainer's own cut of the model's block
+    costs (`pipeline.blocks_per_rank`, what `pipeline.make_stages` builds by default)."""
     if cand.pp == 1:
-        return {0: shape.n_blocks}
-    from ._plan import _rank_blocks
-
-    return dict(enumerate(_rank_blocks(shape.stage_model, cand.pp, cand.schedule, cand.stages_per_rank)))
+        return (shape.n_blocks,)
+    return _blocks_per_rank(shape.stage_model, cand.pp, cand.schedule, cand.stages_per_rank)
 
 
-def job_config_par(cand: Candidate):
-    from ..job_config import ParallelismConfig
-
-    return ParallelismConfig(
-        dp_replicate=cand.dp_replicate,
-        dp_shard=cand.dp_shard,
-        tp=cand.tp,
-        pp=cand.pp,
-        pipeline_schedule=cand.schedule,
-        stages_per_rank=cand.stages_per_rank,
-    )
+@functools.cache  # the screen asks for every candidate; the cut depends only on these four
+def _blocks_per_rank(stage_model: Any, pp: int, schedule: str, v: int) -> tuple[int, ...]:
+    par = ParallelismConfig(pp=pp, pipeline_schedule=schedule, stages_per_rank=v)
+    # where the stages sit does not depend on the microbatch count: the fewest the schedule accepts do
+    return pipeline.blocks_per_rank(stage_model, build_schedule(par, pp * v))
 
 
 def predict(
@@ -111,7 +108,7 @@ def predict(
         cfg = job_config(base_cfg, cand, batch_size=batch_size, seq_len=seq_len)
         t = trace_rank(cfg, model, model_cfg, world=world, rank=0)
         return Prediction(t.peak, t.params, t.opt_state, t.grads, 0, t.comm, shape.n_blocks, t.ops)
-    real = rank_blocks(shape, cand, m)
+    real = rank_blocks(shape, cand)
     if cand.pp == 1:
         m_traced = min(m, 2)
         traced = dataclasses.replace(cand, microbatches=m_traced)
@@ -124,8 +121,6 @@ def predict(
         )
         return _combine(t1, t2, real[0] - a + 1, 0, m / m_traced)
     stages = cand.pp * cand.stages_per_rank
-    from ._cost import pipe_stats
-
     real_inflight = pipe_stats(cand.pp, cand.schedule, cand.stages_per_rank, m)[1]
     worst, most_ops = None, 0.0
     for pp_rank in sorted({0, cand.pp - 1}):
