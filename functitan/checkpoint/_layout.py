@@ -376,7 +376,3 @@ def array_spec(item_dir: str, name: str, meta: dict, *, metadata: dict | None = 
     if metadata is not None:
         spec["metadata"] = metadata
     return spec
-
-
-def is_tmp(name: str) -> bool:
-    return TMP_MARK in name or ".orbax-checkpoint-tmp-" in name
