@@ -33,9 +33,11 @@ __all__ = [
     "build_schedule",
     "learning_rate_schedule",
     "Device",
+    "ParamDType",
 ]
 
 Device = Literal["auto", "cpu", "cuda"]  # auto: cuda when available, else cpu
+ParamDType = Literal["float32", "bfloat16", "float16"]  # the compute dtype of params (master weights stay fp32)
 
 
 def _at_least(cfg, names: tuple[str, ...], low: int) -> None:
@@ -66,7 +68,7 @@ class TrainingConfig:
     microbatches: int = 1  # gradient accumulation steps per rank (with pp > 1: pipeline microbatches)
     seed: int = 0
     remat: RematName = "none"  # activation checkpointing per block (functitan._remat: none/full/selective/offload)
-    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # compute dtype (master weights stay fp32)
+    param_dtype: ParamDType = "float32"  # compute dtype (master weights stay fp32)
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # gradient reduction dtype
     compile: bool = False  # torch.compile each block
     on_nonfinite: NonFinitePolicy = "stop"

@@ -201,6 +201,7 @@ def place_model(
     par, tcfg = cfg.parallelism, cfg.training
     specs = model_specs(model.params(model_cfg))
     if par.pp > 1:
+        assert model.stages is not None  # check_model refused pp > 1 for a model without stages
         stage_model = model.stages(model_cfg, layout, seq_len=tcfg.seq_len, dtype=layout.param_dtype or torch.float32)
         stages = pipeline.make_stages(stage_model, build_schedule(par, tcfg.microbatches), mesh, layers=stage_layers)
         return Placed(

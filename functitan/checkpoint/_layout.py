@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from typing import Any
@@ -178,7 +179,7 @@ def value_type(leaf: Any, name: str) -> str:
 
 
 def orbax_metadata(
-    entries: list[tuple[str, tuple[dict, ...], str]], empty: list[tuple[str, tuple[dict, ...], str]] = ()
+    entries: list[tuple[str, tuple[dict, ...], str]], empty: Sequence[tuple[str, tuple[dict, ...], str]] = ()
 ) -> dict:
     """The Orbax ``_METADATA`` document for the arrays ``[(name, key_metadata, value_type)]`` and the
     empty nodes ``empty`` (same shape, from ``empty_nodes``), written as Orbax writes them."""
@@ -269,7 +270,8 @@ def full_boxes(shape: tuple[int, ...], ranks: tuple[int, ...]) -> Boxes:
 def _boxes(shape, mesh_shape, ranks, placements) -> Boxes:
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    by_rank, writers = {}, {}
+    by_rank: dict[int, Box] = {}
+    writers: dict[Box, int] = {}
     for i, rank in enumerate(ranks):
         coord = list(np.unravel_index(i, mesh_shape)) if mesh_shape else []
         local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, [int(c) for c in coord], placements)

@@ -98,7 +98,7 @@ class CheckpointManager:
         self.skipped: list[int] = []  # steps not saved because the previous save was still writing ("skip")
         self._group = _Group(mesh, timeout_s)
         names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
-        self._partial = "pp" in names and mesh.size(names.index("pp")) > 1  # each rank holds part of the tree
+        self._partial = mesh is not None and "pp" in names and mesh.size(names.index("pp")) > 1  # part of the tree
         self._ck = Checkpointer(mesh=mesh, timeout_s=timeout_s, group=self._group)
         self._last_saved: int | None = None
         self._damaged: set[int] = set()  # steps restore_latest found damaged: re-saved in place, never kept
@@ -273,7 +273,7 @@ class CheckpointManager:
         the previous one restored. Every rank takes the same decision (they agree after each attempt).
         Errors in the exemplar (missing keys, shape mismatch) are raised, not skipped.
         """
-        errors = []
+        errors: list[tuple[int, str | None]] = []  # (step, the damage found)
         for step in reversed(self.all_steps()):
             value, error = None, None
             try:

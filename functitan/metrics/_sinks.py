@@ -156,7 +156,7 @@ class JsonlSink:
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, step: int, metrics: Metrics) -> None:
-        record = {"step": int(step), "time": time.time()}
+        record: dict[str, float | int | None] = {"step": int(step), "time": time.time()}
         record.update({k: _scalar(k, v) for k, v in metrics.items()})
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()

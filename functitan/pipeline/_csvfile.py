@@ -83,7 +83,7 @@ def load_csv(path: str | os.PathLike, *, name: str | None = None) -> Schedule:
         stages_per_rank=held[0],
         microbatches=microbatches,
         stage_to_rank=tuple(stage_to_rank[s] for s in stages),
-        actions=rows,
+        actions=tuple(tuple(row) for row in rows),
     )
 
 

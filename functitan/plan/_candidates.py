@@ -15,8 +15,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..job_config import JobConfig, ParallelismConfig, TrainingConfig
+from .._choices import RematName
+from ..job_config import JobConfig, ParallelismConfig, ParamDType, TrainingConfig
 from ..mesh import resolve_degrees
+from ..pipeline._generators import ScheduleName
 from ..train import local_batch
 
 __all__ = ["Candidate", "enumerate_candidates", "job_config", "SCHEDULES", "REMATS"]
@@ -32,13 +34,13 @@ class Candidate:
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
-    schedule: str = "1f1b"  # with pp > 1
+    schedule: ScheduleName = "1f1b"  # with pp > 1
     stages_per_rank: int = 1
     microbatches: int = 1
-    remat: str = "none"
+    remat: RematName = "none"
     sequence_parallel: bool = True
     reshard_after_forward: bool = True
-    param_dtype: str = "bfloat16"
+    param_dtype: ParamDType = "bfloat16"
 
     @property
     def world(self) -> int:

@@ -54,6 +54,7 @@ class Device:
 def _gpu(key: str, table_name: str, mem_gib: float, intra_gbs: float, inter_gbs: float) -> Device:
     bf16 = _table_lookup(table_name, "bf16", None).value
     tf32 = _table_lookup(table_name, "tf32", None).value
+    assert bf16 is not None and tf32 is not None, table_name  # every GPU of the table has both
     return Device(
         name=key,
         memory=mem_gib * _GIB,

@@ -24,6 +24,7 @@ import torch
 
 from .. import pipeline
 from ..job_config import ParallelismConfig, build_schedule
+from ..pipeline._generators import ScheduleName
 from ..sharding import Layout
 from ._candidates import Candidate, job_config
 from ._cost import pipe_stats
@@ -93,7 +94,7 @@ def rank_blocks(shape: ModelShape, cand: Candidate) -> tuple[int, ...]:
 
 
 @functools.cache  # the screen asks for every candidate; the cut depends only on these four
-def _blocks_per_rank(stage_model: Any, pp: int, schedule: str, v: int) -> tuple[int, ...]:
+def _blocks_per_rank(stage_model: Any, pp: int, schedule: ScheduleName, v: int) -> tuple[int, ...]:
     par = ParallelismConfig(pp=pp, pipeline_schedule=schedule, stages_per_rank=v)
     # where the stages sit does not depend on the microbatch count: the fewest the schedule accepts do
     return pipeline.blocks_per_rank(stage_model, build_schedule(par, pp * v))
