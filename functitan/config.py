@@ -19,7 +19,7 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from .errors import UserError
 
@@ -170,7 +170,7 @@ def apply_overrides(cfg: T, overrides: dict[str, Any], *, source: str = "command
             raise ConfigError(f"{sec}.{e}") from None
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    return dataclasses.replace(cfg, **changes)
+    return dataclasses.replace(cast(Any, cfg), **changes)  # cfg: a dataclass instance of the parser's class
 
 
 def _bare_is_true(keys: dict[str, tuple[type, Any, str]], key: str) -> bool:

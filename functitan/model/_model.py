@@ -187,7 +187,7 @@ def config_from_dict(cls: type, d: Mapping[str, Any]) -> Any:
             [tp] if dataclasses.is_dataclass(tp) else []
         )
         if isinstance(v, Mapping) and inner:
-            v = config_from_dict(inner[0], v)
+            v = config_from_dict(typing.cast(type, inner[0]), v)
         elif isinstance(v, list):
             v = tuple(v)
         values[k] = v

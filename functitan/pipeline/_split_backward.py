@@ -151,6 +151,7 @@ def input_grad(
 ) -> tuple[Tensor | None, WeightGrad]:
     """B: ``d out / d inp`` (with cotangent ``dout``; None for a scalar loss), and the W pass that gives the
     weights' gradients from what B kept. The graph is retained for W; W frees it."""
+    assert out.grad_fn is not None, "input_grad: the stage output does not require grad"
     rev, leaves = _graph(out.grad_fn)
     inp_node = inp.grad_fn or leaves.get(id(inp))
     activation_path, _ = _closure([inp_node] if inp_node is not None else [], rev, set())
@@ -179,8 +180,8 @@ def input_grad(
                 groups[g][1].append(j)
     wg = WeightGrad(weights, [grp for grp in groups if grp[0]])
     handles = []
-    for joins in (grp[1] for grp in wg.groups):
-        for node in joins:
+    for group_joins in (grp[1] for grp in wg.groups):
+        for node in group_joins:
 
             def keep(grad_outputs: tuple[Tensor | None, ...], node: Node = node) -> None:
                 wg.kept[node] = tuple(grad_outputs)
