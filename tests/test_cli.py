@@ -80,3 +80,28 @@ def test_the_train_launcher_checks_a_config_without_torch_and_the_trainer_import
     assert out.stdout.split(maxsplit=1) == ["2", "[]\n"], out.stdout
     out = subprocess.run([sys.executable, "-c", _TRAINER], capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout) == (0, "[]\n"), out.stderr[-2000:]
+
+
+# one bad value per command, as typed: the line every command prints is `functitan: error: <what and the fix>`
+BAD_VALUE = {
+    "train": (["train", "--training.steps=0"], "training.steps=0: must be >= 1"),
+    "rendezvous": (["rendezvous", "--port", "70000"], "--port=70000: a TCP port is 0..65535"),
+    "report": (["report", "/nonexistent/run"], "/nonexistent/run"),
+    "gradcheck": (["gradcheck", "--steps", "0"], "--steps=0: must be >= 1"),
+    "pipeline": (["pipeline", "show", "--schedule", "1f1b", "--pp", "0"], "pp"),
+    "plan": (["plan", "--device", "cpu", "--seq-len", "0"], "--seq-len=0: must be >= 1"),
+    "export": (["export", "hf", "/nonexistent/ck", "/nonexistent/out"], "/nonexistent/ck"),
+    "import": (["import", "hf", "/nonexistent/hf", "/nonexistent/out"], "/nonexistent/hf"),
+    "data": (["data", "prepare", "/nonexistent/c.txt", "--out", "/nonexistent/s"], "/nonexistent/c.txt"),
+}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_says_a_bad_value_in_one_line_and_shows_its_traceback_with_debug(command, capsys):
+    assert set(BAD_VALUE) == set(COMMANDS), "a new command needs its bad value here"
+    argv, message = BAD_VALUE[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("functitan: error: ") and err.count("\n") == 1 and message in err, err
+    with pytest.raises((ValueError, OSError), match="."):  # --debug: the error itself, with its traceback
+        main([*argv, "--debug"])

@@ -461,7 +461,7 @@ def test_a_port_in_use_or_no_store_at_the_rendezvous_endpoint_is_one_line_within
         port = busy.getsockname()[1]
         assert main(["rendezvous", "--port", str(port)]) == 2
     assert capsys.readouterr().err == (
-        f"functitan rendezvous: error: cannot listen on 0.0.0.0:{port}: port {port} is in use on this machine (by "
+        f"functitan: error: cannot listen on 0.0.0.0:{port}: port {port} is in use on this machine (by "
         "another program or another store); pick another --port, or a --host address of this machine (default "
         "0.0.0.0: all of them)\n"
     )

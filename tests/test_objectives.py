@@ -473,7 +473,7 @@ def test_gradcheck_reports_a_misnamed_slice_as_the_name_error_before_running_a_l
     out = cli("gradcheck", f"--model.name={USAGE}", "--model.ffn=misnamed", "--layouts=fsdp,pp_zb_v", "--steps", "3")
     assert out.returncode == 1 and out.stdout.count("error: ValueError: param 'layers.0.w_in' is declared") == 2
     bad = cli("gradcheck", f"--model.name={USAGE}", "--steps", "0")
-    assert bad.returncode == 2 and "functitan gradcheck: error: --steps=0: must be >= 1" in bad.stderr, bad.stderr
+    assert bad.returncode == 2 and "functitan: error: --steps=0: must be >= 1" in bad.stderr, bad.stderr
 
 
 # ----------------------------------------------------------------------------------------------- check_names

@@ -412,7 +412,7 @@ def test_cli_show_makes_the_folder_of_its_png(tmp_path, capsys):
     blocked.write_text("")
     assert cli_main(["show", "--schedule", "1f1b", "--pp", "2", "--out", str(blocked / "t.png")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("functitan pipeline show: error: ") and str(blocked) in err[0]
+    assert len(err) == 1 and err[0].startswith("functitan: error: ") and str(blocked) in err[0]
 
 
 def test_cli_reports_bad_input(tmp_path, capsys):

@@ -109,7 +109,7 @@ def test_report_errors_are_one_named_line(tmp_path, capsys, setup, message):
         (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"loss": 1.0}\n')
     assert cli_main(["report", str(run)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("functitan report: error: ") and message in err and err.count("\n") == 1
+    assert err.startswith("functitan: error: ") and message in err and err.count("\n") == 1
     with pytest.raises(ReportError, match=re.escape(message)):
         load_run(run)
 

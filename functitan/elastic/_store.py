@@ -15,6 +15,7 @@ import threading
 from collections.abc import Sequence
 from datetime import timedelta
 
+from ..errors import UserError, pop_debug, user_errors_exit
 from ._reach import listen_problem
 
 __all__ = ["main", "serve"]
@@ -33,6 +34,13 @@ def serve(host: str, port: int, *, ready: threading.Event | None = None, stop: t
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``functitan rendezvous``: serves until SIGTERM/SIGINT; bad input is one line and exit 2 (functitan.errors;
+    ``--debug`` shows its traceback)."""
+    debug, args = pop_debug(sys.argv[1:] if argv is None else argv)
+    return user_errors_exit(lambda: _serve_cli(args), debug=debug)
+
+
+def _serve_cli(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="functitan rendezvous",
         description=__doc__.split("\n")[0],
@@ -44,16 +52,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=29400, help="TCP port (default 29400)")
     args = parser.parse_args(argv)
     if not 0 <= args.port <= 65535:
-        print(f"functitan rendezvous: error: --port={args.port}: a TCP port is 0..65535, e.g. 29400", file=sys.stderr)
-        return 2
+        raise UserError(f"--port={args.port}: a TCP port is 0..65535, e.g. 29400")
     problem = listen_problem(args.host, args.port)  # before torch: its failure prints C++ stack frames, or waits
     if problem is not None:
-        print(
-            f"functitan rendezvous: error: cannot listen on {args.host}:{args.port}: {problem}; pick another --port, "
-            "or a --host address of this machine (default 0.0.0.0: all of them)",
-            file=sys.stderr,
+        raise UserError(
+            f"cannot listen on {args.host}:{args.port}: {problem}; pick another --port, or a --host address of this "
+            "machine (default 0.0.0.0: all of them)"
         )
-        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -61,12 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         serve(args.host, args.port, stop=stop)
     except RuntimeError as e:  # torch's DistNetworkError: the port is taken, or the host is not this machine's
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(
-            f"functitan rendezvous: error: cannot listen on {args.host}:{args.port} ({reason}); pick another --port, "
-            "or a --host address of this machine",
-            file=sys.stderr,
-        )
-        return 2
+        raise UserError(
+            f"cannot listen on {args.host}:{args.port} ({reason}); pick another --port, or a --host address of this "
+            "machine"
+        ) from e
     return 0
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
-from functitan.metrics._report import ReportError, load_run, write_report
+from functitan.errors import pop_debug, user_errors_exit
+from functitan.metrics._report import load_run, write_report
 
 EXAMPLE = """example:
   functitan train --config configs/debug.toml --training.steps=30 --metrics.run_name=a
@@ -41,13 +41,15 @@ def default_out(run_dirs: list[str]) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    """Run ``functitan report ARGV...``; returns the exit status (0 ok, 2 bad input)."""
-    args = _parser().parse_args(argv)
-    try:
-        runs = [load_run(d) for d in args.runs]
+    """Run ``functitan report ARGV...``; returns the exit status (0 ok, 2 bad input: one line, functitan.errors;
+    ``--debug`` shows its traceback)."""
+    debug, argv = pop_debug(argv)
+
+    def body() -> int:
+        args = _parser().parse_args(argv)
+        runs = [load_run(d) for d in args.runs]  # ReportError, a ValueError: one line
         png, page = write_report(runs, args.out or default_out(args.runs), smoothing=args.smoothing)
-    except (ReportError, ValueError, OSError) as e:
-        print(f"functitan report: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {png}\nwrote {page}")
-    return 0
+        print(f"wrote {png}\nwrote {page}")
+        return 0
+
+    return user_errors_exit(body, debug=debug)

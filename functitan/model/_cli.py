@@ -6,13 +6,20 @@ functitan gradcheck --model.name=path/to/my_model.py --model.flavor=tiny --layou
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
+from ..errors import UserError, pop_debug, user_errors_exit
 from ._gradcheck import GRADCHECK_LAYOUTS, gradcheck
 
 
 def main(argv: Sequence[str]) -> int:
+    """``functitan gradcheck``: 0 when every layout agrees, 1 when one differs, 2 for bad input (one line,
+    functitan.errors; ``--debug`` shows its traceback)."""
+    debug, args = pop_debug(argv)
+    return user_errors_exit(lambda: _gradcheck_cli(args), debug=debug)
+
+
+def _gradcheck_cli(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="functitan gradcheck",
         description="Compare one step's loss and gradients (--steps N: N steps' losses and updates) under parallel layouts (gloo processes on this machine) "
@@ -30,27 +37,22 @@ def main(argv: Sequence[str]) -> int:
     ns, rest = parser.parse_known_args(list(argv))
     for flag, value in (("--batch", ns.batch), ("--seq-len", ns.seq_len), ("--steps", ns.steps)):
         if value < 1:
-            print(f"functitan gradcheck: error: {flag}={value}: must be >= 1, e.g. {flag} 4", file=sys.stderr)
-            return 2
+            raise UserError(f"{flag}={value}: must be >= 1, e.g. {flag} 4")
     overrides = {}
     for arg in rest:
         key, eq, value = arg.removeprefix("--").partition("=")
         if not (arg.startswith("--model.") and eq):
             parser.error(f"unexpected argument {arg!r}; model fields look like --model.<field>=value")
         overrides[key.removeprefix("model.")] = value
-    try:
-        report = gradcheck(
-            ns.name,
-            flavor=ns.flavor,
-            overrides=overrides,
-            layouts=ns.layouts.split(","),
-            batch=ns.batch,
-            seq_len=ns.seq_len,
-            steps=ns.steps,
-        )
-    except ValueError as e:
-        print(f"functitan gradcheck: error: {e}", file=sys.stderr)
-        return 2
+    report = gradcheck(
+        ns.name,
+        flavor=ns.flavor,
+        overrides=overrides,
+        layouts=ns.layouts.split(","),
+        batch=ns.batch,
+        seq_len=ns.seq_len,
+        steps=ns.steps,
+    )
     bad = 0
     for layout, diffs in report.items():
         if "error" in diffs:  # the layout raised; the others ran

@@ -7,10 +7,9 @@ functitan pipeline show --csv my_schedule.csv
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from functitan.errors import unknown_command
+from functitan.errors import UserError, pop_debug, unknown_command, user_errors_exit
 from functitan.pipeline._csvfile import load_csv
 from functitan.pipeline._generators import SCHEDULE_NAMES, make_schedule
 from functitan.pipeline._render import render_png, render_text, summary
@@ -78,22 +77,22 @@ def main(argv: list[str]) -> int:
     """Run `functitan pipeline ARGV...`; returns the exit status (0 ok, 2 bad input)."""
     if argv and not argv[0].startswith("-") and argv[0] != "show":
         return unknown_command("functitan pipeline", argv[0], ["show"])
-    args = _parser().parse_args(argv)
-    try:
+    debug, argv = pop_debug(argv)
+
+    def body() -> int:
+        args = _parser().parse_args(argv)
         schedule = _build(args)
         sim = simulate(schedule, args.costs)
-    except (ValueError, OSError) as e:
-        print(f"functitan pipeline show: error: {e}", file=sys.stderr)
-        return 2
-    print(render_text(schedule, sim))
-    print(summary(schedule, sim))
-    print(f"bubble fraction: {float(sim.bubble_fraction):.4f}")
-    if args.out:
-        try:  # like `report --out` and `plan --png`: a missing folder is made
+        print(render_text(schedule, sim))
+        print(summary(schedule, sim))
+        print(f"bubble fraction: {float(sim.bubble_fraction):.4f}")
+        if args.out:  # like `report --out` and `plan --png`: a missing folder is made
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            render_png(schedule, sim, args.out)
-        except (ImportError, OSError) as e:
-            print(f"functitan pipeline show: error: {e}", file=sys.stderr)
-            return 2
-        print(f"wrote {args.out}")
-    return 0
+            try:
+                render_png(schedule, sim, args.out)
+            except ImportError as e:  # matplotlib: the plot extra
+                raise UserError(f"--out {args.out}: {e}") from e
+            print(f"wrote {args.out}")
+        return 0
+
+    return user_errors_exit(body, debug=debug)

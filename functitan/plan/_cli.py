@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError, pop_debug, user_errors_exit
 from ._devices import DEVICES, Cluster, calibrate, device
 from ._plan import MIN_TRACED, PlanError, plan
 from ._report import render_png, table, write_toml
@@ -81,46 +82,47 @@ def _model_overrides(rest: list[str]) -> tuple[dict, list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``functitan plan``; bad input is one line and exit 2 (functitan.errors; ``--debug`` shows its traceback)."""
+    debug, args = pop_debug(sys.argv[1:] if argv is None else argv)
+    return user_errors_exit(lambda: _plan_cli(args), debug=debug)
+
+
+def _plan_cli(argv: list[str]) -> int:
     parser = _parser()
-    args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    args, rest = parser.parse_known_args(argv)
     overrides, unknown = _model_overrides(rest)
     if unknown:
-        print(f"functitan plan: unknown argument {unknown[0]!r}; see functitan plan --help", file=sys.stderr)
-        return 2
+        raise UserError(f"unknown argument {unknown[0]!r}; see functitan plan --help")
+    dev = device(args.device)
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        raise PlanError(f"--nodes={args.nodes} --gpus-per-node={args.gpus_per_node}: both must be >= 1")
+    for flag, value in (("--seq-len", args.seq_len), ("--global-batch-tokens", args.global_batch_tokens)):
+        if value is not None and value < 1:  # 0 was taken as the default
+            raise PlanError(f"{flag}={value}: must be >= 1 (omit it for the default)")
+    if args.measure < 0:
+        raise PlanError(f"--measure={args.measure}: the steps to train each top candidate, >= 1 (0: no measure)")
+    for flag, path in (("--out", args.out), ("--png", args.png)):
+        if path:
+            _check_writable(flag, Path(path))  # before planning, not after it (40 s of work lost)
+    if args.calibrate:
+        dev = calibrate(dev, processes=max(2, min(args.nodes * args.gpus_per_node, 8)))
+    cluster = Cluster(device=dev, nodes=args.nodes, per_node=args.gpus_per_node)
+    seq = args.seq_len or (256 if dev.name == "cpu" else 8192)
+    tokens = args.global_batch_tokens or 8 * seq * cluster.world
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tracing is single-threaded Python: one core
     try:
-        dev = device(args.device)
-        if args.nodes < 1 or args.gpus_per_node < 1:
-            raise PlanError(f"--nodes={args.nodes} --gpus-per-node={args.gpus_per_node}: both must be >= 1")
-        for flag, value in (("--seq-len", args.seq_len), ("--global-batch-tokens", args.global_batch_tokens)):
-            if value is not None and value < 1:  # 0 was taken as the default
-                raise PlanError(f"{flag}={value}: must be >= 1 (omit it for the default)")
-        if args.measure < 0:
-            raise PlanError(f"--measure={args.measure}: the steps to train each top candidate, >= 1 (0: no measure)")
-        for flag, path in (("--out", args.out), ("--png", args.png)):
-            if path:
-                _check_writable(flag, Path(path))  # before planning, not after it (40 s of work lost)
-        if args.calibrate:
-            dev = calibrate(dev, processes=max(2, min(args.nodes * args.gpus_per_node, 8)))
-        cluster = Cluster(device=dev, nodes=args.nodes, per_node=args.gpus_per_node)
-        seq = args.seq_len or (256 if dev.name == "cpu" else 8192)
-        tokens = args.global_batch_tokens or 8 * seq * cluster.world
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # tracing is single-threaded Python: one core
-        try:
-            result = plan(
-                model_name=args.model_name,
-                flavor=args.flavor,
-                overrides=overrides,
-                cluster=cluster,
-                global_batch_tokens=tokens,
-                seq_len=seq,
-                top=args.top,
-            )
-        finally:
-            torch.set_num_threads(threads)
-    except ValueError as e:
-        print(f"functitan plan: {e}", file=sys.stderr)
-        return 2
+        result = plan(
+            model_name=args.model_name,
+            flavor=args.flavor,
+            overrides=overrides,
+            cluster=cluster,
+            global_batch_tokens=tokens,
+            seq_len=seq,
+            top=args.top,
+        )
+    finally:
+        torch.set_num_threads(threads)
     print("assumptions:")
     for a in result.assumptions:
         print(f"  {a}")
