@@ -201,7 +201,8 @@ def place_model(
     par, tcfg = cfg.parallelism, cfg.training
     specs = model_specs(model.params(model_cfg))
     if par.pp > 1:
-        assert model.stages is not None  # check_model refused pp > 1 for a model without stages
+        if model.stages is None:  # check_model refuses this first; kept for callers of place_model
+            raise ValueError(f"parallelism.pp={par.pp}: model {model.name!r} declares no stages; use parallelism.pp=1")
         stage_model = model.stages(model_cfg, layout, seq_len=tcfg.seq_len, dtype=layout.param_dtype or torch.float32)
         stages = pipeline.make_stages(stage_model, build_schedule(par, tcfg.microbatches), mesh, layers=stage_layers)
         return Placed(

@@ -29,7 +29,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -178,8 +178,7 @@ class TokenLoader:
         """N, the packed sequences in one epoch (tokenises the whole corpus on first use)."""
         self._reach(self._epoch(0), float("inf"))  # walks the whole epoch, so the total is known
         self._normalize(0, 0)  # raises when the corpus holds no full sequence
-        assert self._total is not None  # known once the epoch was walked
-        return self._total // (self.seq_len + 1)
+        return cast(int, self._total) // (self.seq_len + 1)  # known once the epoch was walked
 
     # -- the stream ----------------------------------------------------------------------------------
 

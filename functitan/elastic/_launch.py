@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 from .._worker_report import CHECKPOINTS, ERROR_DIR, STOPPED
 from ._orphans import LAUNCHER_PID
@@ -238,8 +238,8 @@ def launch(spec: LaunchSpec, argv: Sequence[str]) -> int:
         cmd = torchrun_command(spec, argv, log_dir=error_dir / "torchrun")  # removed with error_dir, signal or not
         proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, start_new_session=True)
         # a failure ends the job only without restarts: then torchrun's summary may give way to one line
-        assert proc.stderr is not None  # stderr=PIPE
-        pump = _StderrPump(proc.stderr, sys.stderr.buffer, hold_on_failure=spec.max_restarts == 0)
+        stderr = cast(IO[bytes], proc.stderr)  # stderr=PIPE: never None
+        pump = _StderrPump(stderr, sys.stderr.buffer, hold_on_failure=spec.max_restarts == 0)
         received: list[int] = []
         signalled_at: list[float] = []
 

@@ -151,7 +151,11 @@ def input_grad(
 ) -> tuple[Tensor | None, WeightGrad]:
     """B: ``d out / d inp`` (with cotangent ``dout``; None for a scalar loss), and the W pass that gives the
     weights' gradients from what B kept. The graph is retained for W; W frees it."""
-    assert out.grad_fn is not None, "input_grad: the stage output does not require grad"
+    if out.grad_fn is None:
+        raise ValueError(
+            "input_grad: the stage output does not require grad; a pipeline stage's output must depend on its "
+            "input or its params"
+        )
     rev, leaves = _graph(out.grad_fn)
     inp_node = inp.grad_fn or leaves.get(id(inp))
     activation_path, _ = _closure([inp_node] if inp_node is not None else [], rev, set())

@@ -54,7 +54,8 @@ class Device:
 def _gpu(key: str, table_name: str, mem_gib: float, intra_gbs: float, inter_gbs: float) -> Device:
     bf16 = _table_lookup(table_name, "bf16", None).value
     tf32 = _table_lookup(table_name, "tf32", None).value
-    assert bf16 is not None and tf32 is not None, table_name  # every GPU of the table has both
+    if bf16 is None or tf32 is None:
+        raise ValueError(f"device table {table_name!r} lacks a bf16 or tf32 peak; give both (FLOP/s) in its entry")
     return Device(
         name=key,
         memory=mem_gib * _GIB,
