@@ -30,12 +30,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "functitan.plan:main",
     ),
     "export": (
-        "export hf: write a functitan checkpoint as a Hugging Face model directory",
-        "functitan.checkpoint._hf_cli:export_main",
+        "export hf|dcp: write a functitan checkpoint as a Hugging Face directory or a torchtitan DCP checkpoint",
+        "functitan.checkpoint._cli:export_main",
     ),
     "import": (
         "import hf: make a functitan checkpoint from a Hugging Face model directory",
-        "functitan.checkpoint._hf_cli:import_main",
+        "functitan.checkpoint._cli:import_main",
     ),
     "data": ("data prepare: tokenize a corpus into memory-mapped shards", "functitan.data._prepare:main"),
 }

@@ -131,7 +131,8 @@ def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None) -> d
     if restored is not None:
         state = restored
     elif cfg.checkpoint.load_path and not is_hf_dir(cfg.checkpoint.load_path):
-        state = state._replace(params=restore_params(cfg.checkpoint.load_path, state.params, partial=par.pp > 1))
+        loaded = restore_params(cfg.checkpoint.load_path, state.params, partial=par.pp > 1, model=(model, model_cfg))
+        state = state._replace(params=loaded)
     # recorded once the checkpoint took this model: a resume refused (another model or shape) keeps the run's record
     _record_run(cfg, name, model_cfg, run_dir)
 

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from functitan import model as M
 from functitan.metrics import transformer_flops_per_token
-from functitan.model import HFMap, HFTensor, Param, normal, ones, zeros
+from functitan.model import HFMap, Param, TensorKey, normal, ones, zeros
 from functitan.sharding import Layout
 
 __all__ = [
@@ -266,15 +266,15 @@ def stage_model(cfg: GPT2Config, layout: Layout, *, seq_len: int, dtype: torch.d
 
 def _conv1d() -> dict[str, Any]:
     # HF's Conv1D stores (in, out); ours is (out, in)
-    return {"to_hf": lambda t: t.t().contiguous(), "from_hf": lambda t: t.t().contiguous()}
+    return {"to_theirs": lambda t: t.t().contiguous(), "from_theirs": lambda t: t.t().contiguous()}
 
 
-def hf_tensors(cfg: GPT2Config) -> dict[str, HFTensor]:
-    """``{our dotted name: HFTensor}`` for every parameter of ``cfg``."""
+def hf_tensors(cfg: GPT2Config) -> dict[str, TensorKey]:
+    """``{our dotted name: TensorKey}`` for every parameter of ``cfg``."""
     d = cfg.dim
-    out = {n: HFTensor(key=f"transformer.{n}") for n in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")}
+    out = {n: TensorKey(key=f"transformer.{n}") for n in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias")}
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = HFTensor(key="lm_head.weight")
+        out["lm_head.weight"] = TensorKey(key="lm_head.weight")
     for i in range(cfg.n_layers):
         ours, hf = f"layers.{i}", f"transformer.h.{i}"
         for n in (
@@ -286,17 +286,17 @@ def hf_tensors(cfg: GPT2Config) -> dict[str, HFTensor]:
             "mlp.c_fc.bias",
             "mlp.c_proj.bias",
         ):
-            out[f"{ours}.{n}"] = HFTensor(key=f"{hf}.{n}")
+            out[f"{ours}.{n}"] = TensorKey(key=f"{hf}.{n}")
         for n in ("attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"):
-            out[f"{ours}.{n}"] = HFTensor(key=f"{hf}.{n}", **_conv1d())
+            out[f"{ours}.{n}"] = TensorKey(key=f"{hf}.{n}", **_conv1d())
         # c_attn: HF (embed, 3 * embed) with q, k, v side by side <-> ours (3, heads, embed)
-        out[f"{ours}.attn.c_attn.weight"] = HFTensor(
+        out[f"{ours}.attn.c_attn.weight"] = TensorKey(
             key=f"{hf}.attn.c_attn.weight",
-            to_hf=lambda t: t.reshape(3 * d, d).t().contiguous(),
-            from_hf=lambda t: t.t().reshape(3, d, d).contiguous(),
+            to_theirs=lambda t: t.reshape(3 * d, d).t().contiguous(),
+            from_theirs=lambda t: t.t().reshape(3, d, d).contiguous(),
         )
-        out[f"{ours}.attn.c_attn.bias"] = HFTensor(
-            key=f"{hf}.attn.c_attn.bias", to_hf=lambda t: t.reshape(3 * d), from_hf=lambda t: t.reshape(3, d)
+        out[f"{ours}.attn.c_attn.bias"] = TensorKey(
+            key=f"{hf}.attn.c_attn.bias", to_theirs=lambda t: t.reshape(3 * d), from_theirs=lambda t: t.reshape(3, d)
         )
     return out
 

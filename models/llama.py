@@ -31,7 +31,7 @@ from torch import Tensor
 
 from functitan import model as M
 from functitan.metrics import transformer_flops_per_token
-from functitan.model import HFMap, HFTensor, Param, normal, ones, transformers_major
+from functitan.model import HFMap, Param, TensorKey, normal, ones, transformers_major
 from functitan.random import PRNGKey
 from functitan.sharding import Layout
 
@@ -455,13 +455,13 @@ _HF_LAYER = {
 }
 
 
-def hf_tensors(cfg: LlamaConfig) -> dict[str, HFTensor]:
-    """``{our dotted name: HFTensor}`` for every parameter of ``cfg``."""
+def hf_tensors(cfg: LlamaConfig) -> dict[str, TensorKey]:
+    """``{our dotted name: TensorKey}`` for every parameter of ``cfg``."""
     out = {
-        name: HFTensor(key=key) for name, key in _HF_TOP.items() if name != "output.weight" or not cfg.tie_embeddings
+        name: TensorKey(key=key) for name, key in _HF_TOP.items() if name != "output.weight" or not cfg.tie_embeddings
     }
     for i in range(cfg.n_layers):
-        out.update({f"layers.{i}.{name}": HFTensor(key=f"model.layers.{i}.{key}") for name, key in _HF_LAYER.items()})
+        out.update({f"layers.{i}.{name}": TensorKey(key=f"model.layers.{i}.{key}") for name, key in _HF_LAYER.items()})
     return out
 
 
@@ -591,6 +591,54 @@ def config_from_hf(d: Mapping[str, Any]) -> LlamaConfig:
     )
 
 
+# ----------------------------------------------------------------------------------------------- torchtitan
+# torchtitan's Llama 3 (its DCP checkpoints' keys) keeps Meta's RoPE on interleaved pairs (2j, 2j + 1); HF's
+# layout, ours, pairs (j, j + head_dim/2). The q and k rows convert by HF's own permutation, per head.
+
+_TT_TOP = {"embed.weight": "tok_embeddings.weight", "norm.weight": "norm.weight", "output.weight": "lm_head.weight"}
+_TT_LAYER = {
+    "attn_norm.weight": "attention_norm.weight",
+    "attn.wq": "attention.qkv_linear.wq.weight",
+    "attn.wk": "attention.qkv_linear.wk.weight",
+    "attn.wv": "attention.qkv_linear.wv.weight",
+    "attn.wo": "attention.wo.weight",
+    "mlp_norm.weight": "ffn_norm.weight",
+    "mlp.w_gate": "feed_forward.w1.weight",
+    "mlp.w_up": "feed_forward.w3.weight",
+    "mlp.w_down": "feed_forward.w2.weight",
+}
+
+
+def _rows_to_hf(heads: int) -> Any:
+    """Meta's interleaved rotary rows -> HF's halves: (heads * head_dim, in), pairs (2j, 2j+1) -> (j, j+hd/2)."""
+    return lambda w: w.reshape(heads, -1, 2, w.shape[-1]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def _rows_to_meta(heads: int) -> Any:
+    """The inverse of ``_rows_to_hf``."""
+    return lambda w: w.reshape(heads, 2, -1, w.shape[-1]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def torchtitan_tensors(cfg: LlamaConfig) -> dict[str, TensorKey]:
+    """``{our dotted name: TensorKey}`` in torchtitan's Llama 3 state-dict names (torchtitan 0.3)."""
+    top = {
+        "embed.weight": TensorKey(key=_TT_TOP["embed.weight"], also=("lm_head.weight",) if cfg.tie_embeddings else ())
+    }
+    top["norm.weight"] = TensorKey(key=_TT_TOP["norm.weight"])
+    if not cfg.tie_embeddings:
+        top["output.weight"] = TensorKey(key=_TT_TOP["output.weight"])
+    rope = {
+        "attn.wq": (_rows_to_meta(cfg.n_heads), _rows_to_hf(cfg.n_heads)),
+        "attn.wk": (_rows_to_meta(cfg.kv_heads), _rows_to_hf(cfg.kv_heads)),
+    }
+    out = dict(top)
+    for i in range(cfg.n_layers):
+        for name, key in _TT_LAYER.items():
+            to, back = rope.get(name, (None, None))
+            out[f"layers.{i}.{name}"] = TensorKey(key=f"layers.{i}.{key}", to_theirs=to, from_theirs=back)
+    return out
+
+
 HF = HFMap(
     architecture="LlamaForCausalLM",
     config_to_hf=config_to_hf,
@@ -611,4 +659,5 @@ MODEL = M.Model(
     stages=stage_model,
     check_layout=check_layout,
     hf=HF,
+    torchtitan=torchtitan_tensors,
 )

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from functitan import model as M
 from functitan.metrics import transformer_flops_per_token
-from functitan.model import HFMap, HFTensor, Param, normal, ones, transformers_major
+from functitan.model import HFMap, Param, TensorKey, normal, ones, transformers_major
 from functitan.sharding import Layout
 from models.llama import mlp, rms_norm
 
@@ -295,13 +295,16 @@ _HF_LAYER = {
 }
 
 
-def hf_tensors(cfg: Qwen3Config) -> dict[str, HFTensor]:
-    """``{our dotted name: HFTensor}``: a renaming (the table in the module docstring)."""
-    out = {"embed.weight": HFTensor(key="model.embed_tokens.weight"), "norm.weight": HFTensor(key="model.norm.weight")}
+def hf_tensors(cfg: Qwen3Config) -> dict[str, TensorKey]:
+    """``{our dotted name: TensorKey}``: a renaming (the table in the module docstring)."""
+    out = {
+        "embed.weight": TensorKey(key="model.embed_tokens.weight"),
+        "norm.weight": TensorKey(key="model.norm.weight"),
+    }
     if not cfg.tie_embeddings:
-        out["output.weight"] = HFTensor(key="lm_head.weight")
+        out["output.weight"] = TensorKey(key="lm_head.weight")
     for i in range(cfg.n_layers):
-        out.update({f"layers.{i}.{ours}": HFTensor(key=f"model.layers.{i}.{hf}") for ours, hf in _HF_LAYER.items()})
+        out.update({f"layers.{i}.{ours}": TensorKey(key=f"model.layers.{i}.{hf}") for ours, hf in _HF_LAYER.items()})
     return out
 
 

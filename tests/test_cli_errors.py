@@ -199,7 +199,7 @@ def test_a_load_path_that_is_a_run_directory_names_its_steps(tmp_path):
     cases = {
         str(tmp_path / "run"): f"functitan: error: {tmp_path}/run is not a functitan checkpoint (no _METADATA in it "
         f"or in {tmp_path}/run/default) (steps in {ckpts}: 2, 4); pass a step directory such as "
-        "runs/<run>/checkpoints/<step>",
+        "runs/<run>/checkpoints/<step> (or a torch DCP one with its .metadata: torchtitan's step-<N>)",
         str(
             ckpts / "9"
         ): f"functitan: error: checkpoint {ckpts}/9 does not exist (steps in {ckpts}: 2, 4); pass a step "

@@ -284,15 +284,15 @@ def test_a_lock_left_by_a_dead_job_is_taken_over_and_released_at_the_end(tmp_pat
 
 def _slow_writes(monkeypatch, seconds: float) -> None:
     """Every save's write takes ``seconds`` longer (a loaded host, a slow file system)."""
-    from functitan.checkpoint import _save
+    from functitan.checkpoint._orbax import OrbaxFormat
 
-    write = _save._write_shards
+    write = OrbaxFormat.write
 
     def slow(*args, **kwargs):
         time.sleep(seconds)
         return write(*args, **kwargs)
 
-    monkeypatch.setattr(_save, "_write_shards", slow)
+    monkeypatch.setattr(OrbaxFormat, "write", slow)
 
 
 def _trails(mgr, steps: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""Sharded, asynchronous, atomic checkpoints in the Orbax layout (zarr3, tensorstore-compatible); reshard on load.
+"""Sharded, asynchronous, atomic checkpoints in the Orbax layout (zarr3, tensorstore-compatible) or torch DCP
+(torchtitan's); reshard on load.
 
     ckpt = CheckpointManager("runs/x/ckpt", interval=500, keep_last=3)
     state = ckpt.restore_latest(state) or state     # exemplar: the freshly initialised TrainState
@@ -10,6 +11,7 @@
 See docs/checkpoints.md for the on-disk layout, the commit protocol and the Orbax interop.
 """
 
+from ._dcp import DcpFormat, export_dcp, is_dcp_dir, read_dcp
 from ._hf import (
     export_hf,
     from_hf_state_dict,
@@ -23,15 +25,22 @@ from ._hf import (
     write_model_config,
 )
 from ._manager import CheckpointManager, check_checkpoint_path, restore_params
+from ._orbax import OrbaxFormat
 from ._restore import CheckpointError, restore, verify
 from ._runlock import RunInUseError, RunLock, lock_run
-from ._save import Checkpointer, SaveHandle, save, save_sync
+from ._save import Checkpointer, Format, SaveHandle, save, save_sync
 
 __all__ = [
     "save",
     "save_sync",
     "SaveHandle",
     "Checkpointer",
+    "Format",
+    "OrbaxFormat",
+    "DcpFormat",
+    "read_dcp",
+    "export_dcp",
+    "is_dcp_dir",
     "restore",
     "verify",
     "CheckpointError",

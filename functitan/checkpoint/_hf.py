@@ -67,7 +67,7 @@ def _hf_map(model: Model):
 
 
 def _expected(model: Model, cfg: Any) -> list[tuple[str, Any, tuple[int, ...]]]:
-    """``[(our dotted name, HFTensor, shape)]`` in flatten order, as params flatten."""
+    """``[(our dotted name, TensorKey, shape)]`` in flatten order, as params flatten."""
     named, _ = flatten_with_names(model.params(cfg), is_leaf=is_param)
     table = _hf_map(model).tensors(cfg)
     missing = [name for name, _ in named if name not in table]
@@ -110,7 +110,7 @@ def _full(x: Tensor) -> Tensor:
 
 
 def _check_params(params: Any, model: Model, cfg: Any) -> list[tuple[str, Any, Tensor]]:
-    """``[(our name, HFTensor, leaf)]`` after checking structure and (global) shapes against ``cfg``."""
+    """``[(our name, TensorKey, leaf)]`` after checking structure and (global) shapes against ``cfg``."""
     decl = model.params(cfg)
     map_with_names(lambda n, i, x: None, decl, params, is_leaf=is_param, what=(f"{model.name}.params(cfg)", "params"))
     named, _ = flatten_with_names(params)
@@ -135,7 +135,7 @@ def to_hf_state_dict(params: Any, model: Model, cfg: Any) -> dict[str, Tensor]:
 
 
 def _to_hf(hf: Any, x: Tensor) -> Tensor:
-    return hf.to_hf(x) if hf.to_hf is not None else x
+    return hf.to_theirs(x) if hf.to_theirs is not None else x
 
 
 def from_hf_state_dict(sd: Mapping[str, Tensor], model: Model, cfg: Any, *, dtype: torch.dtype | None = None) -> Any:
@@ -168,7 +168,7 @@ def from_hf_state_dict(sd: Mapping[str, Tensor], model: Model, cfg: Any, *, dtyp
     for name, hf, shape in expected:
         if hf.key not in sd:
             raise ValueError(f"HF tensor {hf.key!r} (functitan {name!r}) is missing from the checkpoint")
-        x = hf.from_hf(sd[hf.key]) if hf.from_hf is not None else sd[hf.key]
+        x = hf.from_theirs(sd[hf.key]) if hf.from_theirs is not None else sd[hf.key]
         if tuple(x.shape) != shape:
             raise ValueError(
                 f"HF tensor {hf.key!r} (functitan {name!r}) has shape {tuple(x.shape)}, expected {shape} from config.json"
@@ -394,6 +394,14 @@ def export_hf(
 ) -> Any:
     """Convert a functitan checkpoint (a trainer's step directory, or ``import_hf``'s output) into an HF
     directory. ``model`` and ``cfg`` default to the record beside the checkpoint; ``kwargs`` as ``save_hf``'s."""
+    model, cfg, params = saved_params(ckpt_dir, model, cfg)
+    save_hf(params, model, cfg, out_dir, **kwargs)
+    return cfg
+
+
+def saved_params(ckpt_dir: str | os.PathLike, model: Model | None = None, cfg: Any = None) -> tuple[Model, Any, Any]:
+    """``(model, cfg, params)`` of a functitan checkpoint, whole on this process in the dtype it was saved in
+    (what an export converts); ``model`` and ``cfg`` default to the record beside the checkpoint."""
     from functitan.model import init
 
     from ._manager import ITEM, restore_params
@@ -410,6 +418,4 @@ def export_hf(
         if array.is_file()
         else torch.float32
     )
-    params = restore_params(item, init(decl, 0, device="meta", dtype=dtype))
-    save_hf(params, model, cfg, out_dir, **kwargs)
-    return cfg
+    return model, cfg, restore_params(item, init(decl, 0, device="meta", dtype=dtype))

@@ -328,27 +328,40 @@ def _steps_in(d: Path) -> str:
 
 def check_checkpoint_path(path: str | os.PathLike) -> None:
     """A path given as a checkpoint (``export hf``, ``checkpoint.load_path``) that holds none is one line that
-    lists the steps beside or under it: a run directory is the usual mistake."""
+    lists the steps beside or under it: a run directory is the usual mistake. A torch DCP directory
+    (torchtitan's ``step-<N>``) is one."""
+    from ._dcp import is_dcp_dir
+
     p = Path(path)
     if not p.exists():
         raise CheckpointError(
             f"checkpoint {path} does not exist{_steps_in(p.parent)}; pass a step directory such as "
             f"runs/<run>/checkpoints/<step>, or import hf's output"
         )
-    if not ((p / L.METADATA).is_file() or (p / ITEM / L.METADATA).is_file()):
+    if not ((p / L.METADATA).is_file() or (p / ITEM / L.METADATA).is_file() or is_dcp_dir(p)):
         raise CheckpointError(
             f"{path} is not a functitan checkpoint (no _METADATA in it or in {path}/default)"
             f"{_steps_in(p / 'checkpoints') or _steps_in(p)}; pass a step directory such as "
-            f"runs/<run>/checkpoints/<step>"
+            f"runs/<run>/checkpoints/<step> (or a torch DCP one with its .metadata: torchtitan's step-<N>)"
         )
 
 
-def restore_params(path: str | os.PathLike, exemplar: Any, *, partial: bool = False) -> Any:
+def restore_params(
+    path: str | os.PathLike, exemplar: Any, *, partial: bool = False, model: tuple[Any, Any] | None = None
+) -> Any:
     """A weights-only load of the ``params`` subtree from a checkpoint: a manager's step directory, its item
-    directory, or ``import_hf``'s output. ``exemplar`` is the params tree with the target placements
+    directory, or ``import_hf``'s output; or a torch DCP directory in torchtitan's names (torchtitan's
+    ``step-<N>``, ``export dcp``'s output), read through ``model``'s key map (``(Model, cfg)``) and cast to the
+    exemplar's dtypes as an HF load is. ``exemplar`` is the params tree with the target placements
     (``partial``: a pipeline rank's part of it)."""
+    from ._dcp import is_dcp_dir, read_dcp, torchtitan_keys
+
     check_checkpoint_path(path)
     path = os.fspath(path)
+    if is_dcp_dir(path):
+        if model is None:
+            raise ValueError(f"{path} is a DCP checkpoint: pass model=(Model, cfg) to read it in torchtitan's names")
+        return read_dcp(path, exemplar, torchtitan_keys(*model), cast=True)
     if os.path.isdir(os.path.join(path, ITEM)):
         path = os.path.join(path, ITEM)
     return restore(path, exemplar, only="params", partial=partial)

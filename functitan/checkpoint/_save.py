@@ -6,15 +6,20 @@ buffers, never the live tensors: mutating a parameter right after ``save`` retur
 With ``defer_staging`` even that copy runs in the background thread, and the caller fences its in-place
 updates on ``staged()``: the trainer's donated step waits there just before its optimizer update, so the
 copy overlaps the step's forward and backward.
-The chunk files are written by ``_fastwrite`` straight from those buffers (tensorstore for the zarr.json
-files and any leaf ``_fastwrite`` does not handle).
+
+This module is the format-free part: which rank writes which block of each leaf, staging, the private
+commit group, the marker and the rename. What the files look like is a ``Format``'s: ``OrbaxFormat``
+(_orbax.py, the default: zarr3 arrays and Orbax's ``_METADATA``) or ``DcpFormat`` (_dcp.py: torch DCP's
+``.metadata`` and ``__<rank>_0.distcp``, what torchtitan writes). A format is a class of four methods; a new
+one is a module beside these two.
 
 Commit protocol (a crash at any moment leaves the old set of checkpoints or the new one, never a mix):
 
-1. every rank writes its shards under ``<dir>.tmp-<uuid>`` (and the ``zarr.json`` of each leaf whose lowest
-   holder it is), fsyncs its files and writes their sizes and its leaves to ``_sizes.<rank>``;
-2. barrier; rank 0 writes ``_METADATA`` (every rank's leaves: pipeline ranks hold different ones) and
-   ``_COMMIT`` (all files with their sizes), fsyncs, renames ``<dir>.tmp-<uuid>`` to ``<dir>`` and fsyncs
+1. every rank writes its shards under ``<dir>.tmp-<uuid>`` (``Format.write``: Orbax also writes the
+   ``zarr.json`` of each leaf whose lowest holder it is), fsyncs its files and writes their sizes and what the
+   format's index needs (its leaves, its chunks' offsets) to ``_sizes.<rank>``;
+2. barrier; rank 0 writes the format's index (``Format.finish``: ``_METADATA`` or ``.metadata``, over every
+   rank's leaves: pipeline ranks hold different ones) and ``_COMMIT`` (all files with their sizes), fsyncs, renames ``<dir>.tmp-<uuid>`` to ``<dir>`` and fsyncs
    the parent directory (re-saving a damaged step: the damaged ``<dir>`` is first renamed to
    ``<dir>.tmp-deleting-<uuid>``, removed after the commit);
 3. barrier, so that ``wait()`` returns on every rank only once the checkpoint is visible.
@@ -34,14 +39,12 @@ import json
 import math
 import os
 import shutil
-import sys
 import threading
 import uuid
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -51,11 +54,34 @@ from torch.distributed.tensor import DTensor
 
 from functitan import _dtensor as _dt
 
-from . import _fastwrite
 from . import _layout as L
+from ._files import fsync, write_json
+from ._orbax import OrbaxFormat
 from ._restore import CheckpointError
 
-__all__ = ["SaveHandle", "Checkpointer", "save", "save_sync"]
+__all__ = ["SaveHandle", "Checkpointer", "Format", "save", "save_sync"]
+
+
+class Format(Protocol):
+    """What a checkpoint format decides; the commit protocol here does the rest (the same for every format).
+
+    ``name`` is recorded in ``_COMMIT``. ``layout(boxes, dtype)`` is called once per leaf when the tree's
+    structure is first seen (Orbax: the zarr.json, with chunks cut where writers meet). ``write(item, plan,
+    rank, background=)`` writes this rank's pieces (``piece.source``, global ``piece.box``) under ``item``,
+    fsynced, and returns ``({file: size}, part)``: ``part`` (JSON) is what ``finish`` needs from this rank.
+    ``finish(item, plan, empty, parts)`` runs on the leader with every rank's part, writes the format's index
+    and returns ``({file: size}, {array: shape})``. ``checksummed(rel)``: the files the marker keeps a crc32 of.
+    """
+
+    name: str
+
+    def layout(self, boxes: L.Boxes, dtype: np.dtype) -> Any: ...
+
+    def write(self, item: str, plan: list[_Leaf], rank: int, *, background: bool = False) -> tuple[dict, Any]: ...
+
+    def finish(self, item: str, plan: list[_Leaf], empty: list, parts: list) -> tuple[dict, dict]: ...
+
+    def checksummed(self, rel: str) -> bool: ...
 
 
 class SaveHandle:
@@ -175,14 +201,13 @@ class _Leaf:
     vtype: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    metadata: dict
+    layout: Any  # what the format decided for this leaf (Orbax: its zarr.json), from ``Format.layout``
     pieces: list[_Piece] = field(default_factory=list)
-    writes_metadata: bool = False  # this rank writes the leaf's zarr.json: the lowest rank holding the leaf
-    fast: Any = None  # the _fastread.Spec when _fastwrite writes the chunk files (else tensorstore does)
+    writes_metadata: bool = False  # this rank writes the leaf's metadata (zarr.json): the lowest rank holding it
 
 
 def _signature(named: list, treedef: Any) -> tuple:
-    sig = []
+    sig: list[tuple] = []
     for name, _, x in named:
         if isinstance(x, DTensor):
             sig.append((name, "dt", tuple(x.shape), x.dtype, tuple(x.placements), id(x.device_mesh), x.device.type))
@@ -207,7 +232,7 @@ def _scalar_array(x: Any, name: str) -> np.ndarray:
     return np.asarray(x)
 
 
-def _plan(named: list, rank: int, ranks: tuple[int, ...]) -> list[_Leaf]:
+def _plan(named: list, rank: int, ranks: tuple[int, ...], fmt: Format) -> list[_Leaf]:
     leaves = []
     for name, keys, x in named:
         vtype = L.value_type(x, name)
@@ -215,7 +240,7 @@ def _plan(named: list, rank: int, ranks: tuple[int, ...]) -> list[_Leaf]:
             dtype = L.np_dtype(x.dtype, name)
             boxes = L.dtensor_boxes(x, name)
             mine = boxes.by_rank.get(rank)
-            my_off = mine[0] if mine else None
+            my_off = mine[0] if mine else ()  # holding nothing, this rank writes no piece of it
         elif isinstance(x, torch.Tensor):
             if x.device.type == "meta":
                 raise ValueError(f"{name}: a meta tensor has no values to save; materialise it first")
@@ -231,16 +256,14 @@ def _plan(named: list, rank: int, ranks: tuple[int, ...]) -> list[_Leaf]:
                 )
             boxes = L.full_boxes(tuple(a.shape), ranks)
             my_off = (0,) * a.ndim
-        leaf = L.zarr3_metadata(boxes.shape, dtype, L.chunk_grid(boxes))
         item = _Leaf(
             name=name,
             keys=keys,
             vtype=vtype,
             shape=boxes.shape,
             dtype=dtype,
-            metadata=leaf,
+            layout=fmt.layout(boxes, dtype),
             writes_metadata=rank == min(boxes.by_rank, default=rank),
-            fast=_fastwrite.writable(leaf),
         )
         for box, writer in boxes.writers.items():
             if writer == rank:
@@ -297,22 +320,6 @@ def _stage(plan: list[_Leaf], named: list, *, copy: bool = True) -> list[torch.c
     return events
 
 
-def _lower_priority() -> None:
-    """Run the calling thread (a writer of an asynchronous save's pool) at the lowest CPU priority.
-
-    The write (checksums, copies into the page cache) then takes the CPU mostly when the training loop leaves
-    it idle: on a busy host the commit waits rather than the step. On 2 CPU cores the ranks fill, the step
-    after a save (benchmarks/checkpoint_vs_dcp.py's) took ~365 ms longer than a plain one with the writers at
-    the training's priority, ~100 ms at this one, staging included; the total over the steps until the
-    commit stayed the same (0.41-0.42 s against 0.33-0.43 s: the write's CPU time is spent either way), spread
-    over 6-10 steps instead of 1-2. Linux only: there a thread's nice value is its own (``setpriority`` on
-    its thread id); the pool's threads end with the save.
-    """
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
 def _side_stream(named: list) -> tuple[torch.cuda.Stream, torch.cuda.Event] | None:
     """For a tree with CUDA tensors: a side stream for the deferred staging copies, and an event on the
     caller's stream that they wait for (the kernels that computed the values). The copies then overlap the
@@ -325,104 +332,15 @@ def _side_stream(named: list) -> tuple[torch.cuda.Stream, torch.cuda.Event] | No
     return None
 
 
-# ----------------------------------------------------------------------------------------------- writing
-
-
-def _fsync(path: str, *, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _chunk_keys(box: L.Box, grid: tuple[int, ...]) -> list[str]:
-    if not box[1]:
-        return ["c"]
-    ranges = [range(o // g, -(-(o + s) // g)) for o, s, g in zip(box[0], box[1], grid)]
-    keys = [[]]
-    for r in ranges:
-        keys = [k + [i] for k in keys for i in r]
-    return ["c/" + "/".join(map(str, k)) for k in keys]
-
-
-def _write_json(path: str, doc: dict) -> int:
-    data = json.dumps(doc, indent=1, sort_keys=True).encode()
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return len(data)
-
-
-def _write_shards(item: str, plan: list[_Leaf], rank: int, *, background: bool = False) -> dict[str, int]:
-    """Write this rank's pieces (and the zarr.json of the leaves it writes metadata for); return {file: size}.
-
-    Chunk files of the layout ``save`` chooses are written by ``_fastwrite`` from the values' memory in
-    ``_WRITE_THREADS`` threads; tensorstore writes each zarr.json (one rank per leaf) and any leaf
-    ``_fastwrite`` cannot (a partial edge cell, complex values).
-    """
-    import tensorstore as ts  # here, not at import: it pulls in ml_dtypes (~1 s per process)
-
-    ctx = ts.Context({"file_io_sync": False})
-    opens, writes, written = [], [], []
-    synced: set[str] = set()  # chunk files their writer flushed already (see _fastwrite.write_block)
-    # an asynchronous save's writers yield the CPU to the training loop (see _lower_priority)
-    initializer = _lower_priority if background else None
-    with ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="functitan-save", initializer=initializer) as pool:
-        scratch = threading.local()  # each writer thread's reused gather buffer
-        for leaf in plan:
-            spec = L.array_spec(item, leaf.name, {"use_zarr3": True}, metadata=leaf.metadata)
-            spec["store_data_equal_to_fill_value"] = True  # every chunk is a file: sizes verify completeness
-            leader = leaf.writes_metadata
-            if not leaf.pieces and not leader:
-                continue
-            grid = tuple(leaf.metadata["chunk_grid"]["configuration"]["chunk_shape"])
-            if leader:
-                written.append(f"{leaf.name}/zarr.json")
-            for p in leaf.pieces:
-                written += [f"{leaf.name}/{k}" for k in _chunk_keys(p.box, grid)]
-            if leaf.fast is not None:
-                # one rank creates zarr.json (in the background); the chunk files need no metadata I/O
-                if leader:
-                    opens.append(ts.open(spec, create=True, context=ctx))
-                for p in leaf.pieces:
-                    src = L.as_numpy(p.source) if isinstance(p.source, torch.Tensor) else p.source
-                    args = (os.path.join(item, leaf.name), leaf.fast, p.box[0], src, scratch)
-                    writes.append(pool.submit(_fastwrite.write_block, *args, fsync=True))
-                    synced.update(f"{leaf.name}/{k}" for k in _chunk_keys(p.box, grid))
-                continue
-            # one rank creates zarr.json; the others assume it (no metadata I/O, no race)
-            opened = (
-                ts.open(spec, create=True, context=ctx)
-                if leader
-                else ts.open(spec, open=True, assume_metadata=True, context=ctx)
-            )
-            arr = opened.result()
-            for p in leaf.pieces:
-                src = L.as_numpy(p.source) if isinstance(p.source, torch.Tensor) else p.source
-                index = tuple(slice(o, o + s) for o, s in zip(*p.box))
-                writes.append(arr[index].write(src) if index else arr.write(src))
-        for f in opens + writes:
-            f.result()
-    # the rest (zarr.json, tensorstore's chunks): concurrent fsyncs share journal commits, ~2x faster than
-    # one after another on ext4
-    paths = [os.path.join(item, rel) for rel in written]
-    with ThreadPoolExecutor(16, initializer=initializer) as pool:
-        list(pool.map(_fsync, [p for rel, p in zip(written, paths) if rel not in synced]))
-    return {rel: os.path.getsize(full) for rel, full in zip(written, paths)}
-
-
-_WRITE_THREADS = min(8, 2 * (os.cpu_count() or 1))
-
-
 class _Group:
     """The processes taking part in a save, with a private gloo group for the commit barriers."""
 
     def __init__(self, mesh: DeviceMesh | None, timeout_s: float) -> None:
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.ranks: tuple[int, ...] = (0,)
+        self.pg: Any = None
         if not self.distributed:
-            self.rank, self.ranks, self.pg = 0, (0,), None
+            self.rank = 0
             return
         self.rank = dist.get_rank()
         if mesh is None:
@@ -487,6 +405,7 @@ def _commit(
     plan: list[_Leaf],
     empty: list,
     group: _Group,
+    fmt: Format,
     events: list,
     after_commit=None,
     replace: bool = False,
@@ -500,15 +419,14 @@ def _commit(
     error: BaseException | None = None
     try:
         os.makedirs(item, exist_ok=True)
-        sizes = _write_shards(item, plan, group.rank, background=background)
-        leaves = [[leaf.name, list(leaf.keys), leaf.vtype, leaf.metadata["shape"]] for leaf in plan]
-        _write_json(os.path.join(item, f"_sizes.{group.rank}"), {"files": sizes, "leaves": leaves})
+        sizes, part = fmt.write(item, plan, group.rank, background=background)
+        write_json(os.path.join(item, f"_sizes.{group.rank}"), {"files": sizes, "part": part})
     except Exception as exc:  # noqa: BLE001 - every rank learns of it at the barrier
         error = exc
     need = group.agree(error, _nbytes(plan))
     try:
         if group.leader:
-            _commit_as_leader(final, item, tmp, plan, empty, group, after_commit, replace)
+            _commit_as_leader(final, item, tmp, plan, empty, group, fmt, after_commit, replace)
     except Exception as exc:  # noqa: BLE001 - as above
         error = exc
     group.agree(error, need if group.leader else 0)
@@ -518,75 +436,50 @@ def _commit(
 
 
 def _commit_as_leader(
-    final: str, item: str, tmp: str, plan: list[_Leaf], empty: list, group: _Group, after_commit, replace: bool
+    final: str,
+    item: str,
+    tmp: str,
+    plan: list[_Leaf],
+    empty: list,
+    group: _Group,
+    fmt: Format,
+    after_commit,
+    replace: bool,
 ) -> None:
-    """Merge every rank's sizes into ``_METADATA`` and ``_COMMIT``, then rename ``tmp`` to ``final``."""
+    """Merge every rank's sizes, let the format write its index (``_METADATA``), write ``_COMMIT``, then rename
+    ``tmp`` to ``final``."""
     files: dict[str, int] = {}
-    entries: dict[str, list] = {}  # every rank's leaves (pipeline ranks hold different ones), first seen wins
+    parts = []
     for r in group.ranks:
         part = os.path.join(item, f"_sizes.{r}")
         with open(part) as f:
             doc = json.load(f)
         files.update(doc["files"])
-        for entry in doc["leaves"]:
-            entries.setdefault(entry[0], entry)
+        parts.append(doc["part"])
         os.remove(part)
-    merged = list(entries.values())
-    empties = [[name, list(keys), vtype, None] for name, keys, vtype in empty]
-    if len(merged) != len(plan):  # trees differ across ranks: write the whole tree's metadata
-        both = _as_sequences(merged + empties)
-        merged, empties = both[: len(merged)], both[len(merged) :]
-    meta = L.orbax_metadata([(n, tuple(k), v) for n, k, v, _ in merged], [(n, tuple(k), v) for n, k, v, _ in empties])
-    files[L.METADATA] = _write_json(os.path.join(item, L.METADATA), meta)
-    commit = {"format": L.FORMAT, "files": files, "arrays": {name: shape for name, _, _, shape in merged}}
-    commit["checksums"] = _metadata_checksums(item, files)
-    _write_json(os.path.join(item, L.COMMIT), commit)
-    _fsync(item, directory=True)
+    index, arrays = fmt.finish(item, plan, empty, parts)
+    files.update(index)
+    commit = {"format": fmt.name, "files": files, "arrays": arrays}
+    commit["checksums"] = _checksums(item, [rel for rel in files if fmt.checksummed(rel)])
+    write_json(os.path.join(item, L.COMMIT), commit)
+    fsync(item, directory=True)
     if item != tmp:
-        _fsync(tmp, directory=True)
+        fsync(tmp, directory=True)
     doomed = _move_aside(final) if replace and os.path.exists(final) else None
     os.rename(tmp, final)
-    _fsync(os.path.dirname(os.path.abspath(final)), directory=True)
+    fsync(os.path.dirname(os.path.abspath(final)), directory=True)
     if doomed is not None:
         shutil.rmtree(doomed, ignore_errors=True)
     if after_commit is not None:
         after_commit()
 
 
-def _metadata_checksums(item: str, files: dict[str, int]) -> dict[str, int]:
-    """crc32 of ``_METADATA`` and every ``zarr.json``: the chunks carry their own crc32c, and a same-size edit of
-    a metadata file (a shape, a dtype) would otherwise pass the size check and be blamed on the model config."""
+def _checksums(item: str, files: list[str]) -> dict[str, int]:
+    """crc32 of the files the format asks to protect (its metadata: a same-size edit passes the size check)."""
     out = {}
     for rel in files:
-        if rel == L.METADATA or rel.endswith("/zarr.json") or rel == "zarr.json":
-            with open(os.path.join(item, rel), "rb") as f:
-                out[rel] = zlib.crc32(f.read())
-    return out
-
-
-def _as_sequences(entries: list[list]) -> list[list]:
-    """Mark dict levels keyed exactly "0".."n-1" over the union of all ranks' trees as sequences.
-
-    A pipeline rank holds ``layers`` as a dict of its blocks' global indices, where the unpipelined model
-    has a list; in the merged tree the keys are 0..n-1 again, and writing them as sequence indices (Orbax
-    key_type 1) makes the checkpoint the same as one written without pipelining.
-    """
-    children: dict[tuple, set] = {}
-    for _, keys, _, _ in entries:
-        for i, k in enumerate(keys):
-            children.setdefault(tuple(x["key"] for x in keys[:i]), set()).add((k["key"], k["key_type"]))
-    seqs = {
-        prefix
-        for prefix, ks in children.items()
-        if all(t == 2 and k.isdigit() for k, t in ks) and sorted(int(k) for k, _ in ks) == list(range(len(ks)))
-    }
-    out = []
-    for name, keys, vtype, shape in entries:
-        keys = [
-            {"key": k["key"], "key_type": 1} if tuple(x["key"] for x in keys[:i]) in seqs else k
-            for i, k in enumerate(keys)
-        ]
-        out.append([name, keys, vtype, shape])
+        with open(os.path.join(item, rel), "rb") as f:
+            out[rel] = zlib.crc32(f.read())
     return out
 
 
@@ -600,15 +493,22 @@ class Checkpointer:
         mesh: the mesh whose ranks take part (default: every rank of the default process group). Plain
             tensors and scalars are taken as identical on those ranks and written by the lowest one.
         timeout_s: how long the commit barrier waits for a slow or dead rank.
+        format: what the files look like (default ``OrbaxFormat()``; ``DcpFormat()`` writes torch DCP).
 
     Every rank must call ``save`` with the same path and a tree of the same structure. Call ``close()``
     (or ``wait()``) before destroying the process group.
     """
 
     def __init__(
-        self, *, mesh: DeviceMesh | None = None, timeout_s: float = 1800.0, group: _Group | None = None
+        self,
+        *,
+        mesh: DeviceMesh | None = None,
+        timeout_s: float = 1800.0,
+        group: _Group | None = None,
+        format: Format | None = None,
     ) -> None:
         self._mesh = mesh
+        self._format: Format = format or OrbaxFormat()
         self._timeout_s = timeout_s
         self._group = group
         self._owns_group = group is None
@@ -648,10 +548,11 @@ class Checkpointer:
         named, treedef = L.named_leaves(tree)
         sig = _signature(named, treedef)
         if sig != self._plan_sig:
-            self._plan = _plan(named, self._group.rank, self._group.ranks)
+            self._plan = _plan(named, self._group.rank, self._group.ranks, self._format)
             self._empty = L.empty_nodes(tree)
             self._plan_sig = sig
-        plan, empty, group = self._plan, self._empty, self._group
+        plan, empty, group, fmt = self._plan, self._empty, self._group, self._format
+        assert plan is not None  # set above for this tree's signature
         defer = defer_staging and _stage_copy  # a synchronous save copies nothing
         events = [] if defer else _stage(plan, named, copy=_stage_copy)
         side = _side_stream(named) if defer else None
@@ -677,7 +578,7 @@ class Checkpointer:
                 finally:
                     handle._staged.set()
             try:
-                _commit(path, _item, plan, empty, group, events, after_commit, _replace, background=_stage_copy)
+                _commit(path, _item, plan, empty, group, fmt, events, after_commit, _replace, background=_stage_copy)
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
                 handle._error = exc
 

@@ -18,7 +18,7 @@ FSDP, HSDP, TP and TP + SP with one process and lists every parameter that diffe
 from .._loss import TokenLoss
 from ._check import check_names
 from ._gradcheck import GRADCHECK_LAYOUTS, gradcheck
-from ._model import HFMap, HFTensor, Model, config_from_dict, config_to_dict, transformers_major
+from ._model import HFMap, Model, TensorKey, config_from_dict, config_to_dict, transformers_major
 from ._param import Param, constant, count, init, is_param, normal, ones, shapes, specs, uniform, zeros
 from ._resolve import ENTRY_POINT_GROUP, load_model, model_for_architecture
 
@@ -37,7 +37,7 @@ __all__ = [
     "count",
     "Model",
     "HFMap",
-    "HFTensor",
+    "TensorKey",
     "config_to_dict",
     "config_from_dict",
     "transformers_major",

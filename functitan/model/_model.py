@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["Model", "HFMap", "HFTensor", "config_to_dict", "config_from_dict", "transformers_major"]
+__all__ = ["Model", "HFMap", "TensorKey", "config_to_dict", "config_from_dict", "transformers_major"]
 
 
 def transformers_major(version: str | None = None) -> int:
@@ -33,16 +33,18 @@ def transformers_major(version: str | None = None) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class HFTensor:
-    """Where one of our parameters lives in a Hugging Face state dict, and how its layout differs.
+class TensorKey:
+    """Where one of our parameters lives in another framework's state dict (Hugging Face's, torchtitan's), and
+    how its layout differs.
 
-    ``to_hf(ours) -> hf`` and ``from_hf(hf) -> ours`` convert the tensor (a transpose for GPT-2's Conv1D, a
-    reshape for a fused projection); None means the same layout.
+    ``to_theirs(ours) -> theirs`` and ``from_theirs(theirs) -> ours`` convert the whole tensor (a transpose for
+    GPT-2's Conv1D, a reshape for a fused projection, a permutation of rotary rows); None means the same layout.
     """
 
     key: str
-    to_hf: Callable[[Tensor], Tensor] | None = None
-    from_hf: Callable[[Tensor], Tensor] | None = None
+    to_theirs: Callable[[Tensor], Tensor] | None = None
+    from_theirs: Callable[[Tensor], Tensor] | None = None
+    also: tuple[str, ...] = ()  # keys an export writes it under too (a tied ``lm_head.weight``); loads read ``key``
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +55,7 @@ class HFMap:
         architecture: the transformers class name (``"LlamaForCausalLM"``), written to and checked in config.json.
         config_to_hf: ``cfg -> config.json dict`` (without ``dtype``; the exporter adds it).
         config_from_hf: ``config.json dict -> cfg``; raises ValueError naming a key the model does not implement.
-        tensors: ``cfg -> {our dotted name: HFTensor}`` for every parameter of ``cfg``.
+        tensors: ``cfg -> {our dotted name: TensorKey}`` for every parameter of ``cfg``.
         tied: ``cfg -> {HF key: HF key it must equal}`` for tied weights HF may also save (``lm_head.weight``).
         ignored: HF keys that carry no parameter (regular expressions, e.g. old rotary buffers).
         base_prefix: the prefix of the base model's keys (``"transformer."`` for GPT-2); a state dict saved from
@@ -63,7 +65,7 @@ class HFMap:
     architecture: str
     config_to_hf: Callable[[Any], dict[str, Any]]
     config_from_hf: Callable[[Mapping[str, Any]], Any]
-    tensors: Callable[[Any], dict[str, HFTensor]]
+    tensors: Callable[[Any], dict[str, TensorKey]]
     tied: Callable[[Any], dict[str, str]] = lambda cfg: {}
     ignored: tuple[str, ...] = ()
     base_prefix: str = ""
@@ -91,6 +93,8 @@ class Model:
         check_layout: ``(cfg, *, tp, seq_len, sequence_parallel) -> None``: raises ValueError naming a layout
             that works when this one cannot split the model; None: only the generic checks.
         hf: the Hugging Face mapping, or None (no HF import/export).
+        torchtitan: ``cfg -> {our dotted name: TensorKey}`` in torchtitan's state-dict names, the keys of its DCP
+            checkpoints (``--checkpoint.load_path=<torchtitan step-N>``, ``functitan export dcp``); or None.
     """
 
     name: str
@@ -102,6 +106,7 @@ class Model:
     stages: Callable[..., Any] | None = None
     check_layout: Callable[..., None] | None = None
     hf: HFMap | None = None
+    torchtitan: Callable[[Any], dict[str, TensorKey]] | None = None
     config_type: type = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

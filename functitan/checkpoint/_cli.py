@@ -1,4 +1,4 @@
-"""``functitan export hf CKPT OUT`` and ``functitan import hf HF_DIR OUT_CKPT``.
+"""``functitan export hf|dcp CKPT OUT`` and ``functitan import hf HF_DIR OUT_CKPT``.
 
 Paths are checked before any work, so a wrong one is a named error (one line, exit code 2): a checkpoint or
 HF directory that does not exist or is not one, an output path that is a file, or that cannot be created or
@@ -67,8 +67,9 @@ def _writable_dir(path: str, *, must_be_new: bool = False) -> None:
 
 
 EXAMPLES = {
-    "export": "example:\n  functitan export hf runs/llama-20260101-120000/checkpoints/200 hf_out/\n"
-    "  python -c \"import transformers as t; t.AutoModelForCausalLM.from_pretrained('hf_out')\"",
+    "export": "examples:\n  functitan export hf runs/llama-20260101-120000/checkpoints/200 hf_out/\n"
+    "  python -c \"import transformers as t; t.AutoModelForCausalLM.from_pretrained('hf_out')\"\n"
+    "  functitan export dcp runs/llama-20260101-120000/checkpoints/200 tt_out/step-200   # torchtitan's names",
     "import": "example:\n  functitan import hf ~/models/Llama-3.2-1B ckpt/llama-1b\n"
     "  functitan train --checkpoint.load_path=ckpt/llama-1b --data.tokenizer=~/models/Llama-3.2-1B/tokenizer.json",
 }
@@ -84,17 +85,30 @@ def import_main(argv: Sequence[str]) -> int:
     return main("import", argv)
 
 
-def main(command: str, argv: Sequence[str]) -> int:
-    debug, args = pop_debug(argv)
+FORMATS = {"export": ("hf", "dcp"), "import": ("hf",)}  # command -> the formats it takes, the first the default help
+
+
+def _parser(command: str, fmt: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=f"functitan {command} hf", epilog=EXAMPLES[command], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=f"functitan {command} {fmt}",
+        epilog=EXAMPLES[command],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     if command == "export":
         parser.add_argument(
             "checkpoint", help="a functitan checkpoint (a step directory: runs/<name>/checkpoints/<step>)"
         )
-        parser.add_argument("out", help="the Hugging Face directory to write")
-        parser.add_argument("--max-shard-bytes", type=int, default=MAX_SHARD_BYTES)
+        if fmt == "hf":
+            parser.add_argument("out", help="the Hugging Face directory to write")
+            parser.add_argument("--max-shard-bytes", type=int, default=MAX_SHARD_BYTES)
+        else:
+            parser.add_argument(
+                "out", help="the DCP checkpoint directory to write (new; e.g. outputs/checkpoint/step-200)"
+            )
+            parser.add_argument(
+                "--dtype", choices=("float32", "bfloat16"), default=None, help="default: the checkpoint's dtype"
+            )
     else:
         parser.add_argument("hf_dir", help="a local Hugging Face model directory (config.json + safetensors)")
         parser.add_argument("out", help="the functitan checkpoint directory to write")
@@ -105,20 +119,30 @@ def main(command: str, argv: Sequence[str]) -> int:
         )
         parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    return parser
+
+
+def main(command: str, argv: Sequence[str]) -> int:
+    debug, args = pop_debug(argv)
+    formats = FORMATS[command]
     if args and args[0] in ("-h", "--help"):
-        args = ["hf", *args]
+        args = [formats[0], *args]
     if not args:
-        parser.error(f"the only format is hf: functitan {command} hf ...")
-    if args[0] != "hf":
-        return unknown_command(f"functitan {command}", args[0], ["hf"])
-    ns = parser.parse_args(args[1:])
+        _parser(command, formats[0]).error(
+            f"name a format ({' or '.join(formats)}): functitan {command} {formats[0]} ..."
+        )
+    if args[0] not in formats:
+        return unknown_command(f"functitan {command}", args[0], list(formats))
+    fmt = args[0]
+    ns = _parser(command, fmt).parse_args(args[1:])
 
     def body() -> int:
         import torch
 
         from ._hf import export_hf, import_hf, recorded_model
 
-        if command == "export":
+        dtype = getattr(torch, ns.dtype) if getattr(ns, "dtype", None) else None
+        if command == "export" and fmt == "hf":
             if ns.max_shard_bytes < 1:  # checked first: it was taken as "no limit" after the export's work
                 raise ValueError(f"--max-shard-bytes={ns.max_shard_bytes}: must be >= 1, e.g. 5000000000 (5 GB)")
             check_checkpoint_path(ns.checkpoint)
@@ -126,11 +150,23 @@ def main(command: str, argv: Sequence[str]) -> int:
             model, cfg = recorded_model(ns.checkpoint)
             export_hf(ns.checkpoint, ns.out, model=model, cfg=cfg, max_shard_bytes=ns.max_shard_bytes)
             print(f"functitan: wrote a Hugging Face {model.hf.architecture if model.hf else model.name} to {ns.out}")
+        elif command == "export":
+            from ._dcp import export_dcp, torchtitan_keys
+
+            check_checkpoint_path(ns.checkpoint)
+            _writable_dir(ns.out, must_be_new=True)
+            model, cfg = recorded_model(ns.checkpoint)
+            torchtitan_keys(model, cfg)  # a model without a torchtitan map is named before any work
+            export_dcp(ns.checkpoint, ns.out, model=model, cfg=cfg, dtype=dtype)
+            print(
+                f"functitan: wrote a torch DCP checkpoint in torchtitan's {model.name} names to {ns.out}; torchtitan "
+                f"loads it with --checkpoint.initial_load_path={ns.out} --checkpoint.initial_load_model_only"
+            )
         else:
             _hf_in(ns.hf_dir)
             _writable_dir(ns.out, must_be_new=True)
             name, model = _model_of(ns.hf_dir, ns.model)
-            import_hf(ns.hf_dir, ns.out, model, name=name, dtype=getattr(torch, ns.dtype) if ns.dtype else None)
+            import_hf(ns.hf_dir, ns.out, model, name=name, dtype=dtype)
             print(
                 f"functitan: wrote a functitan checkpoint of {ns.hf_dir} to {ns.out}; train from it with "
                 f"--checkpoint.load_path={ns.out}"
