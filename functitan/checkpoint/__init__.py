@@ -11,9 +11,10 @@
 See docs/checkpoints.md for the on-disk layout, the commit protocol and the Orbax interop.
 """
 
-from ._dcp import DcpFormat, export_dcp, is_dcp_dir, read_dcp
+from ._dcp import DcpFormat, is_dcp_dir, read_dcp
+from ._export import export_dcp, export_hf
+from ._format import Format
 from ._hf import (
-    export_hf,
     from_hf_state_dict,
     import_hf,
     is_hf_dir,
@@ -28,7 +29,7 @@ from ._manager import CheckpointManager, check_checkpoint_path, restore_params
 from ._orbax import OrbaxFormat
 from ._restore import CheckpointError, restore, verify
 from ._runlock import RunInUseError, RunLock, lock_run
-from ._save import Checkpointer, Format, SaveHandle, save, save_sync
+from ._save import Checkpointer, SaveHandle, save, save_sync
 
 __all__ = [
     "save",

@@ -139,7 +139,8 @@ def main(command: str, argv: Sequence[str]) -> int:
     def body() -> int:
         import torch
 
-        from ._hf import export_hf, import_hf, recorded_model
+        from ._export import export_dcp, export_hf
+        from ._hf import import_hf, recorded_model
 
         dtype = getattr(torch, ns.dtype) if getattr(ns, "dtype", None) else None
         if command == "export" and fmt == "hf":
@@ -151,7 +152,7 @@ def main(command: str, argv: Sequence[str]) -> int:
             export_hf(ns.checkpoint, ns.out, model=model, cfg=cfg, max_shard_bytes=ns.max_shard_bytes)
             print(f"functitan: wrote a Hugging Face {model.hf.architecture if model.hf else model.name} to {ns.out}")
         elif command == "export":
-            from ._dcp import export_dcp, torchtitan_keys
+            from ._dcp import torchtitan_keys
 
             check_checkpoint_path(ns.checkpoint)
             _writable_dir(ns.out, must_be_new=True)

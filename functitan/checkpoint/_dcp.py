@@ -33,9 +33,9 @@ from ._restore import CheckpointError, _start_read
 if TYPE_CHECKING:
     from functitan.model import Model, TensorKey
 
-    from ._save import _Leaf
+    from ._format import Leaf
 
-__all__ = ["DcpFormat", "is_dcp_dir", "read_dcp", "export_dcp", "torchtitan_keys", "DCP_METADATA"]
+__all__ = ["DcpFormat", "is_dcp_dir", "read_dcp", "torchtitan_keys", "DCP_METADATA"]
 
 DCP_METADATA = ".metadata"
 _BATCH_BYTES = 1 << 30  # whole tensors read per DCP load: the peak a load adds (or the largest tensor)
@@ -73,7 +73,7 @@ class DcpFormat:
     def layout(self, boxes: L.Boxes, dtype: np.dtype) -> None:
         return None  # a chunk is a writer's block: nothing to decide beyond the boxes
 
-    def write(self, item: str, plan: list[_Leaf], rank: int, *, background: bool = False) -> tuple[dict, list]:
+    def write(self, item: str, plan: list[Leaf], rank: int, *, background: bool = False) -> tuple[dict, list]:
         """Write this rank's blocks to ``__<rank>_0.distcp`` with DCP's writer; the part for ``finish`` is every
         block's ``[key, dtype, global shape, offsets, sizes, file, byte offset, length]``."""
         from torch.distributed.checkpoint import FileSystemWriter
@@ -109,7 +109,7 @@ class DcpFormat:
             files.add(info.relative_path)
         return {f: os.path.getsize(os.path.join(item, f)) for f in files}, part
 
-    def finish(self, item: str, plan: list[_Leaf], empty: list, parts: list) -> tuple[dict, dict]:
+    def finish(self, item: str, plan: list[Leaf], empty: list, parts: list) -> tuple[dict, dict]:
         """On the leader: every rank's blocks as DCP's ``Metadata``, written by DCP's own ``finish``."""
         from torch.distributed.checkpoint import FileSystemWriter
         from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -255,46 +255,3 @@ def torchtitan_keys(model: Model, cfg: Any) -> dict[str, TensorKey]:
             f"torchtitan's DCP checkpoints; add one as models/llama.py does (torchtitan_tensors)"
         )
     return model.torchtitan(cfg)
-
-
-def export_dcp(
-    ckpt_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    *,
-    model: Model | None = None,
-    cfg: Any = None,
-    dtype: torch.dtype | None = None,
-) -> Any:
-    """Write a functitan checkpoint's weights as a DCP checkpoint in torchtitan's names (a model-only
-    ``step-<N>`` as torchtitan saves one: ``torch.distributed.checkpoint.load`` into its model's state dict
-    reads it). ``model`` and ``cfg`` default to the record beside the checkpoint."""
-    from functitan.tree import flatten_with_names
-
-    from ._hf import saved_params
-    from ._save import Checkpointer
-
-    model, cfg, params = saved_params(ckpt_dir, model, cfg)
-    keys = torchtitan_keys(model, cfg)
-    flat: dict[str, torch.Tensor] = {}
-    for name, x in flatten_with_names(params)[0]:
-        k = keys[name]
-        value = k.to_theirs(x) if k.to_theirs is not None else x
-        value = value.to(dtype) if dtype is not None and value.is_floating_point() else value
-        for key in (k.key, *k.also):
-            flat[key] = value.contiguous()
-    with Checkpointer(format=DcpFormat()) as ck:
-        ck.save_sync(out_dir, _nest(flat))  # its leaves' dotted names are the flat keys again
-    return cfg
-
-
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    """``{"a.b": x}`` -> ``{"a": {"b": x}}``: a checkpoint's leaf names join keys with ".", so a flat state dict's
-    dotted keys are written as the nested tree they name."""
-    tree: dict[str, Any] = {}
-    for dotted, value in flat.items():
-        *parents, leaf = dotted.split(".")
-        node = tree
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[leaf] = value
-    return tree

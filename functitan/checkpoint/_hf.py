@@ -43,7 +43,6 @@ __all__ = [
     "save_hf",
     "load_hf",
     "import_hf",
-    "export_hf",
     "is_hf_dir",
     "write_model_config",
     "recorded_model_config",
@@ -382,40 +381,3 @@ def import_hf(
     save_sync(out_ckpt_dir, {"params": params})
     write_model_config(name or model.name, cfg, out_ckpt_dir)
     return cfg
-
-
-def export_hf(
-    ckpt_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    *,
-    model: Model | None = None,
-    cfg: Any = None,
-    **kwargs: Any,
-) -> Any:
-    """Convert a functitan checkpoint (a trainer's step directory, or ``import_hf``'s output) into an HF
-    directory. ``model`` and ``cfg`` default to the record beside the checkpoint; ``kwargs`` as ``save_hf``'s."""
-    model, cfg, params = saved_params(ckpt_dir, model, cfg)
-    save_hf(params, model, cfg, out_dir, **kwargs)
-    return cfg
-
-
-def saved_params(ckpt_dir: str | os.PathLike, model: Model | None = None, cfg: Any = None) -> tuple[Model, Any, Any]:
-    """``(model, cfg, params)`` of a functitan checkpoint, whole on this process in the dtype it was saved in
-    (what an export converts); ``model`` and ``cfg`` default to the record beside the checkpoint."""
-    from functitan.model import init
-
-    from ._manager import ITEM, restore_params
-
-    if model is None or cfg is None:
-        model, cfg = recorded_model(ckpt_dir)
-    item = Path(ckpt_dir) / ITEM if (Path(ckpt_dir) / ITEM).is_dir() else Path(ckpt_dir)
-    decl = model.params(cfg)
-    # restore in the dtype the checkpoint holds (the exemplar's dtype must match: no silent casts)
-    first = flatten_with_names(decl, is_leaf=is_param)[0][0][0]
-    array = item / f"params.{first}" / "zarr.json"
-    dtype = (
-        getattr(torch, _read_json(array).get("data_type", "float32"), torch.float32)
-        if array.is_file()
-        else torch.float32
-    )
-    return model, cfg, restore_params(item, init(decl, 0, device="meta", dtype=dtype))

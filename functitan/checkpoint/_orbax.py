@@ -11,7 +11,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,9 +19,7 @@ import torch
 from . import _fastwrite
 from . import _layout as L
 from ._files import fsync, lower_priority, write_json
-
-if TYPE_CHECKING:
-    from ._save import _Leaf
+from ._format import Leaf
 
 __all__ = ["OrbaxFormat"]
 
@@ -79,7 +77,7 @@ class OrbaxFormat:
         meta = L.zarr3_metadata(boxes.shape, dtype, L.chunk_grid(boxes))
         return ZarrLeaf(meta=meta, fast=_fastwrite.writable(meta))
 
-    def write(self, item: str, plan: list[_Leaf], rank: int, *, background: bool = False) -> tuple[dict, list]:
+    def write(self, item: str, plan: list[Leaf], rank: int, *, background: bool = False) -> tuple[dict, list]:
         """Write this rank's pieces (and the zarr.json of the leaves it writes metadata for); return
         ``({file: size}, its leaves as _METADATA entries)``.
 
@@ -141,7 +139,7 @@ class OrbaxFormat:
         sizes = {rel: os.path.getsize(full) for rel, full in zip(written, paths)}
         return sizes, [[leaf.name, list(leaf.keys), leaf.vtype, list(leaf.shape)] for leaf in plan]
 
-    def finish(self, item: str, plan: list[_Leaf], empty: list, parts: list[list]) -> tuple[dict, dict]:
+    def finish(self, item: str, plan: list[Leaf], empty: list, parts: list[list]) -> tuple[dict, dict]:
         """On the leader: ``_METADATA`` over every rank's leaves (pipeline ranks hold different ones, first seen
         wins); returns ``({file: size}, {array: shape})``."""
         entries: dict[str, list] = {}

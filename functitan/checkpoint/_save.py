@@ -43,8 +43,7 @@ import threading
 import uuid
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,32 +55,11 @@ from functitan import _dtensor as _dt
 
 from . import _layout as L
 from ._files import fsync, write_json
+from ._format import Format, Leaf, Piece
 from ._orbax import OrbaxFormat
 from ._restore import CheckpointError
 
 __all__ = ["SaveHandle", "Checkpointer", "Format", "save", "save_sync"]
-
-
-class Format(Protocol):
-    """What a checkpoint format decides; the commit protocol here does the rest (the same for every format).
-
-    ``name`` is recorded in ``_COMMIT``. ``layout(boxes, dtype)`` is called once per leaf when the tree's
-    structure is first seen (Orbax: the zarr.json, with chunks cut where writers meet). ``write(item, plan,
-    rank, background=)`` writes this rank's pieces (``piece.source``, global ``piece.box``) under ``item``,
-    fsynced, and returns ``({file: size}, part)``: ``part`` (JSON) is what ``finish`` needs from this rank.
-    ``finish(item, plan, empty, parts)`` runs on the leader with every rank's part, writes the format's index
-    and returns ``({file: size}, {array: shape})``. ``checksummed(rel)``: the files the marker keeps a crc32 of.
-    """
-
-    name: str
-
-    def layout(self, boxes: L.Boxes, dtype: np.dtype) -> Any: ...
-
-    def write(self, item: str, plan: list[_Leaf], rank: int, *, background: bool = False) -> tuple[dict, Any]: ...
-
-    def finish(self, item: str, plan: list[_Leaf], empty: list, parts: list) -> tuple[dict, dict]: ...
-
-    def checksummed(self, rel: str) -> bool: ...
 
 
 class SaveHandle:
@@ -178,32 +156,12 @@ class _PeerFailed(OSError):
         self.need = need
 
 
-def _nbytes(plan: list[_Leaf]) -> int:
+def _nbytes(plan: list[Leaf]) -> int:
     """What this rank's shards of ``plan`` take on disk, about (no compression)."""
     return sum(math.prod(p.box[1]) * leaf.dtype.itemsize for leaf in plan for p in leaf.pieces)
 
 
 # ----------------------------------------------------------------------------------------------- plan
-
-
-@dataclass
-class _Piece:
-    box: L.Box  # global (offset, shape) this rank writes
-    local: tuple[slice, ...]  # the same block in this rank's local tensor
-    staging: Any = None  # torch.Tensor or np.ndarray, allocated once, reused by every async save
-    source: Any = None  # what this save writes: the staging buffer, or (synchronous save) the live value
-
-
-@dataclass
-class _Leaf:
-    name: str
-    keys: tuple[dict, ...]
-    vtype: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    layout: Any  # what the format decided for this leaf (Orbax: its zarr.json), from ``Format.layout``
-    pieces: list[_Piece] = field(default_factory=list)
-    writes_metadata: bool = False  # this rank writes the leaf's metadata (zarr.json): the lowest rank holding it
 
 
 def _signature(named: list, treedef: Any) -> tuple:
@@ -232,7 +190,7 @@ def _scalar_array(x: Any, name: str) -> np.ndarray:
     return np.asarray(x)
 
 
-def _plan(named: list, rank: int, ranks: tuple[int, ...], fmt: Format) -> list[_Leaf]:
+def _plan(named: list, rank: int, ranks: tuple[int, ...], fmt: Format) -> list[Leaf]:
     leaves = []
     for name, keys, x in named:
         vtype = L.value_type(x, name)
@@ -256,7 +214,7 @@ def _plan(named: list, rank: int, ranks: tuple[int, ...], fmt: Format) -> list[_
                 )
             boxes = L.full_boxes(tuple(a.shape), ranks)
             my_off = (0,) * a.ndim
-        item = _Leaf(
+        item = Leaf(
             name=name,
             keys=keys,
             vtype=vtype,
@@ -268,7 +226,7 @@ def _plan(named: list, rank: int, ranks: tuple[int, ...], fmt: Format) -> list[_
         for box, writer in boxes.writers.items():
             if writer == rank:
                 local = tuple(slice(o - m, o - m + s) for o, m, s in zip(box[0], my_off, box[1]))
-                item.pieces.append(_Piece(box=box, local=local))
+                item.pieces.append(Piece(box=box, local=local))
         leaves.append(item)
     return leaves
 
@@ -281,7 +239,7 @@ def _local_tensor(x: Any) -> Any:
 
 
 @torch.no_grad()
-def _stage(plan: list[_Leaf], named: list, *, copy: bool = True) -> list[torch.cuda.Event]:
+def _stage(plan: list[Leaf], named: list, *, copy: bool = True) -> list[torch.cuda.Event]:
     """Copy this rank's pieces into the staging buffers (allocating them on first use).
 
     ``copy=False`` (a synchronous save) points the pieces at the live CPU values instead: the caller
@@ -402,7 +360,7 @@ def _move_aside(path: str) -> str:
 def _commit(
     final: str,
     item_rel: str,
-    plan: list[_Leaf],
+    plan: list[Leaf],
     empty: list,
     group: _Group,
     fmt: Format,
@@ -439,7 +397,7 @@ def _commit_as_leader(
     final: str,
     item: str,
     tmp: str,
-    plan: list[_Leaf],
+    plan: list[Leaf],
     empty: list,
     group: _Group,
     fmt: Format,
@@ -512,7 +470,7 @@ class Checkpointer:
         self._timeout_s = timeout_s
         self._group = group
         self._owns_group = group is None
-        self._plan: list[_Leaf] | None = None
+        self._plan: list[Leaf] | None = None
         self._empty: list = []  # the tree's empty nodes (Orbax records them in _METADATA)
         self._plan_sig: tuple | None = None
         self._pending: SaveHandle | None = None
