@@ -105,3 +105,24 @@ def test_every_command_says_a_bad_value_in_one_line_and_shows_its_traceback_with
     assert err.startswith("functitan: error: ") and err.count("\n") == 1 and message in err, err
     with pytest.raises((ValueError, OSError), match="."):  # --debug: the error itself, with its traceback
         main([*argv, "--debug"])
+
+
+def test_every_error_class_a_user_fixes_is_a_user_error():
+    # UserError is what a command shows as one line; a ValueError subclass outside it read like a bug's
+    import importlib
+    import pkgutil
+
+    import functitan
+    from functitan.errors import UserError
+
+    found = {}
+    for info in pkgutil.walk_packages(functitan.__path__, "functitan."):
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional extra (torchft, matplotlib) that is not installed
+            continue
+        for name, obj in vars(module).items():
+            if isinstance(obj, type) and issubclass(obj, ValueError) and obj.__module__ == info.name:
+                found[f"{info.name}.{name}"] = issubclass(obj, UserError)
+    assert len(found) >= 10 and "functitan.plan._plan.PlanError" in found, found
+    assert [name for name, ok in found.items() if not ok] == []

@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from typing import Any, NamedTuple
 
+from ..errors import UserError
 from ..job_config import JobConfig, ModelConfig
 from ..model import Param, count, load_model
 from ..tree import flatten_with_names
@@ -21,7 +22,7 @@ _GIB = float(1 << 30)
 MIN_TRACED = 4  # fitting candidates traced however few --top shows (a trace takes 0.5-5 s)
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """Bad planner input: the message is one line naming what to change."""
 
 
