@@ -21,6 +21,8 @@ from .data import DataConfig
 from .pipeline._generators import ScheduleName
 
 __all__ = [
+    "DEFAULT_MODEL",
+    "DEFAULT_FLAVOR",
     "ModelConfig",
     "TrainingConfig",
     "OptimizerConfig",
@@ -46,17 +48,21 @@ def _at_least(cfg, names: tuple[str, ...], low: int) -> None:
         check(value >= low, name, value, f"must be >= {low}")
 
 
+DEFAULT_MODEL = "llama"  # the model and flavor of a command given neither (train, gradcheck, plan)
+DEFAULT_FLAVOR = "debug"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Which model, and its shape: the model's own config fields are ``--model.<field>=value``.
 
     ``name`` is a plugin (``llama``, ``gpt2``, ``qwen3``), a module (``pkg.mod:MODEL``) or a file
     (``path/to/model.py``); see ``functitan.model.load_model``. None keeps the model recorded with
-    ``checkpoint.load_path``, else ``llama``.
+    ``checkpoint.load_path``, else ``DEFAULT_MODEL``.
     """
 
     name: str | None = None
-    flavor: str | None = None  # a key of the model's configs; None: the recorded one, else "debug"
+    flavor: str | None = None  # a key of the model's configs; None: the recorded one, else DEFAULT_FLAVOR
     overrides: Mapping[str, Any] = field(default_factory=dict)  # --model.<field>=value: the model config's fields
 
 

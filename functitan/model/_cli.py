@@ -9,6 +9,7 @@ import argparse
 from collections.abc import Sequence
 
 from ..errors import UserError, pop_debug, user_errors_exit
+from ..job_config import DEFAULT_FLAVOR, DEFAULT_MODEL
 from ._gradcheck import GRADCHECK_LAYOUTS, gradcheck
 
 
@@ -26,8 +27,10 @@ def _gradcheck_cli(argv: Sequence[str]) -> int:
         "with one process; list every parameter that differs. Keep the model tiny.",
         epilog="example: functitan gradcheck --model.name=models.gpt2 --model.flavor=debug --layouts=fsdp,tp_sp",
     )
-    parser.add_argument("--model.name", dest="name", default="llama", help="as for functitan train (default llama)")
-    parser.add_argument("--model.flavor", dest="flavor", default="debug")
+    parser.add_argument(
+        "--model.name", dest="name", default=DEFAULT_MODEL, help=f"as for functitan train (default {DEFAULT_MODEL})"
+    )
+    parser.add_argument("--model.flavor", dest="flavor", default=DEFAULT_FLAVOR)
     parser.add_argument(
         "--layouts", default="fsdp,hsdp,tp,tp_sp", help=f"comma-separated, from {','.join(GRADCHECK_LAYOUTS)}"
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError, pop_debug, user_errors_exit
+from ..job_config import DEFAULT_FLAVOR, DEFAULT_MODEL
 from ._devices import DEVICES, Cluster, calibrate, device
 from ._plan import MIN_TRACED, PlanError, plan
 from ._report import render_png, table, write_toml
@@ -31,9 +32,14 @@ def _parser() -> argparse.ArgumentParser:
         "  functitan train --config plan.toml",
     )
     p.add_argument(
-        "--model.name", dest="model_name", default=None, help="a model plugin, module or file (default llama)"
+        "--model.name",
+        dest="model_name",
+        default=None,
+        help=f"a model plugin, module or file (default {DEFAULT_MODEL})",
     )
-    p.add_argument("--model.flavor", dest="flavor", default=None, help="a flavor of the model (default debug)")
+    p.add_argument(
+        "--model.flavor", dest="flavor", default=None, help=f"a flavor of the model (default {DEFAULT_FLAVOR})"
+    )
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node")
     p.add_argument("--device", default="h100", help=f"one of {sorted(DEVICES)}")
