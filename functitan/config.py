@@ -23,7 +23,16 @@ from typing import Any, TypeVar, cast
 
 from .errors import UserError
 
-__all__ = ["parse_config", "config_help", "flat_keys", "apply_overrides", "to_dict", "ConfigError", "check"]
+__all__ = [
+    "parse_config",
+    "config_help",
+    "flat_keys",
+    "apply_overrides",
+    "check_value",
+    "to_dict",
+    "ConfigError",
+    "check",
+]
 
 T = TypeVar("T")
 
@@ -171,6 +180,21 @@ def apply_overrides(cfg: T, overrides: dict[str, Any], *, source: str = "command
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return dataclasses.replace(cast(Any, cfg), **changes)  # cfg: a dataclass instance of the parser's class
+
+
+def check_value(cls: type, key: str, value: Any) -> Any:
+    """What ``--<key>=<value>`` sets, alone: ``value`` converted to the key's type and checked by its section
+    (``ConfigError`` naming ``<section>.<field>`` otherwise). A command's flag that means a config key checks its
+    value here (functitan._command.config_flag), so the flag and ``functitan train`` agree on what is valid."""
+    keys = flat_keys(cls)
+    _check_known(key, keys, set(), "a command's flag")
+    sec, _, name = key.partition(".")
+    converted = _convert(key, keys[key][0], value)
+    try:
+        _sections(cls)[sec](**{name: converted})
+    except ConfigError as e:  # from check(): "<field>=<value>: ..."
+        raise ConfigError(f"{sec}.{e}") from None
+    return converted
 
 
 def _bare_is_true(keys: dict[str, tuple[type, Any, str]], key: str) -> bool:

@@ -126,3 +126,14 @@ def test_every_error_class_a_user_fixes_is_a_user_error():
                 found[f"{info.name}.{name}"] = issubclass(obj, UserError)
     assert len(found) >= 10 and "functitan.plan._plan.PlanError" in found, found
     assert [name for name, ok in found.items() if not ok] == []
+
+
+def test_every_command_reads_model_flags_with_the_trainers_parser():
+    from functitan.config import parse_config
+    from functitan.job_config import JobConfig, parse_model_args
+
+    argv = ["--model.name", "gpt2", "--model.n_layers=2", "--model.flavor", "debug", "--model.tie=false"]
+    model, rest = parse_model_args([*argv, "--top", "1"])
+    assert rest == ["--top", "1"]
+    assert model == parse_config(JobConfig, argv).model
+    assert (model.name, model.flavor, dict(model.overrides)) == ("gpt2", "debug", {"n_layers": "2", "tie": "false"})
