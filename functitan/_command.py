@@ -90,12 +90,20 @@ _DEFAULT: Any = object()
 
 
 def config_flag(
-    parser: Any, key: str, *, default: Any = _DEFAULT, note: str = "", also: Sequence[str] = (), dest: str = ""
+    parser: Any,
+    key: str,
+    *,
+    default: Any = _DEFAULT,
+    note: str = "",
+    also: Sequence[str] = (),
+    dest: str = "",
+    metavar: str = "",
 ) -> None:
     """Add the option that sets the config key ``key``: ``dash_alias(key)``, ``--<key>`` and the older
     spellings ``also`` (``--batch`` for ``training.batch_size``). Help, type and check are the key's own;
     ``default`` (the key's unless given) and ``note`` are what this command adds. ``parser``: a parser or one of
-    its argument groups; ``dest``: the namespace attribute (default: the key's last part)."""
+    its argument groups; ``dest``: the namespace attribute (default: the key's last part); ``metavar``: the
+    value's name in the help (default: NAME for a choice, else its type: INT, TEXT)."""
     from .config import flat_keys
     from .job_config import JobConfig
 
@@ -103,7 +111,7 @@ def config_flag(
     default = key_default if default is _DEFAULT else default
     flags = list(dict.fromkeys([dash_alias(key), f"--{key}", *also]))
     choices = typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else ()
-    words = [text, note, f"one of {', '.join(map(str, choices))}" if choices else ""]
+    words = [text.rstrip("."), note, f"one of {', '.join(map(str, choices))}" if choices else ""]
     shown = f"default {default}; " if default is not None else ""
     parser.add_argument(
         *flags,
@@ -111,15 +119,16 @@ def config_flag(
         key=key,
         dest=dest or key.rpartition(".")[2],
         default=default,
-        metavar="NAME" if choices else _metavar(tp),
+        metavar=metavar or ("NAME" if choices else _metavar(tp)),
         help=f"{'; '.join(w for w in words if w)} ({shown}the config key {key})".lstrip(),
     )
 
 
 def _metavar(tp: Any) -> str:
-    """``INT`` for ``int`` and ``int | None``."""
+    """``INT`` for ``int`` and ``int | None``, ``TEXT`` for ``str``."""
     inner = [a for a in typing.get_args(tp) if a is not type(None)]
-    return getattr(inner[0] if inner else tp, "__name__", "VALUE").upper()
+    name = getattr(inner[0] if inner else tp, "__name__", "value")
+    return "TEXT" if name == "str" else name.upper()
 
 
 def model_flags(parser: argparse.ArgumentParser) -> None:

@@ -161,6 +161,11 @@ def test_a_dash_alias_and_its_config_key_are_one_flag(capsys):
         assert err.startswith(f"functitan: error: {flag}=") and key in err, err
     assert main(["train", "--training.seq_len=0"]) == 2
     assert "training.seq_len=0: must be >= 1" in capsys.readouterr().err
+    from functitan.data._prepare import _parser as prepare_parser
+
+    dashed = prepare_parser().parse_args(["c.txt", "--out", "s", "--text-key", "body", "--tokenizer", "t.json"])
+    dotted = prepare_parser().parse_args(["c.txt", "--out", "s", "--data.text_key=body", "--data.tokenizer=t.json"])
+    assert vars(dashed) == vars(dotted) and (dashed.text_key, dashed.tokenizer) == ("body", "t.json")
 
 
 def test_a_config_flag_takes_its_help_and_check_from_the_key(capsys):

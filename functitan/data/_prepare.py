@@ -345,13 +345,13 @@ EXAMPLE = """example:
 
 
 def _parser() -> Any:
-    from functitan._command import CommandParser
+    from functitan._command import CommandParser, config_flag
 
     ap = CommandParser("data prepare", description=DESCRIPTION, examples=EXAMPLE)
     ap.add_argument("sources", nargs="+", metavar="SRC", help="a text, .jsonl or .parquet file, or a datasets folder")
-    ap.add_argument("--out", required=True, metavar="DIR", help="the shards' folder")
-    ap.add_argument("--tokenizer", default=None, metavar="FILE", help="a tokenizer.json (default: bytes)")
-    ap.add_argument("--text-key", default="text", help="the text field of .jsonl / .parquet rows (default text)")
+    ap.add_argument("--out", required=True, metavar="DIR", help="the shards' folder (train with --data.path=DIR)")
+    config_flag(ap, "data.tokenizer", metavar="FILE")
+    config_flag(ap, "data.text_key")
     ap.add_argument("--workers", type=int, default=None, metavar="N", help="processes (default: one per CPU)")
     ap.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N", help="tokens per shard")
     ap.add_argument("--no-progress", action="store_true", help="no progress line")
