@@ -16,8 +16,10 @@ Writes ``benchmarks/results/first_step.json`` (``--out`` to change).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,10 @@ BASE = {
 
 
 def _timed_run(overrides: dict[str, Any]) -> list[float]:
-    """Seconds of each ``train_step`` call of one trainer run (the slowest rank's, after a barrier)."""
+    """Seconds of each ``train_step`` call of one trainer run (the slowest rank's, after a barrier).
+
+    The trainer's stepper seam (``run(cfg, stepper=...)``) hands the step to a stepper: this one times each call
+    and leaves the rest to the default, ``local_stepper``."""
     import torch
     import torch.distributed as dist
 
@@ -51,28 +56,23 @@ def _timed_run(overrides: dict[str, Any]) -> list[float]:
     from functitan.config import apply_overrides
     from functitan.job_config import JobConfig
 
-    make_step = T.make_train_step
     times: list[float] = []
 
-    def timed(*args: Any, **kwargs: Any):
-        step = make_step(*args, **kwargs)
-
-        def run(state, batch, **kwargs):
+    @contextlib.contextmanager
+    def timed_stepper(cfg: Any, train_step: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        def timed(state: Any, batch: Any, **kw: Any) -> Any:
             dist.barrier()
             t0 = time.perf_counter()
-            out = step(state, batch, **kwargs)
+            out = train_step(state, batch, **kw)
             t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             times.append(float(t))
             return out
 
-        return run
+        with T.local_stepper(cfg, timed, *args, **kwargs) as advance:
+            yield advance
 
-    T.make_train_step = timed
-    try:
-        T.run(apply_overrides(JobConfig(), overrides))
-    finally:
-        T.make_train_step = make_step
+    T.run(apply_overrides(JobConfig(), overrides), stepper=timed_stepper)
     return times
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from .errors import UserError
+
 __all__ = ["BatchSplitError", "split_batch", "world_sizes_for"]
 
 
-class BatchSplitError(ValueError):
+class BatchSplitError(UserError):
     """The global batch cannot be split evenly over this many data-parallel ranks; lists the sizes that can."""
 
 

@@ -13,15 +13,13 @@ import torch
 
 from .checkpoint import is_hf_dir, load_hf, recorded_model_config
 from .config import ConfigError
-from .job_config import JobConfig
+from .job_config import DEFAULT_FLAVOR, DEFAULT_MODEL, JobConfig
 from .model import Model, check_names, config_from_dict, config_to_dict, load_model
 from .model import count as count_params
 from .model import init as init_params
 from .random import fold_in
 
-__all__ = ["DEFAULT_MODEL", "init_model", "check_fits", "check_model", "check_resumed_model"]
-
-DEFAULT_MODEL = "llama"
+__all__ = ["init_model", "check_fits", "check_model", "check_resumed_model"]
 
 
 def init_model(
@@ -51,7 +49,7 @@ def init_model(
             _no_conflict(flagged, model_cfg, f"the checkpoint's model (recorded beside {load_path})")
         model_cfg = _with_overrides(model, model_cfg, mcfg, f"the checkpoint's model (recorded beside {load_path})")
     else:
-        model_cfg = model.config(mcfg.flavor or "debug", **{"vocab_size": vocab, **dict(mcfg.overrides)})
+        model_cfg = model.config(mcfg.flavor or DEFAULT_FLAVOR, **{"vocab_size": vocab, **dict(mcfg.overrides)})
     if model_cfg.vocab_size < vocab:
         raise ValueError(
             f"the model's vocab_size {model_cfg.vocab_size} is smaller than the tokenizer's {vocab}; "
@@ -99,7 +97,7 @@ def _largest_override(model: Model, model_cfg: Any, mcfg: Any) -> str:
     """``model.<key>=<value>`` of the ``--model.<key>`` flag whose default would shrink the model most ("" when
     no flag grew it): the key the one-line refusal names."""
     total = count_params(model.params(model_cfg))
-    base = model.configs.get(mcfg.flavor or "debug")
+    base = model.configs.get(mcfg.flavor or DEFAULT_FLAVOR)
     best, saved = "", 0
     for key in dict(mcfg.overrides):
         if base is None or not hasattr(base, key) or key == "vocab_size":

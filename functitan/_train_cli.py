@@ -8,9 +8,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._command import run
 from .config import parse_config
 from .elastic import launch, parse_launch_args, watch_launcher
-from .errors import pop_debug, user_errors_exit
 from .job_config import JobConfig
 
 EXAMPLE = """examples:
@@ -26,9 +26,9 @@ def main(argv: Sequence[str] | None = None, *, worker: Callable[..., int] | None
     ``worker(cfg, stepper=...)``: what trains the parsed config and returns the exit status
     (``functitan.train.train_config``, imported when needed; ``python -m functitan.train`` passes its own, so
     that module is not imported twice). The stepper is chosen here: the trainer imports nothing of elastic."""
-    debug, args = pop_debug(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)  # passed on to the workers
 
-    def body() -> int:
+    def body(args: list[str]) -> int:
         spec, rest = parse_launch_args(args)
         if spec is not None:
             parse_config(JobConfig, rest, epilog=EXAMPLE)  # a bad value is reported once, before any process starts
@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None, *, worker: Callable[..., int] | None
 
         return train_config(cfg, stepper=_stepper(cfg))
 
-    return user_errors_exit(body, debug=debug)
+    return run(argv, body)
 
 
 def _stepper(cfg: JobConfig) -> Any:

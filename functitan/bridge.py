@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ._rules import Spec, logical_to_mesh_axes
+from .errors import UserError
 from .sharding import Layout
 
 __all__ = ["from_module", "specs_from_rules", "TensorParallelBridgeError"]
@@ -38,7 +39,7 @@ _ONE_DEVICE = Layout()
 NameRules = Sequence[tuple[str, Spec]]  # (regex searched in the dotted parameter name, logical spec)
 
 
-class TensorParallelBridgeError(ValueError):
+class TensorParallelBridgeError(UserError):
     """A layout would split a bridged module's parameter over ``tp``, which functional_call cannot compute."""
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import inspect
 import sys
 import tomllib
 import types
@@ -23,7 +24,16 @@ from typing import Any, TypeVar, cast
 
 from .errors import UserError
 
-__all__ = ["parse_config", "config_help", "flat_keys", "apply_overrides", "to_dict", "ConfigError", "check"]
+__all__ = [
+    "parse_config",
+    "config_help",
+    "flat_keys",
+    "apply_overrides",
+    "check_value",
+    "to_dict",
+    "ConfigError",
+    "check",
+]
 
 T = TypeVar("T")
 
@@ -54,14 +64,35 @@ def _is_open(tp: Any) -> bool:
     return typing.get_origin(tp) in (dict, typing.Mapping, collections.abc.Mapping)
 
 
+def _attributes(cls: type) -> dict[str, str]:
+    """``{field: text}`` of the ``Attributes:`` section of a class's (Google-style) docstring, as plain text."""
+    out: dict[str, str] = {}
+    inside, name = False, ""
+    for line in inspect.cleandoc(cls.__doc__ or "").replace("``", "").splitlines():
+        if not inside:
+            inside = line == "Attributes:"
+            continue
+        if line and not line.startswith(" "):  # the next section, or prose
+            break
+        head, colon, text = line.strip().partition(": ")
+        if line.startswith("    ") and not line.startswith("     ") and colon and head.isidentifier():
+            name, out[head] = head, text
+        elif name and line.strip():
+            out[name] += " " + line.strip()
+    return out
+
+
 def flat_keys(cls: type) -> dict[str, tuple[type, Any, str]]:
     """``{"section.key": (type, default, help)}`` for every leaf field of a job config class.
 
-    A section's ``overrides: Mapping[str, Any]`` field is not a key itself: it collects the section's other
-    keys (``--model.n_layers=2`` lands in ``model.overrides``; the model checks them against its config)."""
+    The help is the field's ``metadata["help"]``, else its entry under ``Attributes:`` in the section's
+    docstring. A section's ``overrides: Mapping[str, Any]`` field is not a key itself: it collects the
+    section's other keys (``--model.n_layers=2`` lands in ``model.overrides``; the model checks them against
+    its config)."""
     out: dict[str, tuple[type, Any, str]] = {}
     for sec_name, sec_cls in _sections(cls).items():
         hints = typing.get_type_hints(sec_cls)
+        documented = _attributes(sec_cls)
         for f in dataclasses.fields(sec_cls):
             if f.name == OPEN_FIELD and _is_open(hints[f.name]):
                 continue
@@ -70,7 +101,8 @@ def flat_keys(cls: type) -> dict[str, tuple[type, Any, str]]:
                 if f.default is not dataclasses.MISSING
                 else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
             )  # type: ignore[misc]
-            out[f"{sec_name}.{f.name}"] = (hints[f.name], default, f.metadata.get("help", ""))
+            text = f.metadata.get("help") or documented.get(f.name, "")
+            out[f"{sec_name}.{f.name}"] = (hints[f.name], default, text)
     return out
 
 
@@ -171,6 +203,23 @@ def apply_overrides(cfg: T, overrides: dict[str, Any], *, source: str = "command
         except ValueError as e:
             raise ConfigError(str(e)) from None
     return dataclasses.replace(cast(Any, cfg), **changes)  # cfg: a dataclass instance of the parser's class
+
+
+def check_value(cls: type, key: str, value: Any) -> Any:
+    """What ``--<key>=<value>`` sets, alone: ``value`` converted to the key's type and checked by its section
+    (``ConfigError`` naming ``<section>.<field>`` otherwise). A command's flag that means a config key checks its
+    value here (functitan._command.config_flag), so the flag and ``functitan train`` agree on what is valid."""
+    keys = flat_keys(cls)
+    _check_known(key, keys, set(), "a command's flag")
+    sec, _, name = key.partition(".")
+    converted = _convert(key, keys[key][0], value)
+    try:
+        _sections(cls)[sec](**{name: converted})
+    except ConfigError as e:  # from check(): "<field>=<value>: ..."
+        raise ConfigError(f"{sec}.{e}") from None
+    except ValueError as e:  # a section's own message, which names its key
+        raise ConfigError(str(e)) from None
+    return converted
 
 
 def _bare_is_true(keys: dict[str, tuple[type, Any, str]], key: str) -> bool:

@@ -42,8 +42,8 @@ USER_ERRORS = (ValueError, OSError)
 
 
 class UserError(ValueError):
-    """An error the user fixes; its message names the key, file or value and the fix (base of ConfigError,
-    CheckpointError and NonFiniteLossError)."""
+    """An error the user fixes; its message names the key, file or value and the fix. Every such error class
+    derives from it (ConfigError, CheckpointError, PlanError, ...; tests/test_cli.py checks each module)."""
 
 
 class PeersGone(UserError):

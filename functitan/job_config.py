@@ -3,25 +3,30 @@
 ``functitan train --help`` lists every key with its default; TOML files (configs/*.toml) and
 ``--section.key=value`` overrides land on these dataclasses (see functitan.config). Each section checks its
 own values in ``__post_init__`` and ``JobConfig`` the ones that depend on each other, so every value is
-checked at parse time, before a process starts or a step is computed.
+checked at parse time, before a process starts or a step is computed. A field's ``metadata["help"]`` is its
+help in ``functitan train --help`` and in every other command's flag that sets it (``--seq-len`` is
+``training.seq_len`` in gradcheck and plan: functitan._command.config_flag), so it is written once.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from . import optim
 from ._choices import NonFinitePolicy, RematName
-from .config import ConfigError, check
+from .config import ConfigError, check, parse_config
 from .data import DataConfig
 from .pipeline._generators import ScheduleName
 
 __all__ = [
+    "DEFAULT_MODEL",
+    "DEFAULT_FLAVOR",
     "ModelConfig",
+    "parse_model_args",
     "TrainingConfig",
     "OptimizerConfig",
     "ParallelismConfig",
@@ -46,26 +51,71 @@ def _at_least(cfg, names: tuple[str, ...], low: int) -> None:
         check(value >= low, name, value, f"must be >= {low}")
 
 
+DEFAULT_MODEL = "llama"  # the model and flavor of a command given neither (train, gradcheck, plan)
+DEFAULT_FLAVOR = "debug"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Which model, and its shape: the model's own config fields are ``--model.<field>=value``.
 
     ``name`` is a plugin (``llama``, ``gpt2``, ``qwen3``), a module (``pkg.mod:MODEL``) or a file
     (``path/to/model.py``); see ``functitan.model.load_model``. None keeps the model recorded with
-    ``checkpoint.load_path``, else ``llama``.
+    ``checkpoint.load_path``, else ``DEFAULT_MODEL``. Every command reads these flags with
+    ``parse_model_args`` (``functitan train`` through ``parse_config``, the same parser).
     """
 
-    name: str | None = None
-    flavor: str | None = None  # a key of the model's configs; None: the recorded one, else "debug"
+    name: str | None = field(
+        default=None,
+        metadata={
+            "help": f"a plugin (llama, gpt2, qwen3), a module (pkg.mod:MODEL) or a file (path/to/model.py); "
+            f"default: the checkpoint's, else {DEFAULT_MODEL}"
+        },
+    )
+    flavor: str | None = field(
+        default=None,
+        metadata={"help": f"a key of the model's configs; default: the checkpoint's, else {DEFAULT_FLAVOR}"},
+    )
     overrides: Mapping[str, Any] = field(default_factory=dict)  # --model.<field>=value: the model config's fields
 
 
 @dataclass(frozen=True, kw_only=True)
+class _ModelOnly:
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+
+def parse_model_args(argv: Sequence[str]) -> tuple[ModelConfig, list[str]]:
+    """``(the ModelConfig that argv's --model.<key> arguments set, the other arguments)``, for a command that
+    takes a model besides its own flags (gradcheck, plan).
+
+    ``--model.name=X`` and ``--model.name X`` both work, as in ``functitan train``: these arguments go through
+    the same ``parse_config``, so the three commands read, convert and refuse them alike.
+
+        >>> parse_model_args(["--model.flavor", "tiny", "--model.n_layers=2", "--top", "1"])
+        (ModelConfig(name=None, flavor='tiny', overrides={'n_layers': '2'}), ['--top', '1'])
+    """
+    mine: list[str] = []
+    rest: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        taker = mine if args[i].startswith("--model.") else rest
+        taker.append(args[i])
+        if taker is mine and "=" not in args[i] and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            mine.append(args[i + 1])  # --model.flavor tiny
+            i += 1
+        i += 1
+    return parse_config(_ModelOnly, mine).model, rest
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
-    steps: int = 200
-    batch_size: int = 8  # global: sequences per step over all data-parallel ranks
-    seq_len: int = 256
-    microbatches: int = 1  # gradient accumulation steps per rank (with pp > 1: pipeline microbatches)
+    steps: int = field(default=200, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=8, metadata={"help": "global: sequences per step over all data-parallel ranks"})
+    seq_len: int = field(default=256, metadata={"help": "tokens per sequence"})
+    microbatches: int = field(
+        default=1, metadata={"help": "gradient accumulation steps per rank (with pp > 1: pipeline microbatches)"}
+    )
     seed: int = 0
     remat: RematName = "none"  # activation checkpointing per block (functitan._remat: none/full/selective/offload)
     param_dtype: ParamDType = "float32"  # compute dtype (master weights stay fp32)
@@ -119,11 +169,11 @@ class ParallelismConfig:
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: the remaining ranks
     tp: int = 1
-    pp: int = 1
+    pp: int = field(default=1, metadata={"help": "pipeline ranks"})
     sequence_parallel: bool = True  # with tp > 1: shard norms and the residual stream along the sequence
     reshard_after_forward: bool = True  # FSDP: free gathered params after each block's forward
-    pipeline_schedule: ScheduleName = "1f1b"  # with pp > 1
-    stages_per_rank: int = 2  # interleaved_1f1b only (zb_v always has 2)
+    pipeline_schedule: ScheduleName = field(default="1f1b", metadata={"help": "the pipeline schedule, with pp > 1"})
+    stages_per_rank: int = field(default=2, metadata={"help": "interleaved_1f1b only (zb_v always has 2)"})
 
     def __post_init__(self) -> None:
         _at_least(self, ("dp_replicate", "tp", "pp", "stages_per_rank"), 1)

@@ -69,7 +69,9 @@ def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None) -> d
 
     ``model``: the Model value to train (default: the one ``cfg.model.name`` resolves to). ``stepper``: what runs
     each global step (``local_stepper``, the default; ``elastic.live`` needs
-    ``functitan.elastic.live.live_stepper``, which ``functitan train`` passes).
+    ``functitan.elastic.live.live_stepper``, which ``functitan train`` passes). It is also the step hook: a
+    stepper that wraps ``local_stepper`` with its own ``train_step`` sees every step's call, so a benchmark
+    measures the trainer as a user runs it without patching it (benchmarks/first_step.py times each step).
     """
     if stepper is None and cfg.elastic.live:
         raise ValueError(

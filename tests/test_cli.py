@@ -105,3 +105,115 @@ def test_every_command_says_a_bad_value_in_one_line_and_shows_its_traceback_with
     assert err.startswith("functitan: error: ") and err.count("\n") == 1 and message in err, err
     with pytest.raises((ValueError, OSError), match="."):  # --debug: the error itself, with its traceback
         main([*argv, "--debug"])
+
+
+# a flag prefix each command would once have taken for a longer flag (argparse's allow_abbrev): now refused
+ABBREVIATION = {  # the command as typed, and the prefix its one line names
+    "train": (["train", "--training.step", "1"], "--training.step"),  # config keys: the nearest key is named
+    "rendezvous": (["rendezvous", "--po", "70000"], "--po"),
+    "report": (["report", "/nonexistent/run", "--smooth", "0.5"], "--smooth"),
+    "gradcheck": (["gradcheck", "--lay", "nosuch"], "--lay"),
+    "pipeline": (["pipeline", "show", "--schedule", "1f1b", "--micro", "4"], "--micro"),
+    "plan": (["plan", "--gpus", "0"], "--gpus"),
+    "data": (["data", "prepare", "/nonexistent/c.txt", "--out", "/nonexistent/s", "--work", "2"], "--work"),
+}
+PENDING_KIT = {"export", "import"}  # functitan/checkpoint's commands take functitan._command with their rewrite
+
+
+@pytest.mark.parametrize("command", list(ABBREVIATION))
+def test_every_command_refuses_an_abbreviated_flag_in_one_line(command, capsys):
+    assert set(ABBREVIATION) | PENDING_KIT == set(COMMANDS), "a new command needs its abbreviation here"
+    argv, prefix = ABBREVIATION[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("functitan: error: ") and err.count("\n") == 1, err
+    assert f"unrecognized arguments: {prefix} " in err or f"unknown config key {prefix[2:]!r}" in err, err
+    with pytest.raises(ValueError, match=prefix[2:]):  # --debug: the error with its traceback
+        main([*argv, "--debug"])
+
+
+def test_an_argparse_error_is_one_line_naming_the_help_to_read(capsys):
+    # argparse's own errors (a missing argument, a bad choice) used to print its usage and `prog: error:` lines
+    assert main(["data", "prepare", "corpus.txt"]) == 2
+    assert capsys.readouterr().err == (
+        "functitan: error: the following arguments are required: --out (see functitan data prepare --help)\n"
+    )
+
+
+def test_a_dash_alias_and_its_config_key_are_one_flag(capsys):
+    # --stages-per-rank is parallelism.stages_per_rank: either spelling, same schedule
+    show = ["pipeline", "show", "--schedule", "interleaved_1f1b", "--pp", "2", "--microbatches", "4"]
+    assert main([*show, "--stages-per-rank", "3"]) == 0
+    dashed = capsys.readouterr().out
+    assert main([*show, "--parallelism.stages_per_rank=3"]) == 0
+    assert capsys.readouterr().out == dashed and "stages_per_rank=3" in dashed
+    # and a value the config refuses, each flag refuses with the config's words, naming the key
+    for argv, flag in (
+        (["gradcheck", "--seq-len", "0"], "--seq-len"),
+        (["gradcheck", "--training.seq_len=0"], "--training.seq_len"),
+        (["plan", "--seq-len", "0"], "--seq-len"),
+        (["pipeline", "show", "--schedule", "1f1b", "--pp", "0"], "--pp"),
+        (["pipeline", "show", "--parallelism.pipeline_schedule=zbv"], "--parallelism.pipeline_schedule"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        key = {"--seq-len": "training.seq_len", "--pp": "parallelism.pp"}.get(flag, flag.removeprefix("--"))
+        assert err.startswith(f"functitan: error: {flag}=") and key in err, err
+    assert main(["train", "--training.seq_len=0"]) == 2
+    assert "training.seq_len=0: must be >= 1" in capsys.readouterr().err
+    from functitan.data._prepare import _parser as prepare_parser
+
+    dashed = prepare_parser().parse_args(["c.txt", "--out", "s", "--text-key", "body", "--tokenizer", "t.json"])
+    dotted = prepare_parser().parse_args(["c.txt", "--out", "s", "--data.text_key=body", "--data.tokenizer=t.json"])
+    assert vars(dashed) == vars(dotted) and (dashed.text_key, dashed.tokenizer) == ("body", "t.json")
+
+
+def test_a_config_flag_takes_its_help_and_check_from_the_key(capsys):
+    from functitan.config import flat_keys
+    from functitan.job_config import JobConfig
+
+    with pytest.raises(SystemExit):
+        main(["pipeline", "show", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for key in ("parallelism.pp", "parallelism.stages_per_rank", "training.microbatches"):
+        text = flat_keys(JobConfig)[key][2]
+        assert text and text in out and f"the config key {key}" in out, (key, out)
+
+
+def test_every_command_reads_model_flags_with_the_trainers_parser():
+    from functitan.config import parse_config
+    from functitan.job_config import JobConfig, parse_model_args
+
+    argv = ["--model.name", "gpt2", "--model.n_layers=2", "--model.flavor", "debug", "--model.tie=false"]
+    model, rest = parse_model_args([*argv, "--top", "1"])
+    assert rest == ["--top", "1"]
+    assert model == parse_config(JobConfig, argv).model
+    assert (model.name, model.flavor, dict(model.overrides)) == ("gpt2", "debug", {"n_layers": "2", "tie": "false"})
+
+
+def test_plan_takes_a_model_field_with_a_space_as_train_does(capsys):
+    # `--model.n_layers 0` was "unknown argument" in plan (only `--model.<field>=value` was read there)
+    assert main(["plan", "--device", "cpu", "--model.n_heads", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("functitan: error: ") and "n_heads" in err and "unknown argument" not in err, err
+
+
+def test_every_error_class_a_user_fixes_is_a_user_error():
+    # UserError is what a command shows as one line; a ValueError subclass outside it read like a bug's
+    import importlib
+    import pkgutil
+
+    import functitan
+    from functitan.errors import UserError
+
+    found = {}
+    for info in pkgutil.walk_packages(functitan.__path__, "functitan."):
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional extra (torchft, matplotlib) that is not installed
+            continue
+        for name, obj in vars(module).items():
+            if isinstance(obj, type) and issubclass(obj, ValueError) and obj.__module__ == info.name:
+                found[f"{info.name}.{name}"] = issubclass(obj, UserError)
+    assert len(found) >= 10 and "functitan.plan._plan.PlanError" in found, found
+    assert [name for name, ok in found.items() if not ok] == []

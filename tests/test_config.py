@@ -57,6 +57,17 @@ def test_help_lists_every_key_with_its_default():
     assert "--parallelism.dp_shard" in text and "default: -1" in text
 
 
+def test_help_says_what_each_key_is_in_its_sections_words():
+    # a key's help is written once: its field's metadata, or its section's Attributes docstring
+    lines = {line.split()[0]: line for line in config_help(JobConfig).splitlines() if line.startswith("  --")}
+    assert lines["--training.seq_len"].endswith("tokens per sequence")
+    assert lines["--elastic.lighthouse"].endswith("the torchft lighthouse, http://HOST:PORT (live only).")
+    assert lines["--data.tokenizer"].endswith(
+        "a tokenizer.json or tiktoken file; None for the byte tokenizer (with path: None for the one the shards "
+        "were made with, else it must be that one)."
+    )
+
+
 def test_cli_surface_is_frozen():
     # adding a key is fine (update this list); renaming or removing one breaks users' TOML files
     assert list(flat_keys(JobConfig)) == [

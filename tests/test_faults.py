@@ -363,7 +363,7 @@ BAD_INPUTS = {  # the command as typed ({d}: a folder of bad files) -> what its 
     "train --data.paths {d}/bin.dat": "{d}/bin.dat: byte 0xff at offset 3 (line 1) is not UTF-8; it is not a text "
     "file (remove it from data.paths, or convert it to UTF-8)",
     "train --data.paths {d}/data": "{d}/data/photo.jpg: byte 0xff at offset 0",  # a folder holding one
-    "gradcheck --batch 0": "--batch=0: must be >= 1, e.g. --batch 4",
+    "gradcheck --batch 0": "--batch=0: must be >= 1 (--batch is training.batch_size)",
     "rendezvous --port 70000": "--port=70000: a TCP port is 0..65535, e.g. 29400",
     "pipeline show --schedule 1f1b --pp 100000 --microbatches 100000": "--pp 100000 --microbatches 100000: "
     "10000000000 rank-microbatches is more than the 16384 a timeline shows; lower --pp or --microbatches",
@@ -377,7 +377,7 @@ BAD_INPUTS = {  # the command as typed ({d}: a folder of bad files) -> what its 
     "not UTF-8); pass a TOML file such as configs/debug.toml",
     "train --training.steps": "--training.steps needs a value, e.g. --training.steps=VALUE",
     "train --config": "--config needs a value, e.g. --config=configs/debug.toml",
-    "plan --device cpu --seq-len 0": "--seq-len=0: must be >= 1 (omit it for the default)",
+    "plan --device cpu --seq-len 0": "--seq-len=0: must be >= 1 (--seq-len is training.seq_len)",
     "data prepare {d}/good.txt --out {d}/shards --workers 0": "--workers=0: must be >= 1 (omit it for one per CPU)",
     "export hf {d}/ck {d}/exported --max-shard-bytes -5": "--max-shard-bytes=-5: must be >= 1",
     "trian": "unknown command 'trian'; did you mean 'train'?",

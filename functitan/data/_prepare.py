@@ -29,7 +29,7 @@ import numpy as np
 from functitan.data._corpus import _jsonl_text, expand_paths, is_jsonl
 from functitan.data._shards import FORMAT, INDEX, file_hash, tokenizer_identity
 from functitan.data._tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from functitan.errors import UserError, pop_debug, unknown_command, user_errors_exit
+from functitan.errors import UserError, unknown_command
 
 __all__ = ["prepare", "source_files", "DataError"]
 
@@ -336,63 +336,59 @@ def _write_json(path: Path, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-USAGE = """usage: functitan data prepare SRC [SRC ...] --out DIR [--tokenizer FILE] [--text-key text]
-                              [--workers N] [--shard-tokens N] [--no-progress]
-
-Tokenize text / .jsonl / .parquet files and Hugging Face `datasets` directories into memory-mapped token
-shards, in parallel; run it again with the same arguments to resume. Train on them with --data.path=DIR.
-
-example:
+DESCRIPTION = """Tokenize text / .jsonl / .parquet files and Hugging Face `datasets` directories into memory-mapped
+token shards, in parallel; run it again with the same arguments to resume. Train on them with --data.path=DIR."""
+EXAMPLE = """example:
   functitan data prepare corpus/*.jsonl --out shards/ --tokenizer tokenizer.json
   functitan train --config configs/debug.toml --data.path=shards/
 """
 
 
-def main(argv: Sequence[str]) -> int:
-    import argparse
+def _parser() -> Any:
+    from functitan._command import CommandParser, config_flag
 
-    debug, args = pop_debug(argv)
+    ap = CommandParser("data prepare", description=DESCRIPTION, examples=EXAMPLE)
+    ap.add_argument("sources", nargs="+", metavar="SRC", help="a text, .jsonl or .parquet file, or a datasets folder")
+    ap.add_argument("--out", required=True, metavar="DIR", help="the shards' folder (train with --data.path=DIR)")
+    config_flag(ap, "data.tokenizer", metavar="FILE")
+    config_flag(ap, "data.text_key")
+    ap.add_argument("--workers", type=int, default=None, metavar="N", help="processes (default: one per CPU)")
+    ap.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N", help="tokens per shard")
+    ap.add_argument("--no-progress", action="store_true", help="no progress line")
+    return ap
+
+
+def main(argv: Sequence[str]) -> int:
+    """``functitan data prepare ...``; bad input is one line and exit 2 (``--debug`` shows its traceback)."""
+    from functitan._command import run
+
+    return run(argv, _data_cli)
+
+
+def _data_cli(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
-        print(USAGE)
+        print(_parser().format_help())
         return 0
     if args[0] != "prepare":
         return unknown_command("functitan data", args[0], ["prepare"])
-    synopsis, _, about = USAGE.removeprefix("usage: ").partition("\n\n")  # argparse writes "usage: " itself
-    ap = argparse.ArgumentParser(
-        prog="functitan data prepare",
-        usage=synopsis,
-        description=about,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ns = _parser().parse_args(args[1:])
+    for flag, value, hint in (
+        ("--workers", ns.workers, "omit it for one per CPU"),
+        ("--shard-tokens", ns.shard_tokens, f"the default is {DEFAULT_SHARD_TOKENS}"),
+    ):
+        if value is not None and value < 1:  # --workers 0 used to mean the default
+            raise ValueError(f"{flag}={value}: must be >= 1 ({hint})")
+    index = prepare(
+        ns.sources,
+        ns.out,
+        tokenizer=ns.tokenizer,
+        text_key=ns.text_key,
+        workers=ns.workers,
+        shard_tokens=ns.shard_tokens,
+        progress=not ns.no_progress,
     )
-    ap.add_argument("sources", nargs="+")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tokenizer", default=None)
-    ap.add_argument("--text-key", default="text")
-    ap.add_argument("--workers", type=int, default=None)
-    ap.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
-    ap.add_argument("--no-progress", action="store_true")
-    ns = ap.parse_args(args[1:])
-
-    def body() -> int:
-        for flag, value, hint in (
-            ("--workers", ns.workers, "omit it for one per CPU"),
-            ("--shard-tokens", ns.shard_tokens, f"the default is {DEFAULT_SHARD_TOKENS}"),
-        ):
-            if value is not None and value < 1:  # --workers 0 used to mean the default
-                raise ValueError(f"{flag}={value}: must be >= 1 ({hint})")
-        index = prepare(
-            ns.sources,
-            ns.out,
-            tokenizer=ns.tokenizer,
-            text_key=ns.text_key,
-            workers=ns.workers,
-            shard_tokens=ns.shard_tokens,
-            progress=not ns.no_progress,
-        )
-        print(
-            f"functitan data prepare: {index['documents']} documents, {index['tokens']} tokens in "
-            f"{len(index['shards'])} shards ({index['dtype']}) under {ns.out}"
-        )
-        return 0
-
-    return user_errors_exit(body, debug=debug)
+    print(
+        f"functitan data prepare: {index['documents']} documents, {index['tokens']} tokens in "
+        f"{len(index['shards'])} shards ({index['dtype']}) under {ns.out}"
+    )
+    return 0

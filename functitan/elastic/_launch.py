@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, cast
 
 from .._worker_report import CHECKPOINTS, ERROR_DIR, STOPPED
+from ..errors import UserError
 from ._orphans import LAUNCHER_PID
 from ._reach import REACH_TIMEOUT_S, reach_problem
 
@@ -47,7 +48,7 @@ ELASTIC_RESTARTS = 100  # default --max-restarts with --nnodes: a node that leav
 _FLAGS = ("--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--max-restarts", "--local-addr")
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError):
     """A bad launcher flag; the message names it and the fix."""
 
 

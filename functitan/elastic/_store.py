@@ -8,14 +8,14 @@ host, a small Kubernetes Deployment behind a Service) and start every node with
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
 
-from ..errors import UserError, pop_debug, user_errors_exit
+from .._command import CommandParser, run
+from ..errors import UserError
 from ._reach import listen_problem
 
 __all__ = ["main", "serve"]
@@ -36,17 +36,15 @@ def serve(host: str, port: int, *, ready: threading.Event | None = None, stop: t
 def main(argv: Sequence[str] | None = None) -> int:
     """``functitan rendezvous``: serves until SIGTERM/SIGINT; bad input is one line and exit 2 (functitan.errors;
     ``--debug`` shows its traceback)."""
-    debug, args = pop_debug(sys.argv[1:] if argv is None else argv)
-    return user_errors_exit(lambda: _serve_cli(args), debug=debug)
+    return run(argv, _serve_cli)
 
 
 def _serve_cli(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="functitan rendezvous",
+    parser = CommandParser(
+        "rendezvous",
         description=__doc__.split("\n")[0],
-        epilog="example:\n  functitan rendezvous --port 29400        # on one host, then on every node:\n"
+        examples="example:\n  functitan rendezvous --port 29400        # on one host, then on every node:\n"
         "  functitan train --config configs/debug.toml --nproc 1 --nnodes 2:3 --rdzv-endpoint HOST:29400 --rdzv-id run1",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
     parser.add_argument("--port", type=int, default=29400, help="TCP port (default 29400)")

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import UserError
+
 __all__ = ["Run", "ReportError", "load_run", "summarize", "smooth", "render_png", "render_html", "write_report"]
 
 FIGSIZE = (14.0, 17.0)  # inches; at DPI this is the PNG's size in pixels
@@ -41,7 +43,7 @@ PANELS = (
 )
 
 
-class ReportError(ValueError):
+class ReportError(UserError):
     """A run directory that cannot be reported (missing, no metrics, unreadable line)."""
 
 

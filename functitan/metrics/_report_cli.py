@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
-from functitan.errors import pop_debug, user_errors_exit
+from functitan._command import CommandParser, run
 from functitan.metrics._report import load_run, write_report
 
 EXAMPLE = """example:
@@ -16,11 +15,10 @@ EXAMPLE = """example:
 """
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="functitan report",
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def _parser() -> CommandParser:
+    parser = CommandParser(
+        "report",
+        examples=EXAMPLE,
         description="Draw loss (raw and smoothed), lr, grad norm, tokens/s, TFLOP/s, MFU, memory and data time of "
         "one or more runs (overlaid) with a summary table, as a PNG and a self-contained HTML page.",
     )
@@ -43,13 +41,12 @@ def default_out(run_dirs: list[str]) -> Path:
 def main(argv: list[str]) -> int:
     """Run ``functitan report ARGV...``; returns the exit status (0 ok, 2 bad input: one line, functitan.errors;
     ``--debug`` shows its traceback)."""
-    debug, argv = pop_debug(argv)
+    return run(argv, _report)
 
-    def body() -> int:
-        args = _parser().parse_args(argv)
-        runs = [load_run(d) for d in args.runs]  # ReportError, a ValueError: one line
-        png, page = write_report(runs, args.out or default_out(args.runs), smoothing=args.smoothing)
-        print(f"wrote {png}\nwrote {page}")
-        return 0
 
-    return user_errors_exit(body, debug=debug)
+def _report(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    runs = [load_run(d) for d in args.runs]  # ReportError, a UserError: one line
+    png, page = write_report(runs, args.out or default_out(args.runs), smoothing=args.smoothing)
+    print(f"wrote {png}\nwrote {page}")
+    return 0

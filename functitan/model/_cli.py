@@ -5,51 +5,50 @@ functitan gradcheck --model.name=path/to/my_model.py --model.flavor=tiny --layou
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
-from ..errors import UserError, pop_debug, user_errors_exit
+from .._command import CommandParser, config_flag, model_flags, run
+from ..job_config import DEFAULT_FLAVOR, DEFAULT_MODEL, parse_model_args
 from ._gradcheck import GRADCHECK_LAYOUTS, gradcheck
+
+EXAMPLE = """example:
+  functitan gradcheck --model.name=models.gpt2 --model.flavor=debug --layouts=fsdp,tp_sp
+"""
 
 
 def main(argv: Sequence[str]) -> int:
     """``functitan gradcheck``: 0 when every layout agrees, 1 when one differs, 2 for bad input (one line,
     functitan.errors; ``--debug`` shows its traceback)."""
-    debug, args = pop_debug(argv)
-    return user_errors_exit(lambda: _gradcheck_cli(args), debug=debug)
+    return run(argv, _gradcheck_cli)
 
 
-def _gradcheck_cli(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="functitan gradcheck",
-        description="Compare one step's loss and gradients (--steps N: N steps' losses and updates) under parallel layouts (gloo processes on this machine) "
-        "with one process; list every parameter that differs. Keep the model tiny.",
-        epilog="example: functitan gradcheck --model.name=models.gpt2 --model.flavor=debug --layouts=fsdp,tp_sp",
+def _parser() -> CommandParser:
+    parser = CommandParser(
+        "gradcheck",
+        description="Compare one step's loss and gradients (--steps N: N steps' losses and updates) under parallel "
+        "layouts (gloo processes on this machine) with one process; list every parameter that differs. Keep the "
+        "model tiny.",
+        examples=EXAMPLE,
     )
-    parser.add_argument("--model.name", dest="name", default="llama", help="as for functitan train (default llama)")
-    parser.add_argument("--model.flavor", dest="flavor", default="debug")
     parser.add_argument(
         "--layouts", default="fsdp,hsdp,tp,tp_sp", help=f"comma-separated, from {','.join(GRADCHECK_LAYOUTS)}"
     )
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=1, help="optimizer steps to compare (default 1)")
-    ns, rest = parser.parse_known_args(list(argv))
-    for flag, value in (("--batch", ns.batch), ("--seq-len", ns.seq_len), ("--steps", ns.steps)):
-        if value < 1:
-            raise UserError(f"{flag}={value}: must be >= 1, e.g. {flag} 4")
-    overrides = {}
-    for arg in rest:
-        key, eq, value = arg.removeprefix("--").partition("=")
-        if not (arg.startswith("--model.") and eq):
-            parser.error(f"unexpected argument {arg!r}; model fields look like --model.<field>=value")
-        overrides[key.removeprefix("model.")] = value
+    config_flag(parser, "training.batch_size", default=4, also=["--batch"])
+    config_flag(parser, "training.seq_len", default=16)
+    config_flag(parser, "training.steps", default=1)
+    model_flags(parser)
+    return parser
+
+
+def _gradcheck_cli(argv: Sequence[str]) -> int:
+    model, rest = parse_model_args(argv)
+    ns = _parser().parse_args(rest)
     report = gradcheck(
-        ns.name,
-        flavor=ns.flavor,
-        overrides=overrides,
+        model.name or DEFAULT_MODEL,
+        flavor=model.flavor or DEFAULT_FLAVOR,
+        overrides=dict(model.overrides),
         layouts=ns.layouts.split(","),
-        batch=ns.batch,
+        batch=ns.batch_size,
         seq_len=ns.seq_len,
         steps=ns.steps,
     )

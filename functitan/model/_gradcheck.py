@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..job_config import DEFAULT_FLAVOR
 from ..random import fold_in, key
 from ..tree import flatten_with_names
 from ._model import Model
@@ -173,7 +174,7 @@ def _one_line(e: BaseException) -> str:
 def gradcheck(
     model: str,
     *,
-    flavor: str = "debug",
+    flavor: str = DEFAULT_FLAVOR,
     overrides: Mapping[str, Any] | None = None,
     layouts: Sequence[str] = ("fsdp", "hsdp", "tp", "tp_sp"),
     batch: int = 4,

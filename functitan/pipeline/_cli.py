@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from functitan.errors import UserError, pop_debug, unknown_command, user_errors_exit
+from functitan._command import CommandParser, config_flag, run
+from functitan.errors import UserError, unknown_command
 from functitan.pipeline._csvfile import load_csv
-from functitan.pipeline._generators import SCHEDULE_NAMES, make_schedule
+from functitan.pipeline._generators import make_schedule
 from functitan.pipeline._render import render_png, render_text, summary
 from functitan.pipeline._schedule import Schedule
 from functitan.pipeline._simulate import Costs, simulate
@@ -34,24 +35,18 @@ def _costs(text: str) -> Costs:
     return Costs(*(int(v) if v.is_integer() else v for v in values))
 
 
-def _parser() -> argparse.ArgumentParser:
-    raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
-        prog="functitan pipeline", description="Pipeline schedules as data.", epilog=EXAMPLE, formatter_class=raw
-    )
+def _parser() -> CommandParser:
+    parser = CommandParser("pipeline", description="Pipeline schedules as data.", examples=EXAMPLE)
     sub = parser.add_subparsers(dest="command", required=True)
     show = sub.add_parser(
-        "show",
-        help="print a schedule's timeline and bubble fraction; --out draws a PNG",
-        epilog=EXAMPLE,
-        formatter_class=raw,
+        "show", help="print a schedule's timeline and bubble fraction; --out draws a PNG", epilog=EXAMPLE
     )
     source = show.add_mutually_exclusive_group(required=True)
-    source.add_argument("--schedule", choices=SCHEDULE_NAMES, help="a built-in schedule")
+    config_flag(source, "parallelism.pipeline_schedule", default=None, also=["--schedule"], dest="schedule")
     source.add_argument("--csv", help="a custom schedule (torch's compute-only CSV format, one row per rank)")
-    show.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
-    show.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
-    show.add_argument("--stages-per-rank", type=int, default=None, help="v; interleaved_1f1b only (default 2)")
+    config_flag(show, "parallelism.pp", default=4)
+    config_flag(show, "training.microbatches", default=8)
+    config_flag(show, "parallelism.stages_per_rank", default=None, note="default 2 there")
     show.add_argument("--costs", type=_costs, default=Costs(), help="f,b,w,p2p per action (default 1,1,1,0)")
     show.add_argument("--out", help="write the timeline as a PNG here (needs matplotlib)")
     return parser
@@ -77,22 +72,21 @@ def main(argv: list[str]) -> int:
     """Run `functitan pipeline ARGV...`; returns the exit status (0 ok, 2 bad input)."""
     if argv and not argv[0].startswith("-") and argv[0] != "show":
         return unknown_command("functitan pipeline", argv[0], ["show"])
-    debug, argv = pop_debug(argv)
+    return run(argv, _show)
 
-    def body() -> int:
-        args = _parser().parse_args(argv)
-        schedule = _build(args)
-        sim = simulate(schedule, args.costs)
-        print(render_text(schedule, sim))
-        print(summary(schedule, sim))
-        print(f"bubble fraction: {float(sim.bubble_fraction):.4f}")
-        if args.out:  # like `report --out` and `plan --png`: a missing folder is made
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            try:
-                render_png(schedule, sim, args.out)
-            except ImportError as e:  # matplotlib: the plot extra
-                raise UserError(f"--out {args.out}: {e}") from e
-            print(f"wrote {args.out}")
-        return 0
 
-    return user_errors_exit(body, debug=debug)
+def _show(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    schedule = _build(args)
+    sim = simulate(schedule, args.costs)
+    print(render_text(schedule, sim))
+    print(summary(schedule, sim))
+    print(f"bubble fraction: {float(sim.bubble_fraction):.4f}")
+    if args.out:  # like `report --out` and `plan --png`: a missing folder is made
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            render_png(schedule, sim, args.out)
+        except ImportError as e:  # matplotlib: the plot extra
+            raise UserError(f"--out {args.out}: {e}") from e
+        print(f"wrote {args.out}")
+    return 0

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from ..errors import UserError, pop_debug, user_errors_exit
+from .._command import CommandParser, config_flag, model_flags, run
+from ..job_config import parse_model_args
 from ._devices import DEVICES, Cluster, calibrate, device
 from ._plan import MIN_TRACED, PlanError, plan
 from ._report import render_png, table, write_toml
@@ -22,25 +21,20 @@ group at the target world size) and step time (alpha-beta collectives, FLOPs, pi
 layout, and recommend the fastest that fits. Model fields: --model.<field>=value (e.g. --model.n_layers=8)."""
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="functitan plan",
+def _parser() -> CommandParser:
+    p = CommandParser(
+        "plan",
         description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  functitan plan --model.flavor llama3_8b --nodes 8 --device h100 --out plan.toml\n"
+        examples="example:\n  functitan plan --model.flavor llama3_8b --nodes 8 --device h100 --out plan.toml\n"
         "  functitan train --config plan.toml",
     )
-    p.add_argument(
-        "--model.name", dest="model_name", default=None, help="a model plugin, module or file (default llama)"
-    )
-    p.add_argument("--model.flavor", dest="flavor", default=None, help="a flavor of the model (default debug)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node")
     p.add_argument("--device", default="h100", help=f"one of {sorted(DEVICES)}")
     p.add_argument(
         "--global-batch-tokens", type=int, default=None, help="tokens per step (default: 8 sequences per device)"
     )
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default 8192; 256 on cpu)")
+    config_flag(p, "training.seq_len", default=None, note="default 8192; 256 on cpu")
     p.add_argument(
         "--top",
         type=int,
@@ -52,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the recommended config (functitan train --config FILE)")
     p.add_argument("--png", default=None, help="draw the memory and time breakdown of the top candidates")
     p.add_argument("--measure", type=int, default=0, metavar="N", help="train the top candidates N steps here, re-rank")
+    model_flags(p)
     return p
 
 
@@ -70,35 +65,19 @@ def _check_writable(flag: str, path: Path) -> None:
         ) from None
 
 
-def _model_overrides(rest: list[str]) -> tuple[dict, list[str]]:
-    out, unknown = {}, []
-    for a in rest:
-        if a.startswith("--model.") and "=" in a:
-            k, v = a[len("--model.") :].split("=", 1)
-            out[k] = v
-        else:
-            unknown.append(a)
-    return out, unknown
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``functitan plan``; bad input is one line and exit 2 (functitan.errors; ``--debug`` shows its traceback)."""
-    debug, args = pop_debug(sys.argv[1:] if argv is None else argv)
-    return user_errors_exit(lambda: _plan_cli(args), debug=debug)
+    return run(argv, _plan_cli)
 
 
 def _plan_cli(argv: list[str]) -> int:
-    parser = _parser()
-    args, rest = parser.parse_known_args(argv)
-    overrides, unknown = _model_overrides(rest)
-    if unknown:
-        raise UserError(f"unknown argument {unknown[0]!r}; see functitan plan --help")
+    model, rest = parse_model_args(argv)
+    args = _parser().parse_args(rest)
     dev = device(args.device)
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise PlanError(f"--nodes={args.nodes} --gpus-per-node={args.gpus_per_node}: both must be >= 1")
-    for flag, value in (("--seq-len", args.seq_len), ("--global-batch-tokens", args.global_batch_tokens)):
-        if value is not None and value < 1:  # 0 was taken as the default
-            raise PlanError(f"{flag}={value}: must be >= 1 (omit it for the default)")
+    if args.global_batch_tokens is not None and args.global_batch_tokens < 1:  # 0 was taken as the default
+        raise PlanError(f"--global-batch-tokens={args.global_batch_tokens}: must be >= 1 (omit it for the default)")
     if args.measure < 0:
         raise PlanError(f"--measure={args.measure}: the steps to train each top candidate, >= 1 (0: no measure)")
     for flag, path in (("--out", args.out), ("--png", args.png)):
@@ -113,9 +92,9 @@ def _plan_cli(argv: list[str]) -> int:
     torch.set_num_threads(1)  # tracing is single-threaded Python: one core
     try:
         result = plan(
-            model_name=args.model_name,
-            flavor=args.flavor,
-            overrides=overrides,
+            model_name=model.name,
+            flavor=model.flavor,
+            overrides=dict(model.overrides),
             cluster=cluster,
             global_batch_tokens=tokens,
             seq_len=seq,

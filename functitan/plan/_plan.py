@@ -7,7 +7,8 @@ import time
 from collections import Counter
 from typing import Any, NamedTuple
 
-from ..job_config import JobConfig, ModelConfig
+from ..errors import UserError
+from ..job_config import DEFAULT_FLAVOR, DEFAULT_MODEL, JobConfig, ModelConfig
 from ..model import Param, count, load_model
 from ..tree import flatten_with_names
 from ._candidates import Candidate, enumerate_candidates, job_config
@@ -21,7 +22,7 @@ _GIB = float(1 << 30)
 MIN_TRACED = 4  # fitting candidates traced however few --top shows (a trace takes 0.5-5 s)
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """Bad planner input: the message is one line naming what to change."""
 
 
@@ -68,10 +69,10 @@ def model_dims(model: Any, model_cfg: Any, shape: ModelShape) -> ModelDims:
 
 
 def load(name: str | None, flavor: str | None, overrides: dict) -> tuple[str, Any, Any]:
-    name = name or "llama"
+    name = name or DEFAULT_MODEL
     try:
         model = load_model(name)
-        return name, model, model.config(flavor or "debug", **overrides)
+        return name, model, model.config(flavor or DEFAULT_FLAVOR, **overrides)
     except (ValueError, TypeError) as e:
         raise PlanError(str(e)) from None
 
@@ -125,7 +126,7 @@ def plan(
         base,
         model=ModelConfig(
             name=name,
-            flavor=flavor or "debug",
+            flavor=flavor or DEFAULT_FLAVOR,
             overrides={**{k: getattr(model_cfg, k) for k in overrides}, "vocab_size": model_cfg.vocab_size},
         ),
     )
