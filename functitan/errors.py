@@ -118,5 +118,6 @@ def unknown_command(prog: str, name: str, known: Iterable[str]) -> int:
     known = list(known)
     near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     hint = f"did you mean {near[0]!r}?" if near else f"the commands: {', '.join(known)}"
-    print(f"{prog}: error: unknown command {name!r}; {hint} ({prog} --help)", file=sys.stderr)
+    of = "" if prog == "functitan" else f" of {prog}"  # one prefix for every error, whichever command
+    print(f"functitan: error: unknown command {name!r}{of}; {hint} ({prog} --help)", file=sys.stderr)
     return EXIT_USER_ERROR

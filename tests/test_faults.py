@@ -382,10 +382,10 @@ BAD_INPUTS = {  # the command as typed ({d}: a folder of bad files) -> what its 
     "export hf {d}/ck {d}/exported --max-shard-bytes -5": "--max-shard-bytes=-5: must be >= 1",
     "trian": "unknown command 'trian'; did you mean 'train'?",
     "train --data.max_corpus_bytes=-1": "data.max_corpus_bytes=-1: must be >= 1",
-    "pipeline shwo": "functitan pipeline: error: unknown command 'shwo'; did you mean 'show'?",
-    "data prepaer": "functitan data: error: unknown command 'prepaer'; did you mean 'prepare'?",
-    "export hff {d}/ck {d}/exported": "functitan export: error: unknown command 'hff'; did you mean 'hf'?",
-    "import hff {d}/hf {d}/imported": "functitan import: error: unknown command 'hff'; did you mean 'hf'?",
+    "pipeline shwo": "functitan: error: unknown command 'shwo' of functitan pipeline; did you mean 'show'?",
+    "data prepaer": "functitan: error: unknown command 'prepaer' of functitan data; did you mean 'prepare'?",
+    "export hff {d}/ck {d}/exported": "functitan: error: unknown command 'hff' of functitan export; did you mean 'hf'?",
+    "import hff {d}/hf {d}/imported": "functitan: error: unknown command 'hff' of functitan import; did you mean 'hf'?",
     # 4 TB for one weight: refused from the declared shapes, before init allocates
     "train --model.dim=1048576": "model.dim=1048576: the model (llama, 6,598,421,381,120 params) needs 26.4 TB to "
     "initialise its fp32 parameters, and this host has ",

@@ -7,13 +7,13 @@ written.
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import UserError, pop_debug, unknown_command, user_errors_exit
+from .._command import CommandParser, run
+from ..errors import UserError, unknown_command
 from ._hf import MAX_SHARD_BYTES
 from ._manager import check_checkpoint_path
 
@@ -88,13 +88,8 @@ def import_main(argv: Sequence[str]) -> int:
 FORMATS = {"export": ("hf", "dcp"), "import": ("hf",)}  # command -> the formats it takes, the first the default help
 
 
-def _parser(command: str, fmt: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=f"functitan {command} {fmt}",
-        epilog=EXAMPLES[command],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+def _parser(command: str, fmt: str) -> CommandParser:
+    parser = CommandParser(f"{command} {fmt}", examples=EXAMPLES[command])
     if command == "export":
         parser.add_argument(
             "checkpoint", help="a functitan checkpoint (a step directory: runs/<name>/checkpoints/<step>)"
@@ -118,19 +113,19 @@ def _parser(command: str, fmt: str) -> argparse.ArgumentParser:
             help="the model as --model.name spells it (default: the installed model of config.json's architecture)",
         )
         parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return parser
 
 
 def main(command: str, argv: Sequence[str]) -> int:
-    debug, args = pop_debug(argv)
+    return run(argv, lambda args: _main(command, args))
+
+
+def _main(command: str, args: list[str]) -> int:
     formats = FORMATS[command]
     if args and args[0] in ("-h", "--help"):
         args = [formats[0], *args]
     if not args:
-        _parser(command, formats[0]).error(
-            f"name a format ({' or '.join(formats)}): functitan {command} {formats[0]} ..."
-        )
+        raise UserError(f"name a format ({' or '.join(formats)}): functitan {command} {formats[0]} ... (see --help)")
     if args[0] not in formats:
         return unknown_command(f"functitan {command}", args[0], list(formats))
     fmt = args[0]
@@ -174,4 +169,4 @@ def main(command: str, argv: Sequence[str]) -> int:
             )
         return 0
 
-    return user_errors_exit(body, debug=debug)
+    return body()
