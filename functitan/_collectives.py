@@ -29,7 +29,7 @@ from torch import Tensor
 
 # True while a parameter all-gather runs. Selective remat's policy (functitan._remat) recomputes
 # these ops in backward instead of saving the gathered params, so a checkpointed block also reshards after
-# forward. (Without remat, reshard-after-forward uses saved-tensor hooks instead: sharding._Regather.)
+# forward. (Without remat, reshard-after-forward uses saved-tensor hooks instead: _fsdp._Regather.)
 GATHERING: contextvars.ContextVar[bool] = contextvars.ContextVar("functitan_gathering", default=False)
 
 __all__ = [
@@ -229,7 +229,7 @@ class PendingReduce:
 
     ``_BucketGather``'s backward starts the collective and returns views of its output without waiting;
     ``await_reduce``'s node, which sits between the shards and the bucket, waits before any op reads them.
-    Made one block earlier (``Layout.prefetch``), that node comes after the previous block's backward in
+    Made one block earlier (``FSDP.prefetch``), that node comes after the previous block's backward in
     autograd's order (later-made nodes run first), so the reduce-scatter overlaps that block's backward and at
     most one is in flight: it is waited on before the next bucket's starts."""
 

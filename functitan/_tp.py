@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import Shard
 
 from . import _collectives as C
 from . import _loss
@@ -113,6 +114,14 @@ class TPContext:
         self.size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.sequence_parallel = _axis_of(("seq",), rules, axis) == "seq"
+
+    def grad_sum(self, local: Tensor, p: Any, reduce_dtype: torch.dtype | None = None) -> Tensor:
+        """Under sequence parallelism, the gradient of a parameter replicated over tp summed over tp (identity
+        forward): every activation is split over tp then, so each rank holds a part of its gradient."""
+        names = p.device_mesh.mesh_dim_names or ()
+        if self.axis not in names or isinstance(p.placements[names.index(self.axis)], Shard):
+            return local
+        return C.grad_all_reduce(local, self.group, reduce="sum", reduce_dtype=reduce_dtype)
 
     # -- contractions
     def einsum(self, pattern: str, x: Tensor, w: Tensor) -> Tensor:

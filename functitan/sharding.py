@@ -13,23 +13,20 @@ runs on plain tensors: eager DTensor dispatch costs 15-60 us per op, which domin
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
-import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from . import _collectives, _loss, _remat
-from . import _dtensor as _dt
+from . import _attention, _collectives, _loss, _remat
+from ._fsdp import FSDP, FSDPPolicy
 from ._loss import IGNORE_INDEX, TokenLoss
 from ._names import NameTable
 from ._rules import Rules, Spec, default_rules, is_spec, logical_to_mesh_axes, spec_placements
@@ -137,15 +134,18 @@ class Layout:
     names: NameTable | None = None
     # derived in __post_init__ from the (immutable) mesh and rules: not arguments, not compared, not state
     _tp: TPContext | None = field(default=None, init=False, repr=False, compare=False)
-    _fsdp: bool = field(default=False, init=False, repr=False, compare=False)
+    _fsdp: FSDP = field(default=FSDP(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _remat.as_policy(self.remat)  # an unknown spelling fails here
         mesh = self.mesh
         names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
         on = lambda axis: mesh is not None and axis in names and mesh[axis].size() > 1  # noqa: E731
-        object.__setattr__(self, "_tp", TPContext(mesh, self.rules) if on("tp") and mesh is not None else None)
-        object.__setattr__(self, "_fsdp", on("dp_shard"))
+        tp = TPContext(mesh, self.rules) if on("tp") and mesh is not None else None
+        policy = FSDPPolicy(self.param_dtype, self.reduce_dtype, self.reshard_after_forward)
+        fsdp = FSDP(policy, on("dp_shard"), tp.grad_sum if tp is not None and tp.sequence_parallel else None)
+        object.__setattr__(self, "_tp", tp)
+        object.__setattr__(self, "_fsdp", fsdp)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -180,130 +180,20 @@ class Layout:
         Zero-bubble pipeline schedules (separate input- and weight-gradient passes) need False."""
         return _remat.as_policy(self.remat).single_backward
 
-    # -- parameters
+    # -- parameters and blocks: the data-parallel part (functitan/_fsdp.py)
     def param(self, p: Tensor) -> Tensor:
-        """Storage -> compute: a differentiable local tensor, gathered over the data-parallel axes.
+        """Storage -> compute: a differentiable local tensor, gathered over the data-parallel axes (FSDP's
+        all-gather / reduce-scatter, DDP's all-reduce) in ``param_dtype`` / ``reduce_dtype``; tensor-parallel
+        shards stay local. Under sequence parallelism a param replicated over tp gets a gradient sum over tp:
+        every activation is then split over tp (by sequence or by feature), so each rank holds a part of its
+        gradient, however the model uses it (``x + bias``, a norm weight, a position table)."""
+        return self._fsdp.param(p)
 
-        Tensor-parallel shards stay local. Replicated data-parallel axes get DDP's gradient all-reduce;
-        sharded ones FSDP's all-gather / reduce-scatter, in ``param_dtype`` / ``reduce_dtype``. Under sequence
-        parallelism a param replicated over tp gets a gradient sum over tp: every activation is then split
-        over tp (by sequence or by feature), so each rank holds a part of its gradient, however the model uses it
-        (``x + bias``, a norm weight, a position table).
-        """
-        local, shards, cast = self._prepare(p)
-        for group, dim, full in shards:
-            local = _collectives.all_gather(
-                local,
-                dim,
-                full,
-                group,
-                compute_dtype=self.param_dtype if cast else None,
-                reduce_dtype=self.reduce_dtype if cast else None,
-            )
-            cast = False
-        return local.to(self.param_dtype) if cast else local
+    def params(self, tree: Any) -> Any:
+        """``param`` over a tree, the FSDP all-gathers of all leaves bucketed into one collective per process
+        group (and one reduce-scatter in backward), as FSDP2 does per module."""
+        return self._fsdp.params(tree)
 
-    def params(self, tree: Any, pending: _Prefetched | None = None) -> Any:
-        """``param`` over a tree, with the FSDP all-gathers of all leaves bucketed into one collective per
-        process group (and one reduce-scatter in backward), as FSDP2 does per module. ``pending``: what
-        ``prefetch(tree)`` returned; its gathers are waited on instead of issued, and its backward
-        reduce-scatters run asynchronously (``_collectives.PendingReduce``)."""
-        leaves, treedef, buckets = (
-            (pending.leaves, pending.treedef, pending.buckets) if pending else self._buckets(tree)
-        )
-        out: list[Any] = list(leaves)
-        bucketed = {i for items in buckets.values() for i, *_ in items}
-        for i, leaf in enumerate(leaves):
-            if i not in bucketed:
-                out[i] = self.param(leaf)
-        for bucket, items in buckets.items():
-            group, cast = bucket
-            gathered = _collectives.bucket_all_gather(
-                [x for _, x, _, _ in items],
-                [d for _, _, d, _ in items],
-                [f for _, _, _, f in items],
-                group,
-                compute_dtype=self.param_dtype if cast else None,
-                reduce_dtype=self.reduce_dtype if cast else None,
-                pending=pending.gathers.get(bucket) if pending else None,
-                reduce_box=pending.reduces.get(bucket) if pending else None,
-            )
-            for (i, *_), g in zip(items, gathered):
-                out[i] = g
-        return optree.tree_unflatten(treedef, out)
-
-    def prefetch(self, tree: Any, *, gather: bool = True) -> _Prefetched | None:
-        """Start the FSDP all-gathers of ``tree`` (the next block's params) now, asynchronously, so they
-        overlap this block's compute; pass the result to ``params(tree, pending=...)``.
-
-        With gradients on, the shards' autograd nodes (``_ToLocal``, the await of the bucket's reduce-scatter)
-        are made here, before this block's compute, so autograd runs them after this block's backward: the
-        next block's reduce-scatter overlaps it. ``gather=False``: only those nodes, for a checkpointed next
-        block, which gathers inside its remat region (a prefetched gather would be kept for its backward)."""
-        if not self._fsdp or torch.compiler.is_compiling():
-            return None  # compiled: the compiler schedules the collectives (an async handle breaks the graph)
-        if not gather and not torch.is_grad_enabled():
-            return None
-        leaves, treedef, buckets = self._buckets(tree)
-        gathers, reduces = {}, {}
-        for bucket, items in buckets.items():
-            if torch.is_grad_enabled():
-                reduces[bucket] = _collectives.PendingReduce()
-                shards = _collectives.await_reduce(reduces[bucket], [x for _, x, _, _ in items])
-                items[:] = [(i, x, d, f) for (i, _, d, f), x in zip(items, shards)]
-            if not gather:
-                continue
-            with torch.no_grad():
-                gathers[bucket] = _collectives.start_bucket_gather(
-                    [x for _, x, _, _ in items],
-                    [d for _, _, d, _ in items],
-                    [f for _, _, _, f in items],
-                    bucket[0],
-                    compute_dtype=self.param_dtype if bucket[1] else None,
-                )
-        return _Prefetched(leaves, treedef, buckets, gathers, reduces)
-
-    def _buckets(self, tree: Any) -> tuple[list, Any, dict]:
-        """The leaves, treedef and {(group, cast): [(leaf index, local, dim, full)]} of one-axis FSDP shards."""
-        leaves, treedef = optree.tree_flatten(tree)
-        buckets: dict[Any, list[tuple[int, Tensor, int, int]]] = {}
-        for i, p in enumerate(leaves):
-            if isinstance(p, DTensor):
-                local, shards, cast = self._prepare(p)
-                if len(shards) == 1:
-                    group, dim, full = shards[0]
-                    buckets.setdefault((group, cast), []).append((i, local, dim, full))
-        return leaves, treedef, buckets
-
-    def _prepare(self, p: Tensor) -> tuple[Tensor, list[tuple[Any, int, int]], bool]:
-        """(local tensor with DDP / SP grad all-reduces applied, [(group, dim, full)] to gather, cast pending)."""
-        cast = self.param_dtype is not None and p.dtype != self.param_dtype
-        if not isinstance(p, DTensor):
-            return p, [], cast
-        mesh = p.device_mesh
-        names = mesh.mesh_dim_names or ()
-        local = p.to_local() if torch.compiler.is_compiling() else _ToLocal.apply(p)
-        reduce_dtype = self.reduce_dtype if cast else None
-        if self.sequence_parallel and "tp" in names:
-            ti = names.index("tp")
-            if not isinstance(p.placements[ti], Shard):  # before the gathers: reduce the shard, not the whole
-                local = _collectives.grad_all_reduce(local, mesh.get_group(ti), reduce="sum", reduce_dtype=reduce_dtype)
-        shards = []
-        for mi, pl in enumerate(p.placements):
-            if names[mi] not in DP_AXES or mesh.size(mi) == 1:
-                continue
-            if isinstance(pl, Replicate):  # before the gathers: its backward then runs after the reduce-scatter
-                local = _collectives.grad_all_reduce(local, mesh.get_group(mi), reduce_dtype=reduce_dtype)
-            elif isinstance(pl, Shard):
-                _check_only_dp_on_dim(p, pl.dim)
-                shards.append((mesh.get_group(mi), pl.dim, p.shape[pl.dim]))
-            else:
-                raise ValueError(
-                    f"parameter placement {pl} on mesh axis {names[mi]!r} is not supported; use Shard or Replicate"
-                )
-        return local, shards, cast
-
-    # -- blocks
     def blocks(
         self,
         fn: Callable[..., Tensor],
@@ -314,85 +204,27 @@ class Layout:
     ) -> Tensor:
         """``x = fn(compute_params, x, *args)`` for each block's params in ``layers``, in order.
 
-        Each block's params are gathered inside its remat region (``block``); under FSDP the next block's
-        all-gather starts once this block's has, and overlaps its compute, unless the next block is
-        checkpointed (it gathers inside its remat region). Each block's backward reduce-scatter, checkpointed
-        or not, runs under the previous block's backward (``prefetch``). ``remat``: a policy per block (None
-        entries: the layout's), e.g. ``["full"] * 4 + [None] * 12``.
+        Each block's params are gathered inside its remat region; under FSDP the next block's all-gather
+        overlaps this block's compute (unless the next block is checkpointed: it gathers inside its region),
+        and each block's backward reduce-scatter runs under the previous block's backward. ``remat``: a policy
+        per block (None entries: the layout's), e.g. ``["full"] * 4 + [None] * 12``.
         """
-        pending, regather = None, None
-        if layers and self._policy(remat, 0).checkpoints:  # its reduce-scatter waits for block 1's (depth one)
-            pending = self.prefetch(layers[0], gather=False)
-        for i, p in enumerate(layers):
-            nxt = layers[i + 1] if i + 1 < len(layers) else None
-            gather_next = nxt is not None and not self._policy(remat, i + 1).checkpoints
-            x, pending, regather = self._block(
-                fn, p, (x, *args), pending, nxt, remat[i] if remat is not None else None, regather, gather_next
-            )
-        return x
-
-    def _policy(self, remat: Sequence[str | _remat.Policy | None] | None, i: int) -> _remat.Policy:
-        """Block ``i``'s remat policy: its entry in ``remat``, else the layout's."""
-        own = remat[i] if remat is not None else None
-        return _remat.as_policy(self.remat if own is None else own)
+        policies = [self._policy(remat[i] if remat is not None else None) for i in range(len(layers))]
+        return self._fsdp.blocks(self._compiled(fn), layers, x, args, policies)
 
     def block(
         self, fn: Callable[..., Tensor], params: Any, *args: Any, remat: str | _remat.Policy | None = None
     ) -> Tensor:
         """``fn(compute_params, *args)`` with the params gathered inside the block's remat region; ``remat``:
         this block's policy instead of the layout's."""
-        return self._block(fn, params, args, None, None, remat)[0]
+        return self._fsdp.block(self._compiled(fn), params, args, self._policy(remat))[0]
 
-    def _block(
-        self,
-        fn: Callable[..., Tensor],
-        params: Any,
-        args: tuple,
-        pending: _Prefetched | None,
-        nxt: Any,
-        remat: str | _remat.Policy | None = None,
-        prev: _Regather | None = None,
-        gather_next: bool = True,
-    ) -> tuple[Tensor, _Prefetched | None, _Regather | None]:
-        """One block: its output, the next block's prefetch and its ``_Regather`` (the next block's ``prev``).
+    def _policy(self, remat: str | _remat.Policy | None) -> _remat.Policy:
+        return _remat.as_policy(self.remat if remat is None else remat)
 
-        ``pending``: this block's prefetch (made by the previous block); ``nxt``: the next block's params, whose
-        prefetch is made here (its gather only if ``gather_next``)."""
-        policy = _remat.as_policy(self.remat if remat is None else remat)
-        if self.compile:
-            fn = torch.compile(fn)  # dynamo's cache lives with fn's code: compiled once, whatever the wrapper
-
-        def run(p: Any, *a: Any) -> Tensor:
-            # ``pending`` holds this block's shards (outside the region) and its reduce-scatter box; its gather
-            # is issued here, in the forward and again in the recompute
-            return fn(self.params(p, pending), *a)
-
-        if not torch.is_grad_enabled():
-            return run(params, *args), None, None
-        if not policy.checkpoints:
-            regather = (
-                _Regather(self, params, prev)
-                if self.reshard_after_forward and self._fsdp and not torch.compiler.is_compiling()
-                else None
-            )
-            hooks = (
-                torch.autograd.graph.saved_tensors_hooks(regather.pack, regather.unpack)
-                if regather
-                else contextlib.nullcontext()
-            )
-            if policy.offload:
-                hooks = _remat.offload_hooks(regather.pack if regather else None, regather.unpack if regather else None)
-            with hooks:
-                compute = self.params(params, pending)
-                if regather is not None:
-                    regather.track(optree.tree_leaves(compute))
-                started = self.prefetch(nxt, gather=gather_next) if nxt is not None else None
-                _chain(pending, started)
-                return fn(compute, *args), started, regather
-        # made before the region, so autograd runs the next block's await after this block's whole backward
-        started = self.prefetch(nxt, gather=gather_next) if nxt is not None else None
-        _chain(pending, started)
-        return _remat.apply(policy, run, params, *args), started, None
+    def _compiled(self, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        # dynamo's cache lives with fn's code: compiled once, whatever the wrapper
+        return torch.compile(fn) if self.compile else fn
 
     # -- activations
     def einsum(self, pattern: str, *operands: Tensor) -> Tensor:
@@ -431,6 +263,22 @@ class Layout:
         if self._tp is not None:
             return self._tp.einsums(x, pairs)
         return [parse_einsum(pattern, 2)[2](x, w) for pattern, w in pairs]
+
+    def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool = True,
+        segment_ids: Tensor | None = None,
+        scale: float | None = None,
+    ) -> Tensor:
+        """Attention of this rank's heads over the whole sequence: ``q (batch, heads, seq, head_dim)``,
+        ``k``/``v (batch, kv_heads, seq, head_dim)`` (grouped-query when fewer). ``segment_ids (batch, seq)``:
+        packed documents attend only within themselves. The one entry every model uses, so that a parallelism
+        that splits the sequence changes how attention runs, not the model (``functitan._attention``)."""
+        return _attention.attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
 
     def embed(self, tokens: Tensor, table: Tensor, num_rows: int) -> Tensor:
         """Row lookup: ``tokens (batch, seq)`` ids into ``table (num_rows, embed)`` -> ``(batch, seq, embed)``.
@@ -541,102 +389,3 @@ class Layout:
                 i = names.index(a)
                 rank = rank * self.mesh.size(i) + self.mesh.get_local_rank(i)
         return rank
-
-
-def _chain(pending: _Prefetched | None, started: _Prefetched | None) -> None:
-    """This block's reduce-scatters start only once the next block's (which backward runs first) finished:
-    one bucket in flight, as FSDP2. Without remat autograd's order already ensures it (the next block's await
-    runs before this block's gather node); a checkpointed block's gather is inside its region, so the await
-    comes after it."""
-    if pending is None or started is None:
-        return
-    for bucket, box in pending.reduces.items():
-        box.behind = started.reduces.get(bucket)
-
-
-class _Prefetched(NamedTuple):
-    """``Layout.prefetch``'s result: the tree's leaves and buckets (shards already through their autograd
-    nodes), the started all-gather and, with gradients on, the reduce-scatter box of each bucket."""
-
-    leaves: list
-    treedef: Any
-    buckets: dict  # (group, cast) -> [(leaf index, local shard, dim, full)]
-    gathers: dict  # (group, cast) -> _collectives.PendingGather
-    reduces: dict  # (group, cast) -> _collectives.PendingReduce
-
-
-class _Regather:
-    """FSDP's reshard-after-forward with saved-tensor hooks: a block's gathered params die after its forward
-    and are all-gathered again (one bucketed collective) when its backward first needs one.
-
-    Autograd saves a few tensors per op (a matmul's weight for the input gradient); one that lives in the
-    storage of a gathered param is packed as ``(leaf index, size, stride, offset)`` instead of a reference.
-    Cheaper than a selective-checkpoint policy, which intercepts every op of the block in Python
-    (benchmarks/parallel_vs_torch.py measured FSDP 2 at 1.35x torch's FSDP2 with that, 1.12x with this).
-    When this block's backward gathers, the previous block's (``prev``, the next backward) gather starts too,
-    asynchronously, as FSDP2's backward prefetch: it overlaps this block's backward.
-    """
-
-    def __init__(self, layout: Layout, params: Any, prev: _Regather | None = None) -> None:
-        self.layout, self.params, self.prev = layout, params, prev
-        self.where: dict[int, int] = {}  # storage address of a gathered leaf -> its index
-        self.cache: list[Tensor] | None = None
-        self.started: _Prefetched | None = None  # this block's gather, started by the next block's backward
-        self.pending = 0
-
-    def track(self, gathered: list[Tensor]) -> None:
-        # keyed by the storage object (not its address: fake tensors, which the planner traces, have none)
-        self.where = {t.untyped_storage()._cdata: i for i, t in enumerate(gathered)}
-
-    def pack(self, t: Tensor) -> Any:
-        i = self.where.get(t.untyped_storage()._cdata) if type(t) is Tensor or type(t) is FakeTensor else None
-        if i is None:
-            return t
-        self.pending += 1
-        return (i, t.size(), t.stride(), t.storage_offset())
-
-    def unpack(self, packed: Any) -> Tensor:
-        if isinstance(packed, Tensor):
-            return packed
-        i, size, stride, offset = packed
-        if self.cache is None:
-            with torch.no_grad():
-                self.cache = optree.tree_leaves(self.layout.params(self.params, self.started))
-                self.started = None
-                prev = self.prev
-                if prev is not None and prev.pending and prev.cache is None and prev.started is None:
-                    prev.started = self.layout.prefetch(prev.params)
-        out = torch.as_strided(self.cache[i], size, stride, offset)
-        self.pending -= 1
-        if self.pending == 0:  # the block's backward took all it saved: free the re-gathered params
-            self.cache = None
-        return out
-
-
-class _ToLocal(torch.autograd.Function):
-    """``DTensor.to_local()`` without its backward's ``DTensor.from_local`` (~170 us a param, measured by
-    benchmarks/step_overhead.py): the gradient is wrapped with the param's own spec directly."""
-
-    @staticmethod
-    def forward(ctx: Any, p: DTensor) -> Tensor:
-        ctx.spec = _dt.spec(p)
-        local = _dt.local(p)
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:  # a DTensor with the param's spec
-        return _dt.wrap(g.contiguous(), ctx.spec)
-
-
-def _check_only_dp_on_dim(p: DTensor, dim: int) -> None:
-    names = p.device_mesh.mesh_dim_names or ()
-    other = [
-        names[i]
-        for i, pl in enumerate(p.placements)
-        if isinstance(pl, Shard) and pl.dim == dim and names[i] not in DP_AXES and p.device_mesh.size(i) > 1
-    ]
-    if other:
-        raise ValueError(
-            f"a parameter of shape {tuple(p.shape)} is sharded on dim {dim} by both a data-parallel axis and {other}; "
-            f"give that dim's data-parallel rule a different logical name so FSDP shards another dim"
-        )

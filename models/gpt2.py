@@ -188,7 +188,7 @@ def attention(p: dict[str, Any], x: Tensor, cfg: GPT2Config, layout: Layout) -> 
     qkv = layout.einsum("batch seq embed, qkv heads embed -> batch seq qkv heads", x, c["weight"]) + c["bias"]
     b, s = qkv.shape[:2]
     q, k, v = (t.view(b, s, -1, cfg.head_dim).transpose(1, 2) for t in qkv.unbind(2))  # (batch, heads, seq, head_dim)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o = layout.attention(q, k, v)  # causal
     o = o.transpose(1, 2).reshape(b, s, -1)  # (batch, seq, local heads * head_dim)
     # row parallel: the einsum sums the partial products over tp first, then the bias is added once
     return (

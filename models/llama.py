@@ -350,7 +350,7 @@ def attention(p: dict[str, Tensor], x: Tensor, cfg: LlamaConfig, layout: Layout)
     k = k.view(b, s, -1, hd).transpose(1, 2)  # (batch, local_kv_heads, seq, head_dim)
     v = v.view(b, s, -1, hd).transpose(1, 2)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    o = layout.attention(q, k, v)  # causal; grouped-query when fewer kv heads
     o = o.transpose(1, 2).reshape(b, s, -1)  # (batch, seq, local_heads * head_dim)
     return layout.einsum("batch seq heads, embed heads -> batch seq embed", o, p["wo"])
 

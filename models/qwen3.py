@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from functitan import model as M
@@ -215,9 +214,7 @@ def attention(p: dict[str, Any], x: Tensor, cfg: Qwen3Config, layout: Layout) ->
     k = head_norm(k.view(b, s, -1, hd), p["k_norm"]["weight"], eps, "kv_heads", layout).transpose(1, 2)
     v = v.view(b, s, -1, hd).transpose(1, 2)  # (batch, local kv heads, seq, head_dim)
     cos, sin = rope_tables(cfg, s, device=q.device, dtype=q.dtype)
-    o = F.scaled_dot_product_attention(
-        rope(q, cos, sin), rope(k, cos, sin), v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    o = layout.attention(rope(q, cos, sin), rope(k, cos, sin), v)  # causal; grouped-query when fewer kv heads
     o = o.transpose(1, 2).reshape(b, s, -1)  # (batch, seq, local heads * head_dim)
     return layout.einsum("batch seq heads, embed heads -> batch seq embed", o, p["wo"])
 
