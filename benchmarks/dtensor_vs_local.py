@@ -64,7 +64,8 @@ RESULTS = Path(__file__).parent / "results"
 @dataclasses.dataclass(frozen=True)
 class DTensorLayout(Layout):
     """Layout whose compute runs on DTensors: params redistributed to their compute placement, ops dispatched
-    by DTensor. The model function is unchanged; only the five Layout entry points differ."""
+    by DTensor. The model function is unchanged; only the Layout's entry points differ (params, blocks,
+    einsum, attention, embed, loss)."""
 
     def _compute(self, placements: tuple) -> list:
         names = self.mesh.mesh_dim_names
@@ -81,8 +82,16 @@ class DTensorLayout(Layout):
     def params(self, tree: Any) -> Any:
         return tree_map(self.param, tree)
 
-    def block(self, fn: Callable[..., Tensor], params: Any, *args: Any) -> Tensor:
+    def block(self, fn: Callable[..., Tensor], params: Any, *args: Any, remat: Any = None) -> Tensor:
         return fn(self.params(params), *args)
+
+    def blocks(self, fn: Callable[..., Tensor], layers: Any, x: Tensor, *args: Any, remat: Any = None) -> Tensor:
+        for p in layers:
+            x = fn(self.params(p), x, *args)
+        return x
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, **_: Any) -> Tensor:
+        return _sdpa(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
 
     def einsum(self, pattern: str, *operands: Tensor) -> Tensor:
         _, _, op = parse_einsum(pattern, len(operands))
@@ -97,6 +106,9 @@ class DTensorLayout(Layout):
         if sharded is not None and sharded in xn and sharded not in out:  # row parallel: partial sums
             y = y.redistribute(self.mesh, self._set_tp(y.placements, self._residual(out)))
         return y
+
+    def einsums(self, x: Tensor, pairs: list[tuple[str, Tensor]]) -> list[Tensor]:
+        return [self.einsum(pattern, x, w) for pattern, w in pairs]
 
     def _residual(self, names: tuple[str, ...]) -> Any:
         return Shard(names.index("seq")) if self.sequence_parallel and "seq" in names else Replicate()
@@ -115,15 +127,12 @@ class DTensorLayout(Layout):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") / targets.numel()
 
 
-_SDPA = F.scaled_dot_product_attention
-
-
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
     if not isinstance(q, DTensor):
-        return _SDPA(q, k, v, *args, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
     # no sharding strategy for SDPA on CPU: run it on the local shards (batch or heads sharded, both local-safe)
     fn = local_map(
-        functools.partial(_SDPA, **kwargs),
+        functools.partial(F.scaled_dot_product_attention, **kwargs),
         out_placements=(q.placements,),
         in_placements=(q.placements, k.placements, v.placements),
         device_mesh=q.device_mesh,
@@ -133,15 +142,10 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
 
 @contextlib.contextmanager
 def dtensor_compute(vocab_parallel: bool) -> Iterator[None]:
-    """What the DTensor variant needs around a call: SDPA through local_map (``models.llama`` calls
-    ``F.scaled_dot_product_attention`` at run time, so swapping the attribute reaches it), plain RoPE tables
-    taken as replicated, and the vocab-parallel loss (forward and backward)."""
-    F.scaled_dot_product_attention = _sdpa
-    try:
-        with implicit_replication(), loss_parallel() if vocab_parallel else contextlib.nullcontext():
-            yield
-    finally:
-        F.scaled_dot_product_attention = _SDPA
+    """What the DTensor variant needs around a call: plain RoPE tables taken as replicated, and the
+    vocab-parallel loss (forward and backward). (SDPA runs through local_map: ``DTensorLayout.attention``.)"""
+    with implicit_replication(), loss_parallel() if vocab_parallel else contextlib.nullcontext():
+        yield
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -30,6 +30,7 @@ from ._fsdp import FSDP, FSDPPolicy
 from ._loss import IGNORE_INDEX, TokenLoss
 from ._names import NameTable
 from ._rules import Rules, Spec, default_rules, is_spec, logical_to_mesh_axes, spec_placements
+from ._seq import WHOLE, SequenceSplit
 from ._tp import TPContext, parse_einsum
 from .mesh import DP_AXES
 from .tree import map_with_names, tree_map
@@ -135,6 +136,7 @@ class Layout:
     # derived in __post_init__ from the (immutable) mesh and rules: not arguments, not compared, not state
     _tp: TPContext | None = field(default=None, init=False, repr=False, compare=False)
     _fsdp: FSDP = field(default=FSDP(), init=False, repr=False, compare=False)
+    _seq: SequenceSplit = field(default=WHOLE, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _remat.as_policy(self.remat)  # an unknown spelling fails here
@@ -146,33 +148,36 @@ class Layout:
         fsdp = FSDP(policy, on("dp_shard"), tp.grad_sum if tp is not None and tp.sequence_parallel else None)
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_fsdp", fsdp)
+        if tp is not None and tp.sequence_parallel:
+            by, fix = (
+                f"sequence parallelism over tp={tp.size}",
+                "change training.seq_len or set parallelism.sequence_parallel=false",
+            )
+            object.__setattr__(self, "_seq", SequenceSplit(tp.size, tp.rank, by, fix))
 
     @property
     def sequence_parallel(self) -> bool:
         return self._tp is not None and self._tp.sequence_parallel
 
     @property
+    def seq(self) -> SequenceSplit:
+        """How the residual stream is split along the sequence (``functitan._seq``): over tp under sequence
+        parallelism, else not at all."""
+        return self._seq
+
+    @property
     def seq_shards(self) -> int:
-        """Into how many pieces the residual stream is split along the sequence (tp under sequence parallel)."""
-        return self._tp.size if self._tp is not None and self._tp.sequence_parallel else 1
+        """Into how many pieces the residual stream is split along the sequence (``seq.shards``)."""
+        return self._seq.shards
 
     def seq_range(self, seq_len: int) -> tuple[int, int]:
         """``(start, stop)`` of this rank's positions in a sequence of ``seq_len``: its piece of the residual
-        stream under sequence parallelism, else the whole sequence. Learned position tables index with it."""
-        tp = self._tp
-        if tp is None or not tp.sequence_parallel:
-            return 0, seq_len
-        if seq_len % tp.size:
-            raise ValueError(
-                f"sequence parallelism over tp={tp.size} needs the sequence length divisible by "
-                f"{tp.size}, got {seq_len}; change training.seq_len or set parallelism.sequence_parallel=false"
-            )
-        n = seq_len // tp.size
-        return tp.rank * n, (tp.rank + 1) * n
+        stream (``seq.range``). Learned position tables index with it."""
+        return self._seq.range(seq_len)
 
     def positions(self, seq_len: int, device: torch.device | str = "cpu") -> Tensor:
         """This rank's position ids ``(local_seq,)`` (see ``seq_range``)."""
-        return torch.arange(*self.seq_range(seq_len), device=device)
+        return self._seq.positions(seq_len, device)
 
     @property
     def single_backward(self) -> bool:
@@ -343,18 +348,18 @@ class Layout:
         ``mask (batch, seq)``: bool or 0/1 per token, over the whole sequence as the batch holds it.
         """
         v = values.float()
-        tp = self._tp
-        if tp is not None and tp.sequence_parallel:
-            if mask is not None and mask.shape[1] == v.shape[1] * tp.size:
-                mask = mask[:, tp.rank * v.shape[1] : (tp.rank + 1) * v.shape[1]]
+        seq = self._seq
+        if seq.shards > 1:
+            if mask is not None and mask.shape[1] == v.shape[1] * seq.shards:
+                mask = mask[:, seq.index * v.shape[1] : (seq.index + 1) * v.shape[1]]
             elif mask is not None and mask.shape[1] == v.shape[1]:  # whole-sequence values on every rank
-                lo, hi = self.seq_range(v.shape[1])
+                lo, hi = seq.range(v.shape[1])
                 v, mask = v[:, lo:hi], mask[:, lo:hi]
         if mask is not None:
             v = v * mask.reshape(*mask.shape, *([1] * (v.dim() - 2))).to(v.dtype)
         total = v.sum((0, 1))
-        if tp is not None and tp.sequence_parallel:
-            total = _collectives.all_reduce(total, tp.group)
+        if self._tp is not None and self._tp.sequence_parallel:  # the pieces are tp's: summed over tp
+            total = _collectives.all_reduce(total, self._tp.group)
         return total
 
     def token_mean(self, values: Tensor, mask: Tensor | None = None) -> TokenLoss:
