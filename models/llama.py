@@ -19,7 +19,6 @@ References: Llama 3 (arXiv 2407.21783); RoPE (arXiv 2104.09864); GQA (arXiv 2305
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from functitan import model as M
+from functitan import rope
 from functitan.metrics import transformer_flops_per_token
 from functitan.model import HFMap, Param, TensorKey, normal, ones, transformers_major
 from functitan.random import PRNGKey
@@ -269,60 +269,8 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
 def rope_tables(
     cfg: LlamaConfig, seq_len: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[Tensor, Tensor]:
-    """``cos, sin`` of shape (seq, head_dim), HF layout (frequencies repeated over the two halves)."""
-    hd = cfg.head_dim
-    # computed in fp64 on the target device (no host round trip per block), then cast
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device=device) / hd))
-    if cfg.rope_scaling is not None:
-        inv_freq = _llama3_scale(inv_freq, cfg.rope_scaling)
-    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-@functools.lru_cache(maxsize=32)
-def _rope_tables_cached(
-    cfg: LlamaConfig, seq_len: int, device: torch.device, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    return rope_tables(cfg, seq_len, device=device, dtype=dtype)
-
-
-def _block_rope(cfg: LlamaConfig, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The tables every block uses: built once per (config, length, device, dtype) in eager mode (about 4% of a
-    small model's forward when rebuilt in each block), traced inline under ``torch.compile``. Not cached under a
-    FakeTensorMode (the planner's traces: a cached fake tensor belongs to the mode that made it) nor inside a
-    torch.func transform (``hvp``, ``vmap``: tables made there are wrapped at its level and escape it)."""
-    if (
-        torch.compiler.is_compiling()
-        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
-        or torch._C._functorch.maybe_current_level() is not None
-    ):
-        return rope_tables(cfg, seq_len, device=device, dtype=dtype)
-    return _rope_tables_cached(cfg, seq_len, device, dtype)
-
-
-def _llama3_scale(inv_freq: Tensor, s: RopeScaling) -> Tensor:
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: (batch, heads, seq, head_dim); cos, sin: (seq, head_dim)
-    return x * cos + _rotate_half(x) * sin
+    """``cos, sin`` of shape (seq, head_dim), HF layout (``functitan.rope``)."""
+    return rope.tables(cfg.head_dim, cfg.rope_theta, seq_len, scaling=cfg.rope_scaling, device=device, dtype=dtype)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, layout: Layout) -> Tensor:
@@ -345,11 +293,13 @@ def attention(p: dict[str, Tensor], x: Tensor, cfg: LlamaConfig, layout: Layout)
     )
     # q, k, v hold the whole sequence; head counts come from the (possibly tensor-parallel) local shapes
     b, s = q.shape[:2]
-    cos, sin = _block_rope(cfg, s, q.device, q.dtype)
+    cos, sin = rope.cached_tables(
+        cfg.head_dim, cfg.rope_theta, s, scaling=cfg.rope_scaling, device=q.device, dtype=q.dtype
+    )
     q = q.view(b, s, -1, hd).transpose(1, 2)  # (batch, local_heads, seq, head_dim)
     k = k.view(b, s, -1, hd).transpose(1, 2)  # (batch, local_kv_heads, seq, head_dim)
     v = v.view(b, s, -1, hd).transpose(1, 2)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
     o = layout.attention(q, k, v)  # causal; grouped-query when fewer kv heads
     o = o.transpose(1, 2).reshape(b, s, -1)  # (batch, seq, local_heads * head_dim)
     return layout.einsum("batch seq heads, embed heads -> batch seq embed", o, p["wo"])
@@ -472,10 +422,10 @@ def config_to_hf(cfg: LlamaConfig, *, transformers_version: str | None = None) -
     under ``rope_parameters``; 4.x: top-level ``rope_theta`` and ``rope_scaling``), and the 4.x layout, which
     both read, when transformers is not installed.
     """
-    rope: dict[str, Any] = {"rope_type": "default"}
+    rope_hf: dict[str, Any] = {"rope_type": "default"}
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling
-        rope = {
+        rope_hf = {
             "rope_type": "llama3",
             "factor": float(s.factor),
             "low_freq_factor": float(s.low_freq_factor),
@@ -500,10 +450,10 @@ def config_to_hf(cfg: LlamaConfig, *, transformers_version: str | None = None) -
         "initializer_range": cfg.init_std,
     }
     if transformers_major(transformers_version) >= 5:
-        d["rope_parameters"] = {**rope, "rope_theta": float(cfg.rope_theta)}
+        d["rope_parameters"] = {**rope_hf, "rope_theta": float(cfg.rope_theta)}
     else:
         d["rope_theta"] = float(cfg.rope_theta)
-        d["rope_scaling"] = None if cfg.rope_scaling is None else rope
+        d["rope_scaling"] = None if cfg.rope_scaling is None else rope_hf
     return d
 
 
@@ -523,11 +473,11 @@ _FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "par
 def _rope_from_hf(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     """``(rope_theta, rope_scaling)`` from 5.x ``rope_parameters`` or 4.x ``rope_theta`` + ``rope_scaling``."""
     where = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
-    rope = d.get(where) or {}
-    if not isinstance(rope, Mapping) or any(isinstance(v, Mapping) for v in rope.values()):
-        raise ValueError(f"config.json {where}={rope!r} is not supported: expected one flat dict for all layers")
-    theta = float(rope.get("rope_theta", d.get("rope_theta", _HF_DEFAULTS["rope_theta"])))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_hf = d.get(where) or {}
+    if not isinstance(rope_hf, Mapping) or any(isinstance(v, Mapping) for v in rope_hf.values()):
+        raise ValueError(f"config.json {where}={rope_hf!r} is not supported: expected one flat dict for all layers")
+    theta = float(rope_hf.get("rope_theta", d.get("rope_theta", _HF_DEFAULTS["rope_theta"])))
+    rope_type = rope_hf.get("rope_type", rope_hf.get("type", "default"))
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
@@ -536,14 +486,14 @@ def _rope_from_hf(d: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
             "'default' and 'llama3' RoPE"
         )
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in rope]
+    missing = [k for k in keys if k not in rope_hf]
     if missing:
         raise ValueError(f"config.json {where} with rope_type='llama3' lacks {missing}; it needs all of {list(keys)}")
     return theta, RopeScaling(
-        factor=float(rope["factor"]),
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        factor=float(rope_hf["factor"]),
+        low_freq_factor=float(rope_hf["low_freq_factor"]),
+        high_freq_factor=float(rope_hf["high_freq_factor"]),
+        original_max_position_embeddings=int(rope_hf["original_max_position_embeddings"]),
     )
 
 
@@ -627,14 +577,14 @@ def torchtitan_tensors(cfg: LlamaConfig) -> dict[str, TensorKey]:
     top["norm.weight"] = TensorKey(key=_TT_TOP["norm.weight"])
     if not cfg.tie_embeddings:
         top["output.weight"] = TensorKey(key=_TT_TOP["output.weight"])
-    rope = {
+    rows = {
         "attn.wq": (_rows_to_meta(cfg.n_heads), _rows_to_hf(cfg.n_heads)),
         "attn.wk": (_rows_to_meta(cfg.kv_heads), _rows_to_hf(cfg.kv_heads)),
     }
     out = dict(top)
     for i in range(cfg.n_layers):
         for name, key in _TT_LAYER.items():
-            to, back = rope.get(name, (None, None))
+            to, back = rows.get(name, (None, None))
             out[f"layers.{i}.{name}"] = TensorKey(key=f"layers.{i}.{key}", to_theirs=to, from_theirs=back)
     return out
 

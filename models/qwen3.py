@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from functitan import model as M
+from functitan import rope
 from functitan.metrics import transformer_flops_per_token
 from functitan.model import HFMap, Param, TensorKey, normal, ones, transformers_major
 from functitan.sharding import Layout
@@ -175,22 +176,6 @@ def check_layout(cfg: Qwen3Config, *, tp: int = 1, seq_len: int | None = None, s
 # ----------------------------------------------------------------------------------------------- compute
 
 
-def rope_tables(cfg: Qwen3Config, seq_len: int, *, device: Any, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``cos, sin (seq, head_dim)`` in HF's layout (frequencies repeated over the two halves)."""
-    inv_freq = 1.0 / (
-        cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=device) / cfg.head_dim)
-    )
-    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: (batch, heads, seq, head_dim); pairs (i, i + head_dim/2) rotate together, as HF's rotate_half
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 def head_norm(x: Tensor, weight: Tensor, eps: float, heads: str, layout: Layout) -> Tensor:
     # x: (batch, seq, local heads, head_dim); RMSNorm over head_dim in fp32, one weight for every head
     xf = x.float()
@@ -213,8 +198,10 @@ def attention(p: dict[str, Any], x: Tensor, cfg: Qwen3Config, layout: Layout) ->
     q = head_norm(q.view(b, s, -1, hd), p["q_norm"]["weight"], eps, "heads", layout).transpose(1, 2)
     k = head_norm(k.view(b, s, -1, hd), p["k_norm"]["weight"], eps, "kv_heads", layout).transpose(1, 2)
     v = v.view(b, s, -1, hd).transpose(1, 2)  # (batch, local kv heads, seq, head_dim)
-    cos, sin = rope_tables(cfg, s, device=q.device, dtype=q.dtype)
-    o = layout.attention(rope(q, cos, sin), rope(k, cos, sin), v)  # causal; grouped-query when fewer kv heads
+    cos, sin = rope.cached_tables(cfg.head_dim, cfg.rope_theta, s, device=q.device, dtype=q.dtype)
+    o = layout.attention(
+        rope.apply(q, cos, sin), rope.apply(k, cos, sin), v
+    )  # causal; grouped-query when fewer kv heads
     o = o.transpose(1, 2).reshape(b, s, -1)  # (batch, seq, local heads * head_dim)
     return layout.einsum("batch seq heads, embed heads -> batch seq embed", o, p["wo"])
 
@@ -358,8 +345,8 @@ def config_from_hf(d: Mapping[str, Any]) -> Qwen3Config:
             f"config.json layer_types holds {sorted(kinds)}; functitan's Qwen3 implements only 'full_attention'"
         )
     where = "rope_parameters" if d.get("rope_parameters") is not None else "rope_scaling"
-    rope = d.get(where) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_hf = d.get(where) or {}
+    rope_type = rope_hf.get("rope_type", rope_hf.get("type", "default"))
     if rope_type != "default":
         raise ValueError(
             f"config.json {where}.rope_type={rope_type!r} is not supported; functitan's Qwen3 implements 'default' RoPE"
@@ -374,7 +361,7 @@ def config_from_hf(d: Mapping[str, Any]) -> Qwen3Config:
         head_dim=int(d.get("head_dim") or dim // n_heads),
         ffn_dim=int(d["intermediate_size"]),
         norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+        rope_theta=float(rope_hf.get("rope_theta", d.get("rope_theta", 10000.0))),
         max_seq_len=int(d.get("max_position_embeddings") or 32768),
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         init_std=float(d.get("initializer_range", 0.02)),

@@ -2,7 +2,7 @@ import pytest
 import torch
 from support import TINY_LLAMA
 
-from functitan import optim
+from functitan import optim, rope
 from functitan.random import key
 from functitan.step import NonFiniteLossError, make_train_step
 from functitan.train_state import TrainState
@@ -182,7 +182,7 @@ def test_jvp_vjp_and_jacobians_of_a_linear_map():
 
 
 def test_hvp_equals_the_hessian_times_the_vector():
-    llama._rope_tables_cached.cache_clear()  # the transforms below are the first to build the RoPE tables
+    rope.clear_cache()  # the transforms below are the first to build the RoPE tables
     w, x, v = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), torch.tensor([0.5, -1.0])
     H = 2 * torch.outer(x, x)
     torch.testing.assert_close(hessian(_quad)(w, x), H)
