@@ -45,6 +45,7 @@ USAGE = "\n".join(
         "functitan: JAX-style functional distributed training on PyTorch.",
         "",
         "usage: functitan <command> [args]      (functitan <command> --help: every option and an example)",
+        "       functitan --version",
         "",
         "commands:",
         *(f"  {name:<10} {line}" for name, (line, _) in COMMANDS.items()),
@@ -70,6 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if args else 2
+    if args[0] == "--version":
+        from . import __version__
+
+        print(f"functitan {__version__}")
+        return 0
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         from .errors import unknown_command

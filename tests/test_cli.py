@@ -33,6 +33,13 @@ def test_no_arguments_prints_usage_and_fails(capsys):
     assert "commands:" in capsys.readouterr().out
 
 
+def test_version_is_the_installed_packages(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"functitan {version('functitan')}\n"
+
+
 def test_unknown_command_is_one_error_with_the_list(capsys):
     assert main(["trian"]) == 2
     assert "unknown command 'trian'" in capsys.readouterr().err
