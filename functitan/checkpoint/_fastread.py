@@ -21,15 +21,22 @@ import itertools
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-try:  # hardware crc32c (SSE4.2 / ARMv8), releases the GIL on large buffers
-    from crc32c import crc32c as _crc32c
-except ImportError:  # pragma: no cover - without it, restores go through tensorstore
-    _crc32c = None
+
+def _load_crc32c() -> Callable[..., int] | None:
+    try:  # hardware crc32c (SSE4.2 / ARMv8), releases the GIL on large buffers
+        from crc32c import crc32c
+    except ImportError:  # pragma: no cover - without it, restores go through tensorstore
+        return None
+    return crc32c
+
+
+_crc32c = _load_crc32c()
 
 __all__ = ["Spec", "parse", "read_box"]
 
@@ -107,12 +114,20 @@ def parse(zmeta: dict) -> Spec | None:
     return Spec(shape=shape, dtype=dtype, cell=cell, inner=inner, fill=fill)
 
 
+def crc32c(data: Any, value: int = 0) -> int:
+    """The crc32c of ``data`` (continuing from ``value``). Reached only through a `Spec`, which `parse` gives only
+    when the crc32c package is installed."""
+    if _crc32c is None:
+        raise RuntimeError("checkpoint fast path used without the crc32c package (parse should have returned None)")
+    return _crc32c(data, value)
+
+
 def _check(data: memoryview, where: str) -> memoryview:
     """``data`` without its trailing crc32c, after checking it."""
     if len(data) < 4:
         raise ValueError(f"Digest mismatch: {where} holds {len(data)} bytes, too few for a crc32c (truncated)")
     body, stored = data[:-4], int.from_bytes(data[-4:], "little")
-    if _crc32c(body) != stored:
+    if crc32c(body) != stored:
         raise ValueError(f"Digest mismatch: the crc32c of {where} does not match its content")
     return body
 
@@ -137,11 +152,11 @@ def _put(out, out_off, src_off, block: np.ndarray, ov) -> None:
 def _buffer(scratch: Any, n: int) -> memoryview:
     """``n`` bytes of this thread's reused buffer (page-faulting fresh memory costs more than the read)."""
     if scratch is None:
-        return memoryview(np.empty(n, np.uint8))  # not bytearray(n): that zero-fills first
+        return np.empty(n, np.uint8).data  # not bytearray(n): that zero-fills first
     buf = getattr(scratch, "buf", None)
     if buf is None or len(buf) < n:
         buf = scratch.buf = np.empty(max(n, 2 * len(buf) if buf is not None else n), np.uint8)
-    return memoryview(buf)[:n]
+    return buf.data[:n]
 
 
 def _pread(fd: int, offset: int, n: int, where: str, scratch: Any = None) -> memoryview:
@@ -180,7 +195,7 @@ def _pread_into(fd: int, offset: int, dst: np.ndarray, where: str) -> None:
         if k == 0:
             raise ValueError(f"Digest mismatch: {where} ends after {got} of {n + 4} bytes (truncated)")
         if got < n:
-            digest = _crc32c(piece[:k], digest)
+            digest = crc32c(piece[:k], digest)
         got += k
     if digest != int.from_bytes(crc, "little"):
         raise ValueError(f"Digest mismatch: the crc32c of {where} does not match its content")
@@ -225,42 +240,45 @@ def read_box(
                 body = _check(_pread(fd, 0, size, file, scratch), file)
                 _put(out, off, c_off, np.frombuffer(body, spec.dtype).reshape(spec.cell), ov)
             else:
-                _read_shard(fd, file, spec, c_off, ov, out, off, scratch)
+                _read_shard(fd, file, spec, spec.inner, c_off, ov, out, off, scratch)
         finally:
             os.close(fd)
     return out
 
 
-def _read_shard(fd: int, file: str, spec: Spec, c_off, ov, out: np.ndarray, off, scratch: Any) -> None:
-    counts = tuple(c // i for c, i in zip(spec.cell, spec.inner))
+def _read_shard(
+    fd: int, file: str, spec: Spec, inner: tuple[int, ...], c_off, ov, out: np.ndarray, off, scratch: Any
+) -> None:
+    """Read the part ``ov`` of the shard file ``fd`` (at global ``c_off``; ``inner`` is ``spec.inner``) into ``out``."""
+    counts = tuple(c // i for c, i in zip(spec.cell, inner))
     n_inner = math.prod(counts)
     size = os.fstat(fd).st_size
     index_bytes = 16 * n_inner + 4
     if size < index_bytes:
         raise ValueError(f"Digest mismatch: {file} has {size} bytes, fewer than its shard index (truncated)")
     # the inner chunks this box needs
-    lo = [(a - c) // i for a, c, i in zip(ov[0], c_off, spec.inner)]
-    hi = [-(-(a + s - c) // i) for a, s, c, i in zip(ov[0], ov[1], c_off, spec.inner)]
+    lo = [(a - c) // i for a, c, i in zip(ov[0], c_off, inner)]
+    hi = [-(-(a + s - c) // i) for a, s, c, i in zip(ov[0], ov[1], c_off, inner)]
     wanted = list(itertools.product(*(range(a, b) for a, b in zip(lo, hi))))
-    i_offs = [tuple(c + k * i for c, k, i in zip(c_off, j, spec.inner)) for j in wanted]
-    parts = [_overlap(ov[0], ov[1], i_off, spec.inner) for i_off in i_offs]
-    dests = [_dest(out, off, i_off, spec.inner, part) for i_off, part in zip(i_offs, parts)]
+    i_offs = [tuple(c + k * i for c, k, i in zip(c_off, j, inner)) for j in wanted]
+    parts = [_overlap(ov[0], ov[1], i_off, inner) for i_off in i_offs]
+    dests = [_dest(out, off, i_off, inner, part) for i_off, part in zip(i_offs, parts)]
     # most of the file, not all of it readable in place: one read into the buffer
     whole = 4 * len(wanted) >= 3 * n_inner and any(d is None for d in dests)
     data = _pread(fd, 0, size, file, scratch) if whole else None
-    index_view = data[size - index_bytes :] if whole else _pread(fd, size - index_bytes, index_bytes, file)
+    index_view = data[size - index_bytes :] if data is not None else _pread(fd, size - index_bytes, index_bytes, file)
     index = np.frombuffer(_check(index_view, f"{file} (shard index)"), "<u8").reshape(*counts, 2)
-    chunk_bytes = math.prod(spec.inner) * spec.dtype.itemsize
+    chunk_bytes = math.prod(inner) * spec.dtype.itemsize
     for j, i_off, part, dst in zip(wanted, i_offs, parts, dests):
         start, n = (int(v) for v in index[j])
         if start == _MISSING and n == _MISSING:
-            _put(out, off, i_off, np.full(spec.inner, spec.fill, spec.dtype), part)
+            _put(out, off, i_off, np.full(inner, spec.fill, spec.dtype), part)
             continue
         if n != chunk_bytes + 4 or start + n > size - index_bytes:
             raise ValueError(f"Digest mismatch: {file} inner chunk {j} has a bad index entry ({start}, {n})")
         if dst is not None and not whole:
             _pread_into(fd, start, dst, f"{file} inner chunk {j}")
             continue
-        raw = data[start : start + n] if whole else _pread(fd, start, n, file, scratch)
+        raw = data[start : start + n] if data is not None else _pread(fd, start, n, file, scratch)
         body = _check(raw, f"{file} inner chunk {j}")
-        _put(out, off, i_off, np.frombuffer(body, spec.dtype).reshape(spec.inner), part)
+        _put(out, off, i_off, np.frombuffer(body, spec.dtype).reshape(inner), part)

@@ -36,7 +36,7 @@ def writable(metadata: dict) -> _fastread.Spec | None:
 
 
 def _crc(data: Any) -> bytes:
-    return _fastread._crc32c(data).to_bytes(4, "little")
+    return _fastread.crc32c(data).to_bytes(4, "little")
 
 
 def _contiguous(block: np.ndarray, scratch: Any) -> memoryview:

@@ -282,15 +282,17 @@ def load_hf(
     if not (root / CONFIG_NAME).is_file():
         raise ValueError(f"{root / CONFIG_NAME} not found; load_hf takes a local Hugging Face model directory")
     cfg = _config_from_hf(model, _read_json(root / CONFIG_NAME))
+    files: dict[str, list[str] | None]  # file name -> the keys to read from it (None: all of them)
     if (root / WEIGHTS_NAME).is_file():
         files = {WEIGHTS_NAME: None}
     elif (root / INDEX_NAME).is_file():
         weight_map = _read_json(root / INDEX_NAME).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{root / INDEX_NAME} has no 'weight_map' object")
-        files = {}
+        by_file: dict[str, list[str]] = {}
         for key, fname in weight_map.items():
-            files.setdefault(fname, []).append(key)
+            by_file.setdefault(fname, []).append(key)
+        files = dict(by_file)
     else:
         found = sorted(p.name for p in root.iterdir())
         raise ValueError(

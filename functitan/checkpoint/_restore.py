@@ -144,15 +144,20 @@ def restore(
     stored = L.names_in_metadata(meta)
     named = _with_prefix(exemplar, only)
     _check_keys(named, stored, meta_file, only, partial)
-    with ThreadPoolExecutor(max_workers=_read_threads(), thread_name_prefix="functitan-restore") as pool:
-        pool.scratch = threading.local()  # each reader thread's reused file buffer, freed with the pool
+    with _ReaderPool(_read_threads()) as pool:
         out = _read_leaves(path, meta, named, pool, in_place)
     return optree.tree_unflatten(optree.tree_structure(exemplar), out)
 
 
-def _read_leaves(
-    path: str, meta: dict, named: list[tuple[str, Any]], pool: ThreadPoolExecutor, in_place: bool
-) -> list[Any]:
+class _ReaderPool(ThreadPoolExecutor):
+    """The reader threads, and ``scratch``: each one's reused file buffer, freed with the pool."""
+
+    def __init__(self, max_workers: int):
+        super().__init__(max_workers=max_workers, thread_name_prefix="functitan-restore")
+        self.scratch = threading.local()
+
+
+def _read_leaves(path: str, meta: dict, named: list[tuple[str, Any]], pool: _ReaderPool, in_place: bool) -> list[Any]:
     """Every leaf's value: functitan's own chunk files read directly (in ``pool``), others by tensorstore."""
     import tensorstore as ts  # here, not at import: it pulls in ml_dtypes (~1 s per process)
 
@@ -199,7 +204,13 @@ def _read_threads() -> int:
 class _FastArray:
     """The part of a ``ts.TensorStore``'s API that ``_start_read`` uses, over ``_fastread.read_box``."""
 
-    def __init__(self, path: str, spec: _fastread.Spec, pool: ThreadPoolExecutor, box: tuple | None = None):
+    def __init__(
+        self,
+        path: str,
+        spec: _fastread.Spec,
+        pool: _ReaderPool,
+        box: tuple[tuple[int, ...], tuple[int, ...]] | None = None,  # (offset, shape)
+    ):
         self._path, self._spec, self._pool = path, spec, pool
         self.shape = spec.shape
         self.dtype = SimpleNamespace(numpy_dtype=spec.dtype)
@@ -213,7 +224,7 @@ class _FastArray:
         return self._pool.submit(_fastread.read_box, self._path, self._spec, *self._box, self._pool.scratch, out)
 
 
-def _fast_array(path: str, name: str, pool: ThreadPoolExecutor) -> _FastArray | None:
+def _fast_array(path: str, name: str, pool: _ReaderPool) -> _FastArray | None:
     """A direct reader of leaf ``name`` when its zarr.json is one ``_fastread`` decodes, else None."""
     try:
         with open(os.path.join(path, name, "zarr.json")) as f:
@@ -252,7 +263,7 @@ def _check_keys(
         )
 
 
-def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str, in_place: bool = False):
+def _start_read(name: str, x: Any, arr: ts.TensorStore | _FastArray, where: str, in_place: bool = False):
     """Start reading what this rank needs of one leaf; return (future, finish(np_value) -> leaf)."""
     shape = tuple(int(s) for s in arr.shape)
     np_dt = np.dtype(arr.dtype.numpy_dtype)
@@ -271,7 +282,7 @@ def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str, in_place: bo
     if isinstance(x, DTensor):
         return _start_dtensor(x, arr, in_place)
     if isinstance(x, torch.Tensor):
-        if in_place and _writable(x, arr, shape):
+        if in_place and isinstance(arr, _FastArray) and _writable(x, shape):
             return arr.read(out=L.as_numpy(x.detach())), lambda _: x
         device = torch.device("cpu") if x.device.type == "meta" else x.device
         grad = x.requires_grad
@@ -289,18 +300,17 @@ def _start_read(name: str, x: Any, arr: ts.TensorStore, where: str, in_place: bo
     raise TypeError(f"{name}: cannot restore into a {type(x).__name__} exemplar leaf")
 
 
-def _writable(local: torch.Tensor, arr: Any, shape: tuple[int, ...]) -> bool:
-    """Whether a direct read can fill ``local`` (the whole of a block of ``shape``) in place."""
+def _writable(local: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether a direct read (a `_FastArray`'s) can fill ``local`` (the whole of a block of ``shape``) in place."""
     return (
-        isinstance(arr, _FastArray)
-        and local.device.type == "cpu"
+        local.device.type == "cpu"
         and local.is_contiguous()
         and tuple(local.shape) == tuple(shape)
         and math.prod(shape) > 0
     )
 
 
-def _start_dtensor(x: DTensor, arr: ts.TensorStore, in_place: bool = False):
+def _start_dtensor(x: DTensor, arr: ts.TensorStore | _FastArray, in_place: bool = False):
     mesh = x.device_mesh
     boxes = L.dtensor_boxes(x, "exemplar")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -312,7 +322,7 @@ def _start_dtensor(x: DTensor, arr: ts.TensorStore, in_place: bool = False):
     )
     index = tuple(slice(o, o + s) for o, s in zip(off, shp))
 
-    def finish(a: np.ndarray) -> DTensor:
+    def finish(a: np.ndarray) -> torch.Tensor:  # a DTensor
         # the exemplar's spec (mesh, placements, global shape, stride, dtype) around the new shard
         local = L.from_numpy(a).to(device)
         grad = x.requires_grad and x.is_floating_point()
@@ -326,7 +336,7 @@ def _start_dtensor(x: DTensor, arr: ts.TensorStore, in_place: bool = False):
         return None, lambda _: finish(empty)
     if in_place:
         local = x._local_tensor  # the same storage as x.to_local(), without autograd in between
-        if _writable(local, arr, shp):
+        if isinstance(arr, _FastArray) and _writable(local, shp):
             return arr[index].read(out=L.as_numpy(local.detach())), lambda _: x
     if isinstance(arr, _FastArray):
         return arr[index].read(out=_fresh_out(shp, arr.dtype.numpy_dtype)), finish

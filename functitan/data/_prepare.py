@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -150,10 +150,15 @@ def _tokenizer(path: str | None) -> Tokenizer:
 class _ShardWriter:
     """Appends documents to ``<u>-<k>.bin/.idx`` files, starting a new shard past ``shard_tokens``."""
 
+    # the shard being written, set by ``add`` when it opens one
+    _name: str
+    _starts: list[int]
+    _tokens: int
+
     def __init__(self, out: Path, unit: int, dtype: np.dtype, shard_tokens: int):
         self.out, self.unit, self.dtype, self.limit = out, unit, dtype, shard_tokens
         self.done: list[dict] = []
-        self._bin = None
+        self._bin: BinaryIO | None = None
 
     def add(self, ids: np.ndarray) -> None:
         if self._bin is None or (self._tokens and self._tokens + len(ids) > self.limit):
@@ -297,6 +302,7 @@ def prepare(
     )
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     t0 = time.perf_counter()
+    results: Iterator[tuple[int, dict]]
     try:
         if workers == 1:
             results = map(_prepare_one, todo)

@@ -40,9 +40,15 @@ class Tokenizer(Protocol):
     (and ``bos_id`` before it when asked), so a tokenizer that added its own would double them.
     """
 
-    vocab_size: int
-    bos_id: int
-    eos_id: int
+    # read-only to the loader, so an attribute, a property or a class constant (ByteTokenizer's) all fit
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
 
     def encode(self, text: str) -> Sequence[int] | np.ndarray: ...
 

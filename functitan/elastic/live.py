@@ -123,8 +123,14 @@ class LiveStepper:
 
     # -- the state a peer sends or receives --------------------------------------------------------------
 
+    def _current(self) -> TrainState:
+        """The state torchft sends or heals into: set by `advance` before each quorum (the only time it asks)."""
+        if self.state is None:
+            raise RuntimeError("elastic: torchft asked for the training state before advance() set it")
+        return self.state
+
     def _state_dict(self) -> dict[str, Any]:
-        s = self.state
+        s = self._current()
         return {
             "step": s.step,
             "data_state": dict(s.data_state),
@@ -140,7 +146,7 @@ class LiveStepper:
                 return mine
             return theirs
 
-        s = self.state
+        s = self._current()
         with torch.no_grad():
             params = optree.tree_map(into, s.params, sd["params"], none_is_leaf=True)
             opt_state = optree.tree_map(into, s.opt_state, sd["opt_state"], none_is_leaf=True)

@@ -21,7 +21,7 @@ microbatches and data-parallel ranks.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -221,7 +221,12 @@ class _Run:
         st = self.stages
         params, batch = self.params, self.mbs[mb]
         inp = None if x is None else x.detach().requires_grad_(True)
-        h = st.model.first(params, batch) if s == 0 else inp
+        if s == 0:
+            h = st.model.first(params, batch)
+        elif inp is not None:
+            h = inp
+        else:  # _compute takes an input for every stage after the first
+            raise RuntimeError(f"pipeline program bug: F on stage {s}, microbatch {mb} ran without its input")
         h = st.model.blocks([params[st.model.blocks_key][str(i)] for i in st.layers[s]], h)
         if last:
             loss = st.model.last(params, h, batch)
@@ -243,7 +248,7 @@ class _Run:
         slot = self.slots.pop((s, mb))
         inputs = [] if slot.inp is None else [slot.inp]
         params = self._params_of(s) if kind == "BW" else []
-        if kind == "B" and inputs:
+        if kind == "B" and slot.inp is not None:  # inputs == [slot.inp]
             dx, self.pending_w[(s, mb)] = input_grad(slot.out, slot.inp, dout, self._params_of(s))
             self._send_input_grad(s, mb, dx if dx is not None else torch.zeros_like(slot.inp))
             return
@@ -275,22 +280,24 @@ class _Run:
     def _params_of(self, s: int) -> list[Tensor]:
         return [self.leaves[i] for i in self.stage_leaves[s]]
 
-    def _accumulate(self, s: int, grads: tuple[Tensor | None, ...]) -> None:
-        add_into: list[tuple[int, Tensor]] = []  # sums this run owns: add in place
-        add_new: list[tuple[int, Tensor]] = []  # a first gradient that may alias a tensor autograd keeps
+    def _accumulate(self, s: int, grads: Sequence[Tensor | None]) -> None:
+        # (leaf index, the sum so far, this microbatch's gradient)
+        add_into: list[tuple[int, Tensor, Tensor]] = []  # sums this run owns: add in place
+        add_new: list[tuple[int, Tensor, Tensor]] = []  # a first gradient that may alias a tensor autograd keeps
         for i, g in zip(self.stage_leaves[s], grads):
             if g is None:
                 continue
-            if self.grads[i] is None:
+            total = self.grads[i]
+            if total is None:
                 self.grads[i] = g
             else:
-                (add_into if i in self.owned else add_new).append((i, g))
+                (add_into if i in self.owned else add_new).append((i, total, g))
         if add_into:  # one foreach call per microbatch instead of one op per leaf
-            torch._foreach_add_([_local(self.grads[i]) for i, _ in add_into], [_local(g) for _, g in add_into])
+            torch._foreach_add_([_local(t) for _, t, _ in add_into], [_local(g) for _, _, g in add_into])
         if add_new:
-            sums = torch._foreach_add([_local(self.grads[i]) for i, _ in add_new], [_local(g) for _, g in add_new])
-            for (i, _), t in zip(add_new, sums):
-                self.grads[i] = _wrap_like(self.grads[i], t)
+            sums = torch._foreach_add([_local(t) for _, t, _ in add_new], [_local(g) for _, _, g in add_new])
+            for (i, total, _), t in zip(add_new, sums):
+                self.grads[i] = _wrap_like(total, t)
                 self.owned.add(i)
 
     def _final_grads(self) -> list[Tensor]:

@@ -27,9 +27,13 @@ def _check_counts(name: str, **counts: int) -> None:
             raise ValueError(f"{name}: {key} must be a positive int, got {value!r}")
 
 
+def _frozen(rows: list[list[Action]]) -> tuple[tuple[Action, ...], ...]:
+    return tuple(tuple(row) for row in rows)
+
+
 def _single_stage(name: str, pp: int, m: int, rows: list[list[Action]]) -> Schedule:
     return Schedule(
-        name=name, pp=pp, stages_per_rank=1, microbatches=m, stage_to_rank=loop_placement(pp, 1), actions=rows
+        name=name, pp=pp, stages_per_rank=1, microbatches=m, stage_to_rank=loop_placement(pp, 1), actions=_frozen(rows)
     )
 
 
@@ -97,7 +101,7 @@ def interleaved_1f1b(pp: int, v: int, m: int) -> Schedule:
         stages_per_rank=v,
         microbatches=m,
         stage_to_rank=loop_placement(pp, v),
-        actions=rows,
+        actions=_frozen(rows),
     )
 
 
@@ -144,31 +148,34 @@ def zb_v(pp: int, m: int) -> Schedule:
         count = {k: 0 for k in ("F0", "F1", "B0", "B1", "W0", "W1")}
         row: list[Action] = []
 
-        def emit(key: str) -> None:
-            kind, chunk = key[0], key[1]
-            row.append(Action(kind, s0 if chunk == "0" else s1, count[key]))
-            count[key] += 1
+        def emit(*keys: str) -> None:
+            for key in keys:
+                kind, chunk = key[0], key[1]
+                row.append(Action(kind, s0 if chunk == "0" else s1, count[key]))
+                count[key] += 1
 
         for _ in range(2 * (pp - r) - 1):
             emit("F0")
         for _ in range(r):
-            emit("F1"), emit("F0")
+            emit("F1", "F0")
         for _ in range(pp - r):
-            emit("F1"), emit("B1"), emit("W1")
+            emit("F1", "B1", "W1")
         while count["F1"] < count["F0"] or count["F0"] < n:
             if count["F0"] < n:
                 emit("F0")
-            emit("B0"), emit("W0"), emit("F1"), emit("B1"), emit("W1")
+            emit("B0", "W0", "F1", "B1", "W1")
         for _ in range(r):
-            emit("B0"), emit("B1")
+            emit("B0", "B1")
         for _ in range(pp - r):
-            emit("B0"), emit("W0")
+            emit("B0", "W0")
         while count["W1"] < count["B1"]:
             emit("W1")
         while count["W0"] < count["B0"]:
             emit("W0")
         rows.append([a for a in row if a.microbatch < m])
-    return Schedule(name="zb_v", pp=pp, stages_per_rank=2, microbatches=m, stage_to_rank=v_placement(pp), actions=rows)
+    return Schedule(
+        name="zb_v", pp=pp, stages_per_rank=2, microbatches=m, stage_to_rank=v_placement(pp), actions=_frozen(rows)
+    )
 
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v"]

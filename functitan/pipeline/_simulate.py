@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from numbers import Real
 from typing import NamedTuple
 
 from functitan.pipeline._schedule import Action, Schedule, walk
 from functitan.pipeline._validate import validate
 
-Number = Real | float  # ints, Fractions and floats (mypy does not count float as a Real)
+# ints, Fractions and floats for the type checker (an int is a float to it; `numbers.Real` has no arithmetic it
+# can follow). At run time any `numbers.Real` is accepted: the checks below test isinstance(v, Real).
+Number = float | Fraction
 Cost = Number | Sequence[Number]  # one value for every stage, or one per stage
 
 
@@ -45,15 +48,15 @@ class Simulation(NamedTuple):
             not, a proxy for activation memory (W keeps only what the weight gradient needs).
     """
 
-    makespan: Real
-    busy: tuple[Real, ...]
-    idle: tuple[Real, ...]
-    bubble_fraction: Real
-    spans: tuple[tuple[tuple[Real, Real], ...], ...]
+    makespan: Number
+    busy: tuple[Number, ...]
+    idle: tuple[Number, ...]
+    bubble_fraction: Number
+    spans: tuple[tuple[tuple[Number, Number], ...], ...]
     peak_activations: tuple[int, ...]
 
 
-def _per_stage(name: str, value: Cost, num_stages: int) -> tuple[Real, ...]:
+def _per_stage(name: str, value: Cost, num_stages: int) -> tuple[Number, ...]:
     values = tuple(value) if isinstance(value, Sequence) else (value,) * num_stages
     if len(values) != num_stages:
         raise ValueError(f"Costs.{name}: got {len(values)} per-stage values, the schedule has {num_stages} stages")
@@ -75,7 +78,7 @@ def _peak_activations(schedule: Schedule) -> tuple[int, ...]:
 
 
 def simulate(
-    schedule: Schedule, costs: Costs = Costs(), *, durations: Mapping[Action, Real] | None = None
+    schedule: Schedule, costs: Costs = Costs(), *, durations: Mapping[Action, Number] | None = None
 ) -> Simulation:
     """Run `schedule` on an idealized machine and time it.
 
@@ -100,9 +103,9 @@ def simulate(
             raise ValueError(f"Costs.{name}: must be a non-negative number, got {value!r}")
     f, b, w = (_per_stage(k, getattr(costs, k), n) for k in ("f", "b", "w"))
     duration = {"F": f, "B": b, "W": w, "BW": tuple(x + y for x, y in zip(b, w))}
-    end: dict[Action, Real] = {}
-    free = [0] * schedule.pp
-    spans: list[list[tuple[Real, Real]]] = [[] for _ in range(schedule.pp)]
+    end: dict[Action, Number] = {}
+    free: list[Number] = [0] * schedule.pp
+    spans: list[list[tuple[Number, Number]]] = [[] for _ in range(schedule.pp)]
 
     given = durations or {}
     for action, value in given.items():
