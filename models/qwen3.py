@@ -83,7 +83,7 @@ class Qwen3Config:
             raise ValueError(f"model.head_dim={self.head_dim} must be even for RoPE")
 
 
-_PUBLISHED = dict(vocab_size=151936, head_dim=128, n_kv_heads=8, rope_theta=1_000_000.0, max_seq_len=40960)
+_PUBLISHED: dict[str, Any] = dict(vocab_size=151936, head_dim=128, n_kv_heads=8, rope_theta=1_000_000.0, max_seq_len=40960)
 
 CONFIGS: dict[str, Qwen3Config] = {
     # tiny: trains in seconds on a CPU (the trainer sets vocab_size from the tokenizer); head_dim != dim / n_heads
