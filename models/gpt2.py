@@ -225,42 +225,6 @@ def head(p: dict[str, Any], x: Tensor, cfg: GPT2Config, layout: Layout) -> Tenso
     return layout.einsum("batch seq embed, vocab embed -> batch seq vocab", x, w)
 
 
-def apply(params: dict[str, Any], tokens: Tensor, cfg: GPT2Config, layout: Layout = Layout()) -> Tensor:
-    """Logits ``(batch, seq, vocab)`` for ``tokens (batch, seq)``."""
-    top = layout.params({k: v for k, v in params.items() if k != "layers"})  # gathered once, held to the end
-    x = layout.blocks(block, params["layers"], embed(top, tokens, cfg, layout), cfg, layout)
-    return head(top, x, cfg, layout)
-
-
-def loss(params: dict[str, Any], batch: dict[str, Tensor], cfg: GPT2Config, layout: Layout = Layout()) -> Tensor:
-    """Mean next-token cross-entropy over this rank's batch."""
-    return layout.cross_entropy(apply(params, batch["inputs"], cfg, layout), batch["targets"], cfg.vocab_size)
-
-
-def stage_model(cfg: GPT2Config, layout: Layout, *, seq_len: int, dtype: torch.dtype = torch.float32) -> Any:
-    """This model as pipeline stages: embeddings, blocks, final norm + head + loss (costs: forward FLOPs/token)."""
-    from functitan.pipeline import StageModel
-
-    d = cfg.dim
-    head_keys = ("ln_f", "wte") if cfg.tie_embeddings else ("ln_f", "lm_head")
-    return StageModel(
-        first=lambda p, mb: embed(layout.params(p), mb["inputs"], cfg, layout),
-        blocks=lambda layers, x: layout.blocks(block, layers, x, cfg, layout),
-        last=lambda p, x, mb: layout.cross_entropy(
-            head(layout.params(p), x, cfg, layout), mb["targets"], cfg.vocab_size
-        ),
-        activation=lambda mb: ((mb["inputs"].shape[0], mb["inputs"].shape[1] // layout.seq_shards, d), dtype),
-        n_blocks=cfg.n_layers,
-        block_cost=float(2 * (4 * d * d + 2 * d * cfg.ffn_dim) + 2 * seq_len * d),
-        first_cost=float(2 * d),
-        last_cost=float(2 * cfg.vocab_size * d + 5 * cfg.vocab_size + 8 * d),
-        blocks_key="layers",
-        first_keys=("wte", "wpe"),
-        last_keys=head_keys,
-        single_backward=layout.single_backward,
-    )
-
-
 # ----------------------------------------------------------------------------------------------- Hugging Face
 
 
@@ -375,10 +339,17 @@ MODEL = M.Model(
     name="gpt2",
     configs=CONFIGS,
     params=params,
-    loss=loss,
-    apply=apply,
+    pieces=M.Pieces(
+        embed=embed,
+        block=block,
+        head=head,
+        first_keys=lambda cfg: ("wte", "wpe"),
+        last_keys=lambda cfg: ("ln_f", "wte") if cfg.tie_embeddings else ("ln_f", "lm_head"),
+    ),
     flops_per_token=flops_per_token,
-    stages=stage_model,
     check_layout=check_layout,
     hf=HF,
 )
+
+# composed by the library from the pieces above (functitan.model.Pieces)
+apply, loss, stage_model = MODEL.apply, MODEL.loss, MODEL.stages

@@ -51,7 +51,6 @@ __all__ = [
     "check_layout",
     "stage_model",
     "embed",
-    "blocks",
     "head",
     "block",
     "rope_tables",
@@ -323,65 +322,19 @@ def block(p: dict[str, Any], x: Tensor, cfg: LlamaConfig, layout: Layout) -> Ten
 
 
 def embed(params: dict[str, Any], tokens: Tensor, cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
-    """The first pipeline piece: token embeddings ``(batch, seq, embed)``."""
+    """Token embeddings ``(batch, seq, embed)`` on compute params (the first pipeline piece)."""
     if tokens.shape[1] > cfg.max_seq_len:
         raise ValueError(
             f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len}; raise max_seq_len or shorten training.seq_len"
         )
-    return layout.embed(tokens, layout.param(params["embed"]["weight"]), cfg.vocab_size)
-
-
-def blocks(layers: list[dict[str, Any]], x: Tensor, cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
-    """A run of transformer blocks (all of them, or one pipeline stage's)."""
-    return layout.blocks(block, layers, x, cfg, layout)
+    return layout.embed(tokens, params["embed"]["weight"], cfg.vocab_size)
 
 
 def head(params: dict[str, Any], x: Tensor, cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
-    """The last pipeline piece: final norm and output projection -> logits ``(batch, seq, vocab)``."""
-    x = rms_norm(x, layout.param(params["norm"]["weight"]), cfg.norm_eps, layout)
+    """Final norm and output projection on compute params -> logits ``(batch, seq, vocab)`` (the last piece)."""
+    x = rms_norm(x, params["norm"]["weight"], cfg.norm_eps, layout)
     w = params["embed"]["weight"] if cfg.tie_embeddings else params["output"]["weight"]
-    return layout.einsum("batch seq embed, vocab embed -> batch seq vocab", x, layout.param(w))
-
-
-def apply(params: dict[str, Any], tokens: Tensor, cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
-    """Logits ``(batch, seq, vocab)`` for ``tokens (batch, seq)``."""
-    # embedding, final norm and head gathered together: one collective (FSDP2's root group), held to the end
-    top = layout.params({k: v for k, v in params.items() if k != "layers"})
-    return head(top, blocks(params["layers"], embed(top, tokens, cfg, layout), cfg, layout), cfg, layout)
-
-
-def loss(params: dict[str, Any], batch: dict[str, Tensor], cfg: LlamaConfig, layout: Layout = Layout()) -> Tensor:
-    """Mean next-token cross-entropy over this rank's batch (``batch["inputs"]``, ``batch["targets"]``)."""
-    return layout.cross_entropy(apply(params, batch["inputs"], cfg, layout), batch["targets"], cfg.vocab_size)
-
-
-def stage_model(cfg: LlamaConfig, layout: Layout, *, seq_len: int, dtype: torch.dtype = torch.float32) -> Any:
-    """This model as a pipeline ``StageModel``: ``embed``, ``blocks``, ``head`` + cross-entropy.
-
-    Costs are forward FLOPs per token: a block is ``2 * its matrix params + 2 * seq * dim`` (causal attention
-    scores and values), the head ``2 * vocab * dim`` plus a few ops per logit for the loss, the embedding a
-    row copy. ``layout`` is the stages' layout (on ``pipeline.stage_mesh``); ``dtype`` is the activation dtype.
-    """
-    from functitan.pipeline import StageModel
-
-    d = cfg.dim
-    block_params = d * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.kv_heads) + 3 * d * cfg.ffn_dim
-    shards = layout.seq_shards
-    return StageModel(
-        first=lambda params, mb: embed(params, mb["inputs"], cfg, layout),
-        blocks=lambda layers, x: blocks(layers, x, cfg, layout),
-        last=lambda params, x, mb: layout.cross_entropy(head(params, x, cfg, layout), mb["targets"], cfg.vocab_size),
-        # the residual stream between stages: (microbatch, local seq, embed)
-        activation=lambda mb: ((mb["inputs"].shape[0], mb["inputs"].shape[1] // shards, d), dtype),
-        n_blocks=cfg.n_layers,
-        block_cost=float(2 * block_params + 2 * seq_len * d),
-        first_cost=float(d),
-        last_cost=float(2 * cfg.vocab_size * d + 5 * cfg.vocab_size + 4 * d),
-        blocks_key="layers",
-        first_keys=("embed",),
-        last_keys=("norm", "embed") if cfg.tie_embeddings else ("norm", "output"),
-        single_backward=layout.single_backward,
-    )
+    return layout.einsum("batch seq embed, vocab embed -> batch seq vocab", x, w)
 
 
 # ----------------------------------------------------------------------------------------------- Hugging Face
@@ -603,11 +556,18 @@ MODEL = M.Model(
     name="llama",
     configs=CONFIGS,
     params=params,
-    loss=loss,
-    apply=apply,
+    pieces=M.Pieces(
+        embed=embed,
+        block=block,
+        head=head,
+        first_keys=lambda cfg: ("embed",),
+        last_keys=lambda cfg: ("norm", "embed") if cfg.tie_embeddings else ("norm", "output"),
+    ),
     flops_per_token=flops_per_token,
-    stages=stage_model,
     check_layout=check_layout,
     hf=HF,
     torchtitan=torchtitan_tensors,
 )
+
+# composed by the library from the pieces above (functitan.model.Pieces)
+apply, loss, stage_model = MODEL.apply, MODEL.loss, MODEL.stages

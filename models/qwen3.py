@@ -83,7 +83,9 @@ class Qwen3Config:
             raise ValueError(f"model.head_dim={self.head_dim} must be even for RoPE")
 
 
-_PUBLISHED: dict[str, Any] = dict(vocab_size=151936, head_dim=128, n_kv_heads=8, rope_theta=1_000_000.0, max_seq_len=40960)
+_PUBLISHED: dict[str, Any] = dict(
+    vocab_size=151936, head_dim=128, n_kv_heads=8, rope_theta=1_000_000.0, max_seq_len=40960
+)
 
 CONFIGS: dict[str, Qwen3Config] = {
     # tiny: trains in seconds on a CPU (the trainer sets vocab_size from the tokenizer); head_dim != dim / n_heads
@@ -226,42 +228,6 @@ def head(p: dict[str, Any], x: Tensor, cfg: Qwen3Config, layout: Layout) -> Tens
     return layout.einsum("batch seq embed, vocab embed -> batch seq vocab", x, w)
 
 
-def apply(params: dict[str, Any], tokens: Tensor, cfg: Qwen3Config, layout: Layout = Layout()) -> Tensor:
-    """Logits ``(batch, seq, vocab)`` for ``tokens (batch, seq)``."""
-    top = layout.params({k: v for k, v in params.items() if k != "layers"})  # gathered once, held to the end
-    x = layout.blocks(block, params["layers"], embed(top, tokens, cfg, layout), cfg, layout)
-    return head(top, x, cfg, layout)
-
-
-def loss(params: dict[str, Any], batch: dict[str, Tensor], cfg: Qwen3Config, layout: Layout = Layout()) -> Tensor:
-    """Mean next-token cross-entropy over this rank's batch."""
-    return layout.cross_entropy(apply(params, batch["inputs"], cfg, layout), batch["targets"], cfg.vocab_size)
-
-
-def stage_model(cfg: Qwen3Config, layout: Layout, *, seq_len: int, dtype: torch.dtype = torch.float32) -> Any:
-    """This model as pipeline stages: embedding, blocks, final norm + head + loss (costs: forward FLOPs/token)."""
-    from functitan.pipeline import StageModel
-
-    d, hd = cfg.dim, cfg.head_dim
-    block_params = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * d * cfg.ffn_dim
-    return StageModel(
-        first=lambda p, mb: embed(layout.params(p), mb["inputs"], cfg, layout),
-        blocks=lambda layers, x: layout.blocks(block, layers, x, cfg, layout),
-        last=lambda p, x, mb: layout.cross_entropy(
-            head(layout.params(p), x, cfg, layout), mb["targets"], cfg.vocab_size
-        ),
-        activation=lambda mb: ((mb["inputs"].shape[0], mb["inputs"].shape[1] // layout.seq_shards, d), dtype),
-        n_blocks=cfg.n_layers,
-        block_cost=float(2 * block_params + 2 * seq_len * cfg.n_heads * hd),
-        first_cost=float(d),
-        last_cost=float(2 * cfg.vocab_size * d + 5 * cfg.vocab_size + 4 * d),
-        blocks_key="layers",
-        first_keys=("embed",),
-        last_keys=("norm", "embed") if cfg.tie_embeddings else ("norm", "output"),
-        single_backward=layout.single_backward,
-    )
-
-
 # ----------------------------------------------------------------------------------------------- Hugging Face
 
 _HF_LAYER = {
@@ -381,10 +347,18 @@ MODEL = M.Model(
     name="qwen3",
     configs=CONFIGS,
     params=params,
-    loss=loss,
-    apply=apply,
+    pieces=M.Pieces(
+        embed=embed,
+        block=block,
+        head=head,
+        first_keys=lambda cfg: ("embed",),
+        last_keys=lambda cfg: ("norm", "embed") if cfg.tie_embeddings else ("norm", "output"),
+        attention_dim=lambda cfg: cfg.n_heads * cfg.head_dim,
+    ),
     flops_per_token=flops_per_token,
-    stages=stage_model,
     check_layout=check_layout,
     hf=HF,
 )
+
+# composed by the library from the pieces above (functitan.model.Pieces)
+apply, loss, stage_model = MODEL.apply, MODEL.loss, MODEL.stages

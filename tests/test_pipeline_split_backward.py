@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from functitan.pipeline._split_backward import input_grad
 from functitan.random import PRNGKey
+from functitan.sharding import Layout
 from models import llama
 
 CFG = llama.config("debug", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=16)
@@ -23,7 +24,7 @@ def _stage():
         w.requires_grad_(True)
     x = torch.randn(2, 16, CFG.dim, generator=torch.Generator().manual_seed(1), requires_grad=True)
     dout = torch.randn(2, 16, CFG.dim, generator=torch.Generator().manual_seed(2))
-    return (lambda: llama.blocks(layers, x, CFG)), x, dout, weights
+    return (lambda: Layout().blocks(llama.block, layers, x, CFG, Layout())), x, dout, weights
 
 
 def test_b_and_w_give_the_one_pass_gradients():

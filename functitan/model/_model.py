@@ -18,6 +18,8 @@ from typing import Any
 
 from torch import Tensor
 
+from ._pieces import Pieces, composed
+
 __all__ = ["Model", "HFMap", "TensorKey", "config_to_dict", "config_from_dict", "transformers_major"]
 
 
@@ -71,6 +73,11 @@ class HFMap:
     base_prefix: str = ""
 
 
+def _from_pieces(*args: Any, **kwargs: Any) -> Tensor:
+    """The default of ``Model.apply`` / ``loss``: replaced by the one composed from ``Model.pieces``."""
+    raise TypeError("this Model gives neither pieces nor its own apply / loss")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Model:
     """One model family as a value: what the trainer and every tool take instead of importing a module.
@@ -81,6 +88,8 @@ class Model:
         name: the family's name (``"llama"``), recorded with each run and checkpoint.
         configs: named flavors (``{"debug": Cfg(...), "8b": Cfg(...)}``); ``config(flavor, **overrides)``.
         params: ``cfg -> tree of Param``: the one declaration of every parameter (shape, names, init).
+        pieces: ``Pieces(embed=, block=, head=, first_keys=, last_keys=)`` (``functitan.model.Pieces``): the
+            library composes ``apply``, ``loss`` and ``stages`` from them; each may still be given to override.
         loss: ``(params, batch, cfg, layout) -> scalar``: mean loss over this rank's ``batch``
             (``batch["inputs"]``, ``batch["targets"]``), on compute params routed through the Layout; or a
             ``TokenLoss(sum, count)``, which the trainer normalises over the step's tokens (every rank and
@@ -100,9 +109,10 @@ class Model:
     name: str
     configs: Mapping[str, Any]
     params: Callable[[Any], Any]
-    loss: Callable[..., Tensor]
-    apply: Callable[..., Tensor]
     flops_per_token: Callable[[Any, int], float]
+    pieces: Pieces | None = None
+    loss: Callable[..., Tensor] = _from_pieces
+    apply: Callable[..., Tensor] = _from_pieces
     stages: Callable[..., Any] | None = None
     check_layout: Callable[..., None] | None = None
     hf: HFMap | None = None
@@ -118,6 +128,19 @@ class Model:
         object.__setattr__(self, "config_type", types.pop())
         if "vocab_size" not in {f.name for f in dataclasses.fields(self.config_type)}:
             raise TypeError(f"model {self.name!r}: {self.config_type.__name__} needs a vocab_size field")
+        if self.pieces is not None:  # what the model does not give itself comes from its pieces
+            apply, loss, stages = composed(self.pieces, self.params)
+            for name, derived in (("apply", apply), ("loss", loss)):
+                if getattr(self, name) is _from_pieces:
+                    object.__setattr__(self, name, derived)
+            if self.stages is None:
+                object.__setattr__(self, "stages", stages)
+        missing = [name for name in ("apply", "loss") if getattr(self, name) is _from_pieces]
+        if missing:
+            raise TypeError(
+                f"model {self.name!r} gives no {' and no '.join(missing)}; give pieces=Pieces(embed=, block=, head=, "
+                f"...) (docs/models.md), or {', '.join(missing)} itself"
+            )
         for what, fn, args in (
             ("loss", self.loss, "params, batch, cfg, layout"),
             ("apply", self.apply, "params, tokens, cfg, layout"),
