@@ -133,6 +133,62 @@ def test_plan_bad_input(argv, message, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seq-len", "0"], "--seq-len=0: must be >= 1"),
+        (["--seq-len=-8"], "--seq-len=-8: must be >= 1"),
+        (["--seq-len", "abc"], "--seq-len='abc' is not a valid int"),
+        (["--global-batch-tokens", "0"], "--global-batch-tokens=0: must be >= 1"),
+        (["--nodes", "0"], "--nodes=0 --gpus-per-node=8: both must be >= 1"),
+        (["--measure", "-1", "--device", "cpu"], "--measure=-1: the steps to train each top candidate"),
+        # argparse took --gpus for --gpus-per-node and planned 490 lines into a self-contradicting error
+        (["--gpus", "8"], "unrecognized arguments: --gpus 8"),
+        (["--node=2"], "unrecognized arguments: --node=2"),
+        # every trace failed on the 8192 default above the debug model's 1024, then said the smallest needs 6 GiB
+        (
+            ["--seq-len", "8192"],
+            "--seq-len=8192 exceeds model.max_seq_len=1024 of llama debug; use --seq-len 1024 or less",
+        ),
+        # an H100 plan measured here trained on this machine's CPU and died with a traceback per rank
+        (["--measure", "2"], "--measure 2 trains the top layouts here, on this machine's CPU (gloo); a plan for"),
+    ],
+)
+def test_plan_bad_input_is_one_line_before_any_tracing(argv, message, capsys, monkeypatch):
+    """Issue 30's bad inputs through the ``functitan`` entry point: one line, exit 2, and no tracing begun."""
+    import functitan.cli
+    import functitan.plan._plan as planner
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("traced a layout for bad input")
+
+    monkeypatch.setattr(planner, "predict", no_trace)
+    assert functitan.cli.main(["plan", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err, captured.err
+    assert captured.err.count("\n") == 1 and captured.err.startswith("functitan: error: ")
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_default_seq_len_is_capped_at_the_models_maximum(monkeypatch):
+    """The 8192 default of a GPU plan is above the debug model's max_seq_len=1024: it plans at 1024 and says so
+    (it traced every layout at 8192, each failing, and ended in 'no layout fits')."""
+    import functitan.plan._plan as planner
+    from functitan.plan import Cluster, device
+
+    def fake_trace(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, *rest):
+        t = planner.step_time(c, cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)
+        return planner.Row(cand=c, peak=1.0, parts={}, analytic=mem, time=t, fits=True)
+
+    monkeypatch.setattr(planner, "_traced_row", fake_trace)
+    result = planner.plan(
+        model_name="llama", flavor="debug", overrides={}, cluster=Cluster(device=device("h100"), nodes=1, per_node=8)
+    )
+    assert result.cfg.training.seq_len == 1024
+    assert result.cfg.training.batch_size == 8 * 8  # 8 sequences per device
+    assert "--seq-len: 1024 (the default 8192 capped at model.max_seq_len)" in result.assumptions
+
+
 def test_plan_writes_a_config_the_trainer_runs(tmp_path, gloo):
     out = tmp_path / "plan.toml"
     assert (

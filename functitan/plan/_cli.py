@@ -34,7 +34,7 @@ def _parser() -> CommandParser:
     p.add_argument(
         "--global-batch-tokens", type=int, default=None, help="tokens per step (default: 8 sequences per device)"
     )
-    config_flag(p, "training.seq_len", default=None, note="default 8192; 256 on cpu")
+    config_flag(p, "training.seq_len", default=None, note="default 8192, 256 on cpu, at most model.max_seq_len")
     p.add_argument(
         "--top",
         type=int,
@@ -73,6 +73,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _plan_cli(argv: list[str]) -> int:
     model, rest = parse_model_args(argv)
     args = _parser().parse_args(rest)
+    if args.measure and args.device.lower() != "cpu":  # before any work: it would fail after the whole plan
+        raise PlanError(
+            f"--measure {args.measure} trains the top layouts here, on this machine's CPU (gloo); a plan for "
+            f"--device {args.device} cannot run on it: drop --measure, or plan for --device cpu"
+        )
     dev = device(args.device)
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise PlanError(f"--nodes={args.nodes} --gpus-per-node={args.gpus_per_node}: both must be >= 1")
@@ -86,8 +91,6 @@ def _plan_cli(argv: list[str]) -> int:
     if args.calibrate:
         dev = calibrate(dev, processes=max(2, min(args.nodes * args.gpus_per_node, 8)))
     cluster = Cluster(device=dev, nodes=args.nodes, per_node=args.gpus_per_node)
-    seq = args.seq_len or (256 if dev.name == "cpu" else 8192)
-    tokens = args.global_batch_tokens or 8 * seq * cluster.world
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tracing is single-threaded Python: one core
     try:
@@ -96,8 +99,8 @@ def _plan_cli(argv: list[str]) -> int:
             flavor=model.flavor,
             overrides=dict(model.overrides),
             cluster=cluster,
-            global_batch_tokens=tokens,
-            seq_len=seq,
+            global_batch_tokens=args.global_batch_tokens,
+            seq_len=args.seq_len,
             top=args.top,
         )
     finally:

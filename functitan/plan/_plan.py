@@ -83,8 +83,8 @@ def plan(
     flavor: str | None,
     overrides: dict,
     cluster: Cluster,
-    global_batch_tokens: int,
-    seq_len: int,
+    global_batch_tokens: int | None = None,
+    seq_len: int | None = None,
     top: int = MIN_TRACED,
     base: JobConfig | None = None,
     param_dtypes: tuple[str, ...] | None = None,
@@ -94,6 +94,8 @@ def plan(
     if top < 1:
         raise PlanError(f"--top={top}: show at least one candidate, e.g. --top {MIN_TRACED}")
     name, model, model_cfg = load(model_name, flavor, overrides)
+    seq_len, seq_note = _seq_len(seq_len, model_cfg, name, flavor, cluster)
+    global_batch_tokens = global_batch_tokens or 8 * seq_len * cluster.world
     if global_batch_tokens % seq_len or global_batch_tokens < seq_len:
         raise PlanError(
             f"--global-batch-tokens={global_batch_tokens} is not a multiple of --seq-len={seq_len}; use "
@@ -152,18 +154,25 @@ def plan(
     for c, mem, _, blocks in fitting:
         if sum(r.fits for r in rows) >= traced or len(rows) >= 2 * traced:
             break
-        row = _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks, log)
-        if row is not None:
-            rows.append(row)
+        try:
+            rows.append(_traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks))
+        except ValueError as e:  # a validator the enumeration does not know refused it: say so, go on
+            log(f"  pruned {c.label()}: {str(e).split('; ')[0]}")
     if not any(r.fits for r in rows):  # the formula was optimistic: try the layout that needs the least memory
         smallest = min(screen, key=lambda s: s[1]["total"])
-        row = _traced_row(
-            base, model, model_cfg, shape, smallest[0], smallest[1], cluster, batch_size, seq_len, fpt, smallest[3], log
-        )
-        if row is not None and row.fits:
+        try:
+            row = _traced_row(
+                base, model, model_cfg, shape, smallest[0], smallest[1], cluster, batch_size, seq_len, fpt, smallest[3]
+            )
+        except ValueError as e:  # not "the smallest needs N GiB": it was never traced, so say why
+            raise PlanError(
+                f"no traced layout fits in {dev.usable / _GIB:.1f} GiB usable, and the one that needs the least "
+                f"memory by formula ({smallest[0].label()}) cannot be traced: {e}"
+            ) from None
+        if row.fits:
             rows.append(row)
     if not any(r.fits for r in rows):
-        need = (row.peak if row else smallest[1]["total"]) + dev.reserve
+        need = row.peak + dev.reserve
         raise PlanError(
             f"no layout fits in {dev.memory / _GIB:.1f} GiB per device ({dev.name}); the smallest needs "
             f"{need / _GIB:.1f} GiB ({smallest[0].label()}, {dev.reserve / _GIB:.0f} GiB reserve "
@@ -178,6 +187,7 @@ def plan(
         f"cluster: {cluster.nodes} nodes x {cluster.per_node} devices",
         "remat=full recomputes the forward (4/3 of the FLOPs); selective recomputes elementwise ops (no FLOPs)",
         "middle pipeline ranks hold no more than the first (only the first and last are traced)",
+        *([seq_note] if seq_note else []),
     ]
     return Plan(
         rows=rows,
@@ -191,12 +201,29 @@ def plan(
     )
 
 
-def _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks, log) -> Row | None:
-    try:
-        p = predict(base, model, model_cfg, shape, c, batch_size=batch_size, seq_len=seq_len)
-    except ValueError as e:  # a validator the enumeration does not know refused it: say so, go on
-        log(f"  pruned {c.label()}: {str(e).split('; ')[0]}")
-        return None
+def _seq_len(seq_len: int | None, model_cfg: Any, name: str, flavor: str | None, cluster: Cluster):
+    """``(sequence length, a note when the default was capped)``: the default is 8192 (256 on a CPU), at most the
+    model's ``max_seq_len``; an explicit one above it is refused before any tracing (every trace would fail)."""
+    longest = getattr(model_cfg, "max_seq_len", None)
+    longest = longest if isinstance(longest, int) and longest > 0 else None
+    if seq_len is None:
+        default = 256 if cluster.device.name == "cpu" else 8192
+        if longest is not None and longest < default:
+            return longest, f"--seq-len: {longest} (the default {default} capped at model.max_seq_len)"
+        return default, None
+    if seq_len < 1:
+        raise PlanError(f"--seq-len={seq_len}: must be >= 1 (omit it for the default)")
+    if longest is not None and seq_len > longest:
+        raise PlanError(
+            f"--seq-len={seq_len} exceeds model.max_seq_len={longest} of {name} {flavor or DEFAULT_FLAVOR}; use "
+            f"--seq-len {longest} or less, or raise it with --model.max_seq_len={seq_len}"
+        )
+    return seq_len, None
+
+
+def _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks) -> Row:
+    """``c`` traced (ValueError: a validator the enumeration does not know refused it)."""
+    p = predict(base, model, model_cfg, shape, c, batch_size=batch_size, seq_len=seq_len)
     t = step_time(c, cluster, p.comm, flops_per_token=fpt, tokens=batch_size * seq_len, n_blocks=p.blocks, ops=p.ops)
     rest = p.peak - p.params - p.grads - p.opt_state
     buffers = min(mem["buffers"], max(rest, 0.0))
