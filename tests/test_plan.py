@@ -117,7 +117,7 @@ def test_plan_help():
                 "--top",
                 "1",
             ],
-            "no layout fits in 79.2 GiB per device (a100); the smallest needs",
+            "no layout fits in 79.2 GiB per device (a100) with 10% of 73.2 GiB usable left free; the smallest needs",
         ),
         (
             ["--gpus-per-node", "7", "--global-batch-tokens", "2048", "--seq-len", "256"],
@@ -259,6 +259,73 @@ def test_top_shows_fewer_rows_but_recommends_the_same_layout(monkeypatch):
     assert traced_one == traced_four and len(traced_one) == planner.MIN_TRACED
     assert one.rows[0].cand == four.rows[0].cand and one.rows[0].cand.label() == traced_one[-1]
     assert one.cfg == four.cfg
+
+
+def _row(label: str, step_s: float, peak_gib: float, limit: float):
+    """A synthetic traced row: ``label`` names it (through the microbatch count), no tracing."""
+    from functitan.plan import Cluster, Row, device
+    from functitan.plan._cost import step_time
+
+    c = Candidate(dp_shard=8, microbatches=int(label))
+    t = step_time(c, Cluster(device=device("h100"), nodes=1, per_node=8), {}, flops_per_token=1.0, tokens=1, n_blocks=1)
+    peak = peak_gib * 2**30
+    return Row(cand=c, peak=peak, parts={}, analytic={"total": peak}, time=t._replace(total=step_s), fits=peak <= limit)
+
+
+def test_ties_go_to_headroom_and_the_margin_is_never_recommended():
+    """Issue 30's 8B choice: FSDP 8 without remat at 73.35 of 73.6 GiB usable won over a layout at 49 GiB with
+    the same predicted time. Now a layout inside the margin is 'tight' and never first, and step times within
+    the cost model's error (TIME_TOLERANCE) are a tie broken toward the most headroom."""
+    from functitan.plan import Plan, device, rank, table
+    from functitan.plan._cost import TIME_TOLERANCE
+
+    usable = device("h100").usable  # 73.6 GiB
+    limit = usable * 0.9
+    rows = [
+        _row("1", 1.00, 60.0, limit),  # fastest that fits, 13.6 GiB free
+        _row("2", 1.03, 40.0, limit),  # 3% slower (a tie): 33.6 GiB free
+        _row("3", 0.99, 73.35, limit),  # fastest of all, 0.25 GiB free: inside the 10% margin
+        _row("4", 1.20, 10.0, limit),  # 20% slower: not a tie whatever its headroom
+        _row("5", 0.90, 80.0, limit),  # does not fit at all
+    ]
+    assert TIME_TOLERANCE == 0.05
+    order = [r.cand.microbatches for r in rank(rows, tolerance=TIME_TOLERANCE)]
+    assert order == [2, 1, 4, 5, 3]  # fitting by (tie -> headroom), then the rest by time
+    assert [r.cand.microbatches for r in rank(rows, tolerance=0.0)] == [1, 2, 4, 5, 3]
+    shown = table(Plan(rows=rank(rows), pruned=None, screened=5, over_memory=0, cfg=None, assumptions=[],
+                       seconds=0, cpu_seconds=0, usable=usable, margin=0.1))  # fmt: skip
+    lines = {ln.split()[1] + ln.split()[2]: ln for ln in shown.splitlines() if ln[:2].strip().isdigit()}
+    assert lines["fsdp8m2"].split()[7:10] == ["33.60", "45.7%", "yes"]  # headroom GiB, % of usable, fits
+    assert lines["fsdp8m3"].split()[7:10] == ["0.25", "0.3%", "tight"]
+    assert lines["fsdp8m5"].split()[7:10] == ["-6.40", "-8.7%", "NO"]
+    assert "recommended: fsdp8 m2 remat=none bf16" in shown
+
+
+def test_plan_keeps_the_margin_free(monkeypatch):
+    """``plan(margin=...)`` decides what fits: the fastest traced layout at 95% of usable memory is recommended
+    with no margin and passed over with the default 10%."""
+    import functitan.plan._plan as planner
+    from functitan.plan import Cluster, device
+
+    def fake_trace(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks, limit):
+        first = not traced
+        traced.append(c)
+        peak = cluster.device.usable * (0.95 if first else 0.5)
+        t = planner.step_time(c, cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)
+        return planner.Row(cand=c, peak=peak, parts={}, analytic=mem, time=t._replace(total=1.0 + 0.1 * len(traced)),
+                           fits=peak <= limit)  # fmt: skip
+
+    monkeypatch.setattr(planner, "_traced_row", fake_trace)
+    cluster = Cluster(device=device("h100"), nodes=1, per_node=4)
+    chosen = []
+    for margin in (0.0, planner.MARGIN):
+        traced: list = []
+        result = planner.plan(
+            model_name="llama", flavor="debug", overrides=PLAN_TINY, cluster=cluster, global_batch_tokens=BATCH * SEQ,
+            seq_len=SEQ, margin=margin, log=lambda *a: None,
+        )  # fmt: skip
+        chosen.append((result.rows[0].cand == traced[0], result.margin))
+    assert chosen == [(True, 0.0), (False, 0.1)]
 
 
 def test_a_model_file_whose_loss_takes_positional_arguments_is_traced():

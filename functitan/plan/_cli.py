@@ -11,7 +11,7 @@ import torch
 from .._command import CommandParser, config_flag, model_flags, run
 from ..job_config import parse_model_args
 from ._devices import DEVICES, Cluster, calibrate, device
-from ._plan import MIN_TRACED, PlanError, plan
+from ._plan import MARGIN, MIN_TRACED, PlanError, plan
 from ._report import render_png, table, write_toml
 
 __all__ = ["main"]
@@ -41,6 +41,12 @@ def _parser() -> CommandParser:
         default=MIN_TRACED,
         help=f"how many fitting candidates to show; at least {MIN_TRACED} are traced, so a smaller --top recommends "
         "the same layout, and a larger one traces more and may find a faster one",
+    )
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=MARGIN,
+        help=f"fraction of usable memory a recommended layout leaves free (default {MARGIN:g}: fragmentation, spikes)",
     )
     p.add_argument("--calibrate", action="store_true", help="measure this machine's matmul FLOP/s and gloo collectives")
     p.add_argument("--out", default=None, help="write the recommended config (functitan train --config FILE)")
@@ -102,6 +108,7 @@ def _plan_cli(argv: list[str]) -> int:
             global_batch_tokens=args.global_batch_tokens,
             seq_len=args.seq_len,
             top=args.top,
+            margin=args.margin,
         )
     finally:
         torch.set_num_threads(threads)
@@ -111,7 +118,7 @@ def _plan_cli(argv: list[str]) -> int:
     print(f"{result.screened} valid layouts; {result.over_memory} over memory by formula; pruned families:")
     for reason, n in sorted(result.pruned.items()):
         print(f"  {reason} ({n})")
-    print(table(result, cluster.device.usable))
+    print(table(result))
     if args.measure:
         from ._measure import measure
 

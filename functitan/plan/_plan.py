@@ -12,14 +12,15 @@ from ..job_config import DEFAULT_FLAVOR, DEFAULT_MODEL, JobConfig, ModelConfig
 from ..model import Param, count, load_model
 from ..tree import flatten_with_names
 from ._candidates import Candidate, enumerate_candidates, job_config
-from ._cost import ModelDims, Time, analytic_comm, analytic_memory, step_time
+from ._cost import TIME_TOLERANCE, ModelDims, Time, analytic_comm, analytic_memory, step_time
 from ._devices import Cluster
 from ._predict import ModelShape, model_shape, predict, rank_blocks
 
-__all__ = ["Row", "Plan", "plan", "PlanError"]
+__all__ = ["Row", "Plan", "plan", "rank", "PlanError", "MARGIN"]
 
 _GIB = float(1 << 30)
 MIN_TRACED = 4  # fitting candidates traced however few --top shows (a trace takes 0.5-5 s)
+MARGIN = 0.10  # of usable memory kept free: what torchtitan's users leave for fragmentation and spikes
 
 
 class PlanError(UserError):
@@ -32,7 +33,7 @@ class Row(NamedTuple):
     parts: dict  # params, grads, opt_state, buffers, activations (bytes)
     analytic: dict  # the formula's parts and total
     time: Time
-    fits: bool
+    fits: bool  # peak within usable memory less the margin: a layout the planner may recommend
 
 
 class Plan(NamedTuple):
@@ -44,6 +45,9 @@ class Plan(NamedTuple):
     assumptions: list
     seconds: float  # wall time of planning
     cpu_seconds: float  # CPU time of this process (the planner is single-threaded; wall time on a busy machine is not)
+    usable: float = 0.0  # bytes a rank may use (the device's memory less its reserve)
+    margin: float = MARGIN  # fraction of ``usable`` a recommended layout leaves free
+    tolerance: float = TIME_TOLERANCE  # step times within this fraction of each other are a tie
 
 
 def model_dims(model: Any, model_cfg: Any, shape: ModelShape) -> ModelDims:
@@ -88,11 +92,18 @@ def plan(
     top: int = MIN_TRACED,
     base: JobConfig | None = None,
     param_dtypes: tuple[str, ...] | None = None,
+    margin: float = MARGIN,
+    tolerance: float = TIME_TOLERANCE,
     log=print,
 ) -> Plan:
+    """Plan ``cluster`` for the model (module docstring). A layout fits when its traced peak leaves ``margin`` of
+    the usable memory free; of fitting layouts whose step times are within ``tolerance`` of the fastest, the
+    one with the most headroom is recommended (``rank``)."""
     t0, c0 = time.perf_counter(), time.process_time()
     if top < 1:
         raise PlanError(f"--top={top}: show at least one candidate, e.g. --top {MIN_TRACED}")
+    if not 0 <= margin < 1:
+        raise PlanError(f"--margin={margin}: the fraction of usable memory to leave free, in [0, 1), e.g. 0.1")
     name, model, model_cfg = load(model_name, flavor, overrides)
     seq_len, seq_note = _seq_len(seq_len, model_cfg, name, flavor, cluster)
     global_batch_tokens = global_batch_tokens or 8 * seq_len * cluster.world
@@ -105,6 +116,7 @@ def plan(
     shape = model_shape(model, model_cfg, seq_len)
     dims = model_dims(model, model_cfg, shape)
     dev = cluster.device
+    limit = dev.usable * (1 - margin)  # the most a recommended layout may need
     dtypes = param_dtypes or (("float32",) if dev.name == "cpu" else ("bfloat16",))
     cands, pruned = enumerate_candidates(
         model,
@@ -146,7 +158,7 @@ def plan(
             n_blocks=blocks,
         )
         screen.append((c, mem, t, blocks))
-    fitting = sorted((s for s in screen if s[1]["total"] <= dev.usable * 1.1), key=lambda s: s[2].total)
+    fitting = sorted((s for s in screen if s[1]["total"] <= limit * 1.1), key=lambda s: s[2].total)
     # how many to trace does not depend on how many are shown (``top`` up to MIN_TRACED): the recommendation
     # must not change with a display option, as it did when --top 3 traced fewer candidates than --top 8
     traced = max(top, MIN_TRACED)
@@ -155,15 +167,16 @@ def plan(
         if sum(r.fits for r in rows) >= traced or len(rows) >= 2 * traced:
             break
         try:
-            rows.append(_traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks))
+            rows.append(
+                _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks, limit)
+            )
         except ValueError as e:  # a validator the enumeration does not know refused it: say so, go on
             log(f"  pruned {c.label()}: {str(e).split('; ')[0]}")
     if not any(r.fits for r in rows):  # the formula was optimistic: try the layout that needs the least memory
         smallest = min(screen, key=lambda s: s[1]["total"])
         try:
-            row = _traced_row(
-                base, model, model_cfg, shape, smallest[0], smallest[1], cluster, batch_size, seq_len, fpt, smallest[3]
-            )
+            c, mem, _, blocks = smallest
+            row = _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks, limit)
         except ValueError as e:  # not "the smallest needs N GiB": it was never traced, so say why
             raise PlanError(
                 f"no traced layout fits in {dev.usable / _GIB:.1f} GiB usable, and the one that needs the least "
@@ -173,12 +186,15 @@ def plan(
             rows.append(row)
     if not any(r.fits for r in rows):
         need = row.peak + dev.reserve
+        tight = row.peak <= dev.usable  # it fits, but inside the margin
         raise PlanError(
-            f"no layout fits in {dev.memory / _GIB:.1f} GiB per device ({dev.name}); the smallest needs "
-            f"{need / _GIB:.1f} GiB ({smallest[0].label()}, {dev.reserve / _GIB:.0f} GiB reserve "
-            f"included): use devices with that much memory, more devices, or a smaller batch"
+            f"no layout fits in {dev.memory / _GIB:.1f} GiB per device ({dev.name}) with {100 * margin:g}% of "
+            f"{dev.usable / _GIB:.1f} GiB usable left free; the smallest needs {need / _GIB:.1f} GiB "
+            f"({smallest[0].label()}, {dev.reserve / _GIB:.0f} GiB reserve included): use devices with that much "
+            "memory, more devices, or a smaller batch"
+            + (f", or a smaller --margin (it leaves {100 * (1 - row.peak / dev.usable):.1f}% free)" if tight else "")
         )
-    rows.sort(key=lambda r: (not r.fits, r.time.total))
+    rows = rank(rows, tolerance=tolerance)
     rows = [r for r in rows if r.fits][:top] + [r for r in rows if not r.fits][:top]
     best = rows[0].cand
     cfg = job_config(base, best, batch_size=batch_size, seq_len=seq_len)
@@ -198,7 +214,24 @@ def plan(
         assumptions=assumptions,
         seconds=time.perf_counter() - t0,
         cpu_seconds=time.process_time() - c0,
+        usable=dev.usable,
+        margin=margin,
+        tolerance=tolerance,
     )
+
+
+def rank(rows: list[Row], *, tolerance: float = TIME_TOLERANCE) -> list[Row]:
+    """Fitting rows best first, then the others by step time. The next fitting row is the fastest left, unless
+    others are within ``tolerance`` of its time (the cost model's stated error: a tie it cannot call): then the
+    one among them with the most headroom (the lowest peak) goes first."""
+    left = sorted((r for r in rows if r.fits), key=lambda r: r.time.total)
+    out = []
+    while left:
+        tied = [r for r in left if r.time.total <= left[0].time.total * (1 + tolerance)]
+        pick = min(tied, key=lambda r: (r.peak, r.time.total))
+        out.append(pick)
+        left = [r for r in left if r is not pick]
+    return out + sorted((r for r in rows if not r.fits), key=lambda r: r.time.total)
 
 
 def _seq_len(seq_len: int | None, model_cfg: Any, name: str, flavor: str | None, cluster: Cluster):
@@ -221,7 +254,7 @@ def _seq_len(seq_len: int | None, model_cfg: Any, name: str, flavor: str | None,
     return seq_len, None
 
 
-def _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks) -> Row:
+def _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks, limit) -> Row:
     """``c`` traced (ValueError: a validator the enumeration does not know refused it)."""
     p = predict(base, model, model_cfg, shape, c, batch_size=batch_size, seq_len=seq_len)
     t = step_time(c, cluster, p.comm, flops_per_token=fpt, tokens=batch_size * seq_len, n_blocks=p.blocks, ops=p.ops)
@@ -234,7 +267,7 @@ def _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_
         "buffers": buffers,
         "activations": rest - buffers,
     }
-    return Row(cand=c, peak=p.peak, parts=parts, analytic=mem, time=t, fits=p.peak <= cluster.device.usable)
+    return Row(cand=c, peak=p.peak, parts=parts, analytic=mem, time=t, fits=p.peak <= limit)
 
 
 def _nearest_world(model, model_cfg, cluster, batch_size, seq_len, shape, dtypes) -> int | None:
