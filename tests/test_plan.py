@@ -176,8 +176,8 @@ def test_default_seq_len_is_capped_at_the_models_maximum(monkeypatch):
     import functitan.plan._plan as planner
     from functitan.plan import Cluster, device
 
-    def fake_trace(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, *rest):
-        t = planner.step_time(c, cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)
+    def fake_trace(job, c, mem, blocks):
+        t = planner.step_time(c, job.cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)
         return planner.Row(cand=c, peak=1.0, parts={}, analytic=mem, time=t, fits=True)
 
     monkeypatch.setattr(planner, "_traced_row", fake_trace)
@@ -239,9 +239,9 @@ def test_top_shows_fewer_rows_but_recommends_the_same_layout(monkeypatch):
     def run(top: int):
         traced = []
 
-        def fake_trace(base, model, model_cfg, shape, c, mem, cluster, *rest):
+        def fake_trace(job, c, mem, blocks):
             traced.append(c.label())
-            t = planner.step_time(c, cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)._replace(
+            t = planner.step_time(c, job.cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)._replace(
                 total=10.0 - len(traced)
             )
             return planner.Row(cand=c, peak=1.0, parts={}, analytic=mem, time=t, fits=True)
@@ -307,13 +307,13 @@ def test_plan_keeps_the_margin_free(monkeypatch):
     import functitan.plan._plan as planner
     from functitan.plan import Cluster, device
 
-    def fake_trace(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks, limit):
+    def fake_trace(job, c, mem, blocks):
         first = not traced
         traced.append(c)
-        peak = cluster.device.usable * (0.95 if first else 0.5)
-        t = planner.step_time(c, cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)
+        peak = job.cluster.device.usable * (0.95 if first else 0.5)
+        t = planner.step_time(c, job.cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)
         return planner.Row(cand=c, peak=peak, parts={}, analytic=mem, time=t._replace(total=1.0 + 0.1 * len(traced)),
-                           fits=peak <= limit)  # fmt: skip
+                           fits=peak <= job.limit)  # fmt: skip
 
     monkeypatch.setattr(planner, "_traced_row", fake_trace)
     cluster = Cluster(device=device("h100"), nodes=1, per_node=4)
@@ -326,6 +326,67 @@ def test_plan_keeps_the_margin_free(monkeypatch):
         )  # fmt: skip
         chosen.append((result.rows[0].cand == traced[0], result.margin))
     assert chosen == [(True, 0.0), (False, 0.1)]
+
+
+@pytest.mark.parametrize("layout", [LAYOUTS[1], LAYOUTS[3], LAYOUTS[2]], ids=lambda c: c.label())
+def test_live_bytes_counts_what_memtracker_counts(layout):
+    """The planner's tracker (a third cheaper per op) gives torch's MemTracker's peak to the byte on one fake
+    step: FSDP with selective remat and accumulation, TP + SP (DTensor), HSDP with full remat."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from functitan.plan import build_step, step_peak
+    from functitan.plan._trace import _HostReads, _live_step, rank_mesh
+
+    model, mcfg = _model()
+    cfg = job_config(_base(), layout, batch_size=BATCH, seq_len=SEQ)
+    peaks = []
+    with rank_mesh(cfg.parallelism, 4, 0) as mesh:
+        for torch_tracker in (True, False):
+            with FakeTensorMode():
+                state, step, batch = build_step(cfg, model, mcfg, mesh, fake=True)
+                if torch_tracker:
+                    peaks.append(step_peak(state, step, batch, _HostReads(), warm_up=False)[0])
+                else:
+                    peaks.append(_live_step(state, step, batch, _HostReads()).peak)
+    assert peaks[0] == peaks[1] and peaks[0] > 500_000, peaks
+
+
+def test_a_kind_traced_over_memory_is_not_traced_again(monkeypatch):
+    """Prune by the traces before tracing more: once a selective-remat layout traces at 3x its formula beyond
+    params, grads and optimizer state (as the 405B's did: 111 GiB traced, 51 by formula), a later selective
+    layout that the formula so scaled puts over memory is not traced; one it keeps under the limit, and other
+    kinds, still are."""
+    from collections import Counter
+
+    import functitan.plan._plan as planner
+    from functitan.plan import Cluster, device
+
+    traced: list = []
+
+    def fake_trace(job, c, mem, blocks):
+        traced.append(c.microbatches)
+        states = mem["params"] + mem["grads"] + mem["opt_state"]
+        peak = states + (mem["total"] - states) * (3.0 if c.remat == "selective" else 1.0)
+        t = planner.step_time(c, job.cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)
+        return planner.Row(cand=c, peak=peak, parts={}, analytic=mem, time=t, fits=peak <= job.limit)
+
+    monkeypatch.setattr(planner, "_traced_row", fake_trace)
+
+    def entry(n: int, remat: str, total: float):  # a screened candidate: 10 bytes of params, grads, state
+        mem = {"params": 4.0, "grads": 4.0, "opt_state": 2.0, "total": total}
+        return (Candidate(dp_shard=4, microbatches=n, remat=remat), mem, None, 4)
+
+    cluster = Cluster(device=device("h100"), nodes=1, per_node=4)
+    job = planner._Job(None, None, None, None, cluster, 8, 32, 1.0, 100.0)  # a 100-byte limit
+    fitting = [entry(1, "selective", 50.0), entry(2, "selective", 45.0), entry(3, "full", 60.0),
+               entry(4, "selective", 30.0), entry(5, "none", 90.0)]  # fmt: skip
+    pruned: Counter = Counter()
+    rows = planner._trace_best(job, fitting, 4, pruned, log=lambda *a: None)
+    assert traced == [1, 3, 4, 5]  # 2: 10 + 3 x 35 = 115 bytes > 1.05 x the limit; 4: 10 + 3 x 20 = 70 fits
+    assert pruned == Counter(
+        {"remat=selective: over memory by the formula scaled to the traced layouts of its kind (not traced)": 1}
+    )
+    assert [r.fits for r in rows] == [False, True, True, True]
 
 
 def test_a_model_file_whose_loss_takes_positional_arguments_is_traced():

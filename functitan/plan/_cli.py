@@ -109,6 +109,7 @@ def _plan_cli(argv: list[str]) -> int:
             seq_len=args.seq_len,
             top=args.top,
             margin=args.margin,
+            log=lambda line: print(line, flush=True),  # progress while it traces
         )
     finally:
         torch.set_num_threads(threads)
