@@ -292,6 +292,13 @@ def test_ties_go_to_headroom_and_the_margin_is_never_recommended():
     order = [r.cand.microbatches for r in rank(rows, tolerance=TIME_TOLERANCE)]
     assert order == [2, 1, 4, 5, 3]  # fitting by (tie -> headroom), then the rest by time
     assert [r.cand.microbatches for r in rank(rows, tolerance=0.0)] == [1, 2, 4, 5, 3]
+    # headroom counts up to twice the margin (plan's comfortable peak: usable less 20%, 58.9 GiB): beyond it
+    # the faster of a tie goes first (60 GiB is under it: the tie above still goes to 40 GiB)
+    comfortable = usable * 0.8
+    assert [r.cand.microbatches for r in rank(rows, comfortable=comfortable)] == [2, 1, 4, 5, 3]
+    roomy = [_row("6", 1.00, 50.0, limit), _row("7", 1.03, 20.0, limit)]
+    assert [r.cand.microbatches for r in rank(roomy, comfortable=comfortable)] == [6, 7]
+    assert [r.cand.microbatches for r in rank(roomy)] == [7, 6]
     shown = table(Plan(rows=rank(rows), pruned=None, screened=5, over_memory=0, cfg=None, assumptions=[],
                        seconds=0, cpu_seconds=0, usable=usable, margin=0.1))  # fmt: skip
     lines = {ln.split()[1] + ln.split()[2]: ln for ln in shown.splitlines() if ln[:2].strip().isdigit()}

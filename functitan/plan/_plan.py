@@ -102,7 +102,7 @@ def plan(
 ) -> Plan:
     """Plan ``cluster`` for the model (module docstring). A layout fits when its traced peak leaves ``margin`` of
     the usable memory free; of fitting layouts whose step times are within ``tolerance`` of the fastest, the
-    one with the most headroom is recommended (``rank``)."""
+    one with the most headroom, counted up to twice the margin, is recommended (``rank``)."""
     t0, c0 = time.perf_counter(), time.process_time()
     if top < 1:
         raise PlanError(f"--top={top}: show at least one candidate, e.g. --top {MIN_TRACED}")
@@ -183,7 +183,7 @@ def plan(
             "memory, more devices, or a smaller batch"
             + (f", or a smaller --margin (it leaves {100 * (1 - row.peak / dev.usable):.1f}% free)" if tight else "")
         )
-    rows = rank(rows, tolerance=tolerance)
+    rows = rank(rows, tolerance=tolerance, comfortable=dev.usable * (1 - 2 * margin))
     rows = [r for r in rows if r.fits][:top] + [r for r in rows if not r.fits][:top]
     best = rows[0].cand
     cfg = job_config(base, best, batch_size=batch_size, seq_len=seq_len)
@@ -209,15 +209,17 @@ def plan(
     )
 
 
-def rank(rows: list[Row], *, tolerance: float = TIME_TOLERANCE) -> list[Row]:
+def rank(rows: list[Row], *, tolerance: float = TIME_TOLERANCE, comfortable: float = 0.0) -> list[Row]:
     """Fitting rows best first, then the others by step time. The next fitting row is the fastest left, unless
     others are within ``tolerance`` of its time (the cost model's stated error: a tie it cannot call): then the
-    one among them with the most headroom (the lowest peak) goes first."""
+    one among them with the most headroom (the lowest peak) goes first. Peaks at or under ``comfortable`` bytes
+    count as equal (``plan`` passes the usable memory less twice the margin): headroom beyond that buys no
+    safety worth a slower step, so among such layouts the faster goes first."""
     left = sorted((r for r in rows if r.fits), key=lambda r: r.time.total)
     out = []
     while left:
         tied = [r for r in left if r.time.total <= left[0].time.total * (1 + tolerance)]
-        pick = min(tied, key=lambda r: (r.peak, r.time.total))
+        pick = min(tied, key=lambda r: (max(r.peak, comfortable), r.time.total))
         out.append(pick)
         left = [r for r in left if r is not pick]
     return out + sorted((r for r in rows if not r.fits), key=lambda r: r.time.total)
