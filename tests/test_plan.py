@@ -117,7 +117,7 @@ def test_plan_help():
                 "--top",
                 "1",
             ],
-            "no layout fits in 79.2 GiB per device (a100); the smallest needs",
+            "no layout fits in 79.2 GiB per device (a100) with 10% of 73.2 GiB usable left free; the smallest needs",
         ),
         (
             ["--gpus-per-node", "7", "--global-batch-tokens", "2048", "--seq-len", "256"],
@@ -131,6 +131,62 @@ def test_plan_bad_input(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seq-len", "0"], "--seq-len=0: must be >= 1"),
+        (["--seq-len=-8"], "--seq-len=-8: must be >= 1"),
+        (["--seq-len", "abc"], "--seq-len='abc' is not a valid int"),
+        (["--global-batch-tokens", "0"], "--global-batch-tokens=0: must be >= 1"),
+        (["--nodes", "0"], "--nodes=0 --gpus-per-node=8: both must be >= 1"),
+        (["--measure", "-1", "--device", "cpu"], "--measure=-1: the steps to train each top candidate"),
+        # argparse took --gpus for --gpus-per-node and planned 490 lines into a self-contradicting error
+        (["--gpus", "8"], "unrecognized arguments: --gpus 8"),
+        (["--node=2"], "unrecognized arguments: --node=2"),
+        # every trace failed on the 8192 default above the debug model's 1024, then said the smallest needs 6 GiB
+        (
+            ["--seq-len", "8192"],
+            "--seq-len=8192 exceeds model.max_seq_len=1024 of llama debug; use --seq-len 1024 or less",
+        ),
+        # an H100 plan measured here trained on this machine's CPU and died with a traceback per rank
+        (["--measure", "2"], "--measure 2 trains the top layouts here, on this machine's CPU (gloo); a plan for"),
+    ],
+)
+def test_plan_bad_input_is_one_line_before_any_tracing(argv, message, capsys, monkeypatch):
+    """Issue 30's bad inputs through the ``functitan`` entry point: one line, exit 2, and no tracing begun."""
+    import functitan.cli
+    import functitan.plan._plan as planner
+
+    def no_trace(*args, **kwargs):
+        raise AssertionError("traced a layout for bad input")
+
+    monkeypatch.setattr(planner, "predict", no_trace)
+    assert functitan.cli.main(["plan", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err, captured.err
+    assert captured.err.count("\n") == 1 and captured.err.startswith("functitan: error: ")
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_default_seq_len_is_capped_at_the_models_maximum(monkeypatch):
+    """The 8192 default of a GPU plan is above the debug model's max_seq_len=1024: it plans at 1024 and says so
+    (it traced every layout at 8192, each failing, and ended in 'no layout fits')."""
+    import functitan.plan._plan as planner
+    from functitan.plan import Cluster, device
+
+    def fake_trace(job, c, mem, blocks):
+        t = planner.step_time(c, job.cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)
+        return planner.Row(cand=c, peak=1.0, parts={}, analytic=mem, time=t, fits=True)
+
+    monkeypatch.setattr(planner, "_traced_row", fake_trace)
+    result = planner.plan(
+        model_name="llama", flavor="debug", overrides={}, cluster=Cluster(device=device("h100"), nodes=1, per_node=8)
+    )
+    assert result.cfg.training.seq_len == 1024
+    assert result.cfg.training.batch_size == 8 * 8  # 8 sequences per device
+    assert "--seq-len: 1024 (the default 8192 capped at model.max_seq_len)" in result.assumptions
 
 
 def test_plan_writes_a_config_the_trainer_runs(tmp_path, gloo):
@@ -183,9 +239,9 @@ def test_top_shows_fewer_rows_but_recommends_the_same_layout(monkeypatch):
     def run(top: int):
         traced = []
 
-        def fake_trace(base, model, model_cfg, shape, c, mem, cluster, *rest):
+        def fake_trace(job, c, mem, blocks):
             traced.append(c.label())
-            t = planner.step_time(c, cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)._replace(
+            t = planner.step_time(c, job.cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)._replace(
                 total=10.0 - len(traced)
             )
             return planner.Row(cand=c, peak=1.0, parts={}, analytic=mem, time=t, fits=True)
@@ -203,6 +259,141 @@ def test_top_shows_fewer_rows_but_recommends_the_same_layout(monkeypatch):
     assert traced_one == traced_four and len(traced_one) == planner.MIN_TRACED
     assert one.rows[0].cand == four.rows[0].cand and one.rows[0].cand.label() == traced_one[-1]
     assert one.cfg == four.cfg
+
+
+def _row(label: str, step_s: float, peak_gib: float, limit: float):
+    """A synthetic traced row: ``label`` names it (through the microbatch count), no tracing."""
+    from functitan.plan import Cluster, Row, device
+    from functitan.plan._cost import step_time
+
+    c = Candidate(dp_shard=8, microbatches=int(label))
+    t = step_time(c, Cluster(device=device("h100"), nodes=1, per_node=8), {}, flops_per_token=1.0, tokens=1, n_blocks=1)
+    peak = peak_gib * 2**30
+    return Row(cand=c, peak=peak, parts={}, analytic={"total": peak}, time=t._replace(total=step_s), fits=peak <= limit)
+
+
+def test_ties_go_to_headroom_and_the_margin_is_never_recommended():
+    """Issue 30's 8B choice: FSDP 8 without remat at 73.35 of 73.6 GiB usable won over a layout at 49 GiB with
+    the same predicted time. Now a layout inside the margin is 'tight' and never first, and step times within
+    the cost model's error (TIME_TOLERANCE) are a tie broken toward the most headroom."""
+    from functitan.plan import Plan, device, rank, table
+    from functitan.plan._cost import TIME_TOLERANCE
+
+    usable = device("h100").usable  # 73.6 GiB
+    limit = usable * 0.9
+    rows = [
+        _row("1", 1.00, 60.0, limit),  # fastest that fits, 13.6 GiB free
+        _row("2", 1.03, 40.0, limit),  # 3% slower (a tie): 33.6 GiB free
+        _row("3", 0.99, 73.35, limit),  # fastest of all, 0.25 GiB free: inside the 10% margin
+        _row("4", 1.20, 10.0, limit),  # 20% slower: not a tie whatever its headroom
+        _row("5", 0.90, 80.0, limit),  # does not fit at all
+    ]
+    assert TIME_TOLERANCE == 0.05
+    order = [r.cand.microbatches for r in rank(rows, tolerance=TIME_TOLERANCE)]
+    assert order == [2, 1, 4, 5, 3]  # fitting by (tie -> headroom), then the rest by time
+    assert [r.cand.microbatches for r in rank(rows, tolerance=0.0)] == [1, 2, 4, 5, 3]
+    # headroom counts up to twice the margin (plan's comfortable peak: usable less 20%, 58.9 GiB): beyond it
+    # the faster of a tie goes first (60 GiB is under it: the tie above still goes to 40 GiB)
+    comfortable = usable * 0.8
+    assert [r.cand.microbatches for r in rank(rows, comfortable=comfortable)] == [2, 1, 4, 5, 3]
+    roomy = [_row("6", 1.00, 50.0, limit), _row("7", 1.03, 20.0, limit)]
+    assert [r.cand.microbatches for r in rank(roomy, comfortable=comfortable)] == [6, 7]
+    assert [r.cand.microbatches for r in rank(roomy)] == [7, 6]
+    shown = table(Plan(rows=rank(rows), pruned=None, screened=5, over_memory=0, cfg=None, assumptions=[],
+                       seconds=0, cpu_seconds=0, usable=usable, margin=0.1))  # fmt: skip
+    lines = {ln.split()[1] + ln.split()[2]: ln for ln in shown.splitlines() if ln[:2].strip().isdigit()}
+    assert lines["fsdp8m2"].split()[7:10] == ["33.60", "45.7%", "yes"]  # headroom GiB, % of usable, fits
+    assert lines["fsdp8m3"].split()[7:10] == ["0.25", "0.3%", "tight"]
+    assert lines["fsdp8m5"].split()[7:10] == ["-6.40", "-8.7%", "NO"]
+    assert "recommended: fsdp8 m2 remat=none bf16" in shown
+
+
+def test_plan_keeps_the_margin_free(monkeypatch):
+    """``plan(margin=...)`` decides what fits: the fastest traced layout at 95% of usable memory is recommended
+    with no margin and passed over with the default 10%."""
+    import functitan.plan._plan as planner
+    from functitan.plan import Cluster, device
+
+    def fake_trace(job, c, mem, blocks):
+        first = not traced
+        traced.append(c)
+        peak = job.cluster.device.usable * (0.95 if first else 0.5)
+        t = planner.step_time(c, job.cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)
+        return planner.Row(cand=c, peak=peak, parts={}, analytic=mem, time=t._replace(total=1.0 + 0.1 * len(traced)),
+                           fits=peak <= job.limit)  # fmt: skip
+
+    monkeypatch.setattr(planner, "_traced_row", fake_trace)
+    cluster = Cluster(device=device("h100"), nodes=1, per_node=4)
+    chosen = []
+    for margin in (0.0, planner.MARGIN):
+        traced: list = []
+        result = planner.plan(
+            model_name="llama", flavor="debug", overrides=PLAN_TINY, cluster=cluster, global_batch_tokens=BATCH * SEQ,
+            seq_len=SEQ, margin=margin, log=lambda *a: None,
+        )  # fmt: skip
+        chosen.append((result.rows[0].cand == traced[0], result.margin))
+    assert chosen == [(True, 0.0), (False, 0.1)]
+
+
+@pytest.mark.parametrize("layout", [LAYOUTS[1], LAYOUTS[3], LAYOUTS[2]], ids=lambda c: c.label())
+def test_live_bytes_counts_what_memtracker_counts(layout):
+    """The planner's tracker (a third cheaper per op) gives torch's MemTracker's peak to the byte on one fake
+    step: FSDP with selective remat and accumulation, TP + SP (DTensor), HSDP with full remat."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from functitan.plan import build_step, step_peak
+    from functitan.plan._trace import _HostReads, _live_step, rank_mesh
+
+    model, mcfg = _model()
+    cfg = job_config(_base(), layout, batch_size=BATCH, seq_len=SEQ)
+    peaks = []
+    with rank_mesh(cfg.parallelism, 4, 0) as mesh:
+        for torch_tracker in (True, False):
+            with FakeTensorMode():
+                state, step, batch = build_step(cfg, model, mcfg, mesh, fake=True)
+                if torch_tracker:
+                    peaks.append(step_peak(state, step, batch, _HostReads(), warm_up=False)[0])
+                else:
+                    peaks.append(_live_step(state, step, batch, _HostReads()).peak)
+    assert peaks[0] == peaks[1] and peaks[0] > 500_000, peaks
+
+
+def test_a_kind_traced_over_memory_is_not_traced_again(monkeypatch):
+    """Prune by the traces before tracing more: once a selective-remat layout traces at 3x its formula beyond
+    params, grads and optimizer state (as the 405B's did: 111 GiB traced, 51 by formula), a later selective
+    layout that the formula so scaled puts over memory is not traced; one it keeps under the limit, and other
+    kinds, still are."""
+    from collections import Counter
+
+    import functitan.plan._plan as planner
+    from functitan.plan import Cluster, device
+
+    traced: list = []
+
+    def fake_trace(job, c, mem, blocks):
+        traced.append(c.microbatches)
+        states = mem["params"] + mem["grads"] + mem["opt_state"]
+        peak = states + (mem["total"] - states) * (3.0 if c.remat == "selective" else 1.0)
+        t = planner.step_time(c, job.cluster, {}, flops_per_token=1.0, tokens=1, n_blocks=1)
+        return planner.Row(cand=c, peak=peak, parts={}, analytic=mem, time=t, fits=peak <= job.limit)
+
+    monkeypatch.setattr(planner, "_traced_row", fake_trace)
+
+    def entry(n: int, remat: str, total: float):  # a screened candidate: 10 bytes of params, grads, state
+        mem = {"params": 4.0, "grads": 4.0, "opt_state": 2.0, "total": total}
+        return (Candidate(dp_shard=4, microbatches=n, remat=remat), mem, None, 4)
+
+    cluster = Cluster(device=device("h100"), nodes=1, per_node=4)
+    job = planner._Job(None, None, None, None, cluster, 8, 32, 1.0, 100.0)  # a 100-byte limit
+    fitting = [entry(1, "selective", 50.0), entry(2, "selective", 45.0), entry(3, "full", 60.0),
+               entry(4, "selective", 30.0), entry(5, "none", 90.0)]  # fmt: skip
+    pruned: Counter = Counter()
+    rows = planner._trace_best(job, fitting, 4, pruned, log=lambda *a: None)
+    assert traced == [1, 3, 4, 5]  # 2: 10 + 3 x 35 = 115 bytes > 1.05 x the limit; 4: 10 + 3 x 20 = 70 fits
+    assert pruned == Counter(
+        {"remat=selective: over memory by the formula scaled to the traced layouts of its kind (not traced)": 1}
+    )
+    assert [r.fits for r in rows] == [False, True, True, True]
 
 
 def test_a_model_file_whose_loss_takes_positional_arguments_is_traced():

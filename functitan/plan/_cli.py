@@ -11,7 +11,7 @@ import torch
 from .._command import CommandParser, config_flag, model_flags, run
 from ..job_config import parse_model_args
 from ._devices import DEVICES, Cluster, calibrate, device
-from ._plan import MIN_TRACED, PlanError, plan
+from ._plan import MARGIN, MIN_TRACED, PlanError, plan
 from ._report import render_png, table, write_toml
 
 __all__ = ["main"]
@@ -34,13 +34,19 @@ def _parser() -> CommandParser:
     p.add_argument(
         "--global-batch-tokens", type=int, default=None, help="tokens per step (default: 8 sequences per device)"
     )
-    config_flag(p, "training.seq_len", default=None, note="default 8192; 256 on cpu")
+    config_flag(p, "training.seq_len", default=None, note="default 8192, 256 on cpu, at most model.max_seq_len")
     p.add_argument(
         "--top",
         type=int,
         default=MIN_TRACED,
         help=f"how many fitting candidates to show; at least {MIN_TRACED} are traced, so a smaller --top recommends "
         "the same layout, and a larger one traces more and may find a faster one",
+    )
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=MARGIN,
+        help=f"fraction of usable memory a recommended layout leaves free (default {MARGIN:g}: fragmentation, spikes)",
     )
     p.add_argument("--calibrate", action="store_true", help="measure this machine's matmul FLOP/s and gloo collectives")
     p.add_argument("--out", default=None, help="write the recommended config (functitan train --config FILE)")
@@ -73,6 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _plan_cli(argv: list[str]) -> int:
     model, rest = parse_model_args(argv)
     args = _parser().parse_args(rest)
+    if args.measure and args.device.lower() != "cpu":  # before any work: it would fail after the whole plan
+        raise PlanError(
+            f"--measure {args.measure} trains the top layouts here, on this machine's CPU (gloo); a plan for "
+            f"--device {args.device} cannot run on it: drop --measure, or plan for --device cpu"
+        )
     dev = device(args.device)
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise PlanError(f"--nodes={args.nodes} --gpus-per-node={args.gpus_per_node}: both must be >= 1")
@@ -86,8 +97,6 @@ def _plan_cli(argv: list[str]) -> int:
     if args.calibrate:
         dev = calibrate(dev, processes=max(2, min(args.nodes * args.gpus_per_node, 8)))
     cluster = Cluster(device=dev, nodes=args.nodes, per_node=args.gpus_per_node)
-    seq = args.seq_len or (256 if dev.name == "cpu" else 8192)
-    tokens = args.global_batch_tokens or 8 * seq * cluster.world
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tracing is single-threaded Python: one core
     try:
@@ -96,9 +105,11 @@ def _plan_cli(argv: list[str]) -> int:
             flavor=model.flavor,
             overrides=dict(model.overrides),
             cluster=cluster,
-            global_batch_tokens=tokens,
-            seq_len=seq,
+            global_batch_tokens=args.global_batch_tokens,
+            seq_len=args.seq_len,
             top=args.top,
+            margin=args.margin,
+            log=lambda line: print(line, flush=True),  # progress while it traces
         )
     finally:
         torch.set_num_threads(threads)
@@ -108,7 +119,7 @@ def _plan_cli(argv: list[str]) -> int:
     print(f"{result.screened} valid layouts; {result.over_memory} over memory by formula; pruned families:")
     for reason, n in sorted(result.pruned.items()):
         print(f"  {reason} ({n})")
-    print(table(result, cluster.device.usable))
+    print(table(result))
     if args.measure:
         from ._measure import measure
 

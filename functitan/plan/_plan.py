@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
+import math
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from ..errors import UserError
@@ -12,14 +16,15 @@ from ..job_config import DEFAULT_FLAVOR, DEFAULT_MODEL, JobConfig, ModelConfig
 from ..model import Param, count, load_model
 from ..tree import flatten_with_names
 from ._candidates import Candidate, enumerate_candidates, job_config
-from ._cost import ModelDims, Time, analytic_comm, analytic_memory, step_time
+from ._cost import TIME_TOLERANCE, ModelDims, Time, analytic_comm, analytic_memory, step_time
 from ._devices import Cluster
 from ._predict import ModelShape, model_shape, predict, rank_blocks
 
-__all__ = ["Row", "Plan", "plan", "PlanError"]
+__all__ = ["Row", "Plan", "plan", "rank", "PlanError", "MARGIN"]
 
 _GIB = float(1 << 30)
 MIN_TRACED = 4  # fitting candidates traced however few --top shows (a trace takes 0.5-5 s)
+MARGIN = 0.10  # of usable memory kept free: what torchtitan's users leave for fragmentation and spikes
 
 
 class PlanError(UserError):
@@ -32,7 +37,7 @@ class Row(NamedTuple):
     parts: dict  # params, grads, opt_state, buffers, activations (bytes)
     analytic: dict  # the formula's parts and total
     time: Time
-    fits: bool
+    fits: bool  # peak within usable memory less the margin: a layout the planner may recommend
 
 
 class Plan(NamedTuple):
@@ -44,6 +49,9 @@ class Plan(NamedTuple):
     assumptions: list
     seconds: float  # wall time of planning
     cpu_seconds: float  # CPU time of this process (the planner is single-threaded; wall time on a busy machine is not)
+    usable: float = 0.0  # bytes a rank may use (the device's memory less its reserve)
+    margin: float = MARGIN  # fraction of ``usable`` a recommended layout leaves free
+    tolerance: float = TIME_TOLERANCE  # step times within this fraction of each other are a tie
 
 
 def model_dims(model: Any, model_cfg: Any, shape: ModelShape) -> ModelDims:
@@ -83,17 +91,26 @@ def plan(
     flavor: str | None,
     overrides: dict,
     cluster: Cluster,
-    global_batch_tokens: int,
-    seq_len: int,
+    global_batch_tokens: int | None = None,
+    seq_len: int | None = None,
     top: int = MIN_TRACED,
     base: JobConfig | None = None,
     param_dtypes: tuple[str, ...] | None = None,
+    margin: float = MARGIN,
+    tolerance: float = TIME_TOLERANCE,
     log=print,
 ) -> Plan:
+    """Plan ``cluster`` for the model (module docstring). A layout fits when its traced peak leaves ``margin`` of
+    the usable memory free; of fitting layouts whose step times are within ``tolerance`` of the fastest, the
+    one with the most headroom, counted up to twice the margin, is recommended (``rank``)."""
     t0, c0 = time.perf_counter(), time.process_time()
     if top < 1:
         raise PlanError(f"--top={top}: show at least one candidate, e.g. --top {MIN_TRACED}")
+    if not 0 <= margin < 1:
+        raise PlanError(f"--margin={margin}: the fraction of usable memory to leave free, in [0, 1), e.g. 0.1")
     name, model, model_cfg = load(model_name, flavor, overrides)
+    seq_len, seq_note = _seq_len(seq_len, model_cfg, name, flavor, cluster)
+    global_batch_tokens = global_batch_tokens or 8 * seq_len * cluster.world
     if global_batch_tokens % seq_len or global_batch_tokens < seq_len:
         raise PlanError(
             f"--global-batch-tokens={global_batch_tokens} is not a multiple of --seq-len={seq_len}; use "
@@ -103,6 +120,7 @@ def plan(
     shape = model_shape(model, model_cfg, seq_len)
     dims = model_dims(model, model_cfg, shape)
     dev = cluster.device
+    limit = dev.usable * (1 - margin)  # the most a recommended layout may need
     dtypes = param_dtypes or (("float32",) if dev.name == "cpu" else ("bfloat16",))
     cands, pruned = enumerate_candidates(
         model,
@@ -144,32 +162,28 @@ def plan(
             n_blocks=blocks,
         )
         screen.append((c, mem, t, blocks))
-    fitting = sorted((s for s in screen if s[1]["total"] <= dev.usable * 1.1), key=lambda s: s[2].total)
+    fitting = sorted((s for s in screen if s[1]["total"] <= limit * 1.1), key=lambda s: s[2].total)
+    job = _Job(base, model, model_cfg, shape, cluster, batch_size, seq_len, fpt, limit)
     # how many to trace does not depend on how many are shown (``top`` up to MIN_TRACED): the recommendation
     # must not change with a display option, as it did when --top 3 traced fewer candidates than --top 8
-    traced = max(top, MIN_TRACED)
-    rows: list[Row] = []
-    for c, mem, _, blocks in fitting:
-        if sum(r.fits for r in rows) >= traced or len(rows) >= 2 * traced:
-            break
-        row = _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks, log)
-        if row is not None:
-            rows.append(row)
-    if not any(r.fits for r in rows):  # the formula was optimistic: try the layout that needs the least memory
-        smallest = min(screen, key=lambda s: s[1]["total"])
-        row = _traced_row(
-            base, model, model_cfg, shape, smallest[0], smallest[1], cluster, batch_size, seq_len, fpt, smallest[3], log
-        )
-        if row is not None and row.fits:
-            rows.append(row)
+    with _young_heap():
+        rows = _trace_best(job, fitting, max(top, MIN_TRACED), pruned, log)
+        if not any(r.fits for r in rows):  # the formula was optimistic: try the layout that needs the least memory
+            smallest = min(screen, key=lambda s: s[1]["total"])
+            row = next((r for r in rows if r.cand == smallest[0]), None) or _smallest_row(job, smallest, log)
+            if row.fits:
+                rows.append(row)
     if not any(r.fits for r in rows):
-        need = (row.peak if row else smallest[1]["total"]) + dev.reserve
+        need = row.peak + dev.reserve
+        tight = row.peak <= dev.usable  # it fits, but inside the margin
         raise PlanError(
-            f"no layout fits in {dev.memory / _GIB:.1f} GiB per device ({dev.name}); the smallest needs "
-            f"{need / _GIB:.1f} GiB ({smallest[0].label()}, {dev.reserve / _GIB:.0f} GiB reserve "
-            f"included): use devices with that much memory, more devices, or a smaller batch"
+            f"no layout fits in {dev.memory / _GIB:.1f} GiB per device ({dev.name}) with {100 * margin:g}% of "
+            f"{dev.usable / _GIB:.1f} GiB usable left free; the smallest needs {need / _GIB:.1f} GiB "
+            f"({smallest[0].label()}, {dev.reserve / _GIB:.0f} GiB reserve included): use devices with that much "
+            "memory, more devices, or a smaller batch"
+            + (f", or a smaller --margin (it leaves {100 * (1 - row.peak / dev.usable):.1f}% free)" if tight else "")
         )
-    rows.sort(key=lambda r: (not r.fits, r.time.total))
+    rows = rank(rows, tolerance=tolerance, comfortable=dev.usable * (1 - 2 * margin))
     rows = [r for r in rows if r.fits][:top] + [r for r in rows if not r.fits][:top]
     best = rows[0].cand
     cfg = job_config(base, best, batch_size=batch_size, seq_len=seq_len)
@@ -178,6 +192,7 @@ def plan(
         f"cluster: {cluster.nodes} nodes x {cluster.per_node} devices",
         "remat=full recomputes the forward (4/3 of the FLOPs); selective recomputes elementwise ops (no FLOPs)",
         "middle pipeline ranks hold no more than the first (only the first and last are traced)",
+        *([seq_note] if seq_note else []),
     ]
     return Plan(
         rows=rows,
@@ -188,16 +203,128 @@ def plan(
         assumptions=assumptions,
         seconds=time.perf_counter() - t0,
         cpu_seconds=time.process_time() - c0,
+        usable=dev.usable,
+        margin=margin,
+        tolerance=tolerance,
     )
 
 
-def _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_len, fpt, blocks, log) -> Row | None:
+def rank(rows: list[Row], *, tolerance: float = TIME_TOLERANCE, comfortable: float = 0.0) -> list[Row]:
+    """Fitting rows best first, then the others by step time. The next fitting row is the fastest left, unless
+    others are within ``tolerance`` of its time (the cost model's stated error: a tie it cannot call): then the
+    one among them with the most headroom (the lowest peak) goes first. Peaks at or under ``comfortable`` bytes
+    count as equal (``plan`` passes the usable memory less twice the margin): headroom beyond that buys no
+    safety worth a slower step, so among such layouts the faster goes first."""
+    left = sorted((r for r in rows if r.fits), key=lambda r: r.time.total)
+    out = []
+    while left:
+        tied = [r for r in left if r.time.total <= left[0].time.total * (1 + tolerance)]
+        pick = min(tied, key=lambda r: (max(r.peak, comfortable), r.time.total))
+        out.append(pick)
+        left = [r for r in left if r is not pick]
+    return out + sorted((r for r in rows if not r.fits), key=lambda r: r.time.total)
+
+
+def _seq_len(seq_len: int | None, model_cfg: Any, name: str, flavor: str | None, cluster: Cluster):
+    """``(sequence length, a note when the default was capped)``: the default is 8192 (256 on a CPU), at most the
+    model's ``max_seq_len``; an explicit one above it is refused before any tracing (every trace would fail)."""
+    longest = getattr(model_cfg, "max_seq_len", None)
+    longest = longest if isinstance(longest, int) and longest > 0 else None
+    if seq_len is None:
+        default = 256 if cluster.device.name == "cpu" else 8192
+        if longest is not None and longest < default:
+            return longest, f"--seq-len: {longest} (the default {default} capped at model.max_seq_len)"
+        return default, None
+    if seq_len < 1:
+        raise PlanError(f"--seq-len={seq_len}: must be >= 1 (omit it for the default)")
+    if longest is not None and seq_len > longest:
+        raise PlanError(
+            f"--seq-len={seq_len} exceeds model.max_seq_len={longest} of {name} {flavor or DEFAULT_FLAVOR}; use "
+            f"--seq-len {longest} or less, or raise it with --model.max_seq_len={seq_len}"
+        )
+    return seq_len, None
+
+
+class _Job(NamedTuple):
+    """What every trace of one plan shares."""
+
+    base: JobConfig
+    model: Any
+    model_cfg: Any
+    shape: ModelShape
+    cluster: Cluster
+    batch_size: int
+    seq_len: int
+    fpt: float  # model FLOPs per token
+    limit: float  # the most bytes a fitting layout may need (usable memory less the margin)
+
+
+def _trace_best(job: _Job, fitting: list, traced: int, pruned: Counter, log) -> list[Row]:
+    """Trace the screen's candidates fastest first until ``traced`` of them fit (or twice that many are traced).
+
+    The formula is scaled by what the traces found: after a layout of a kind (remat, pipelined) is traced, the
+    ratio of its traced peak beyond params, grads and optimizer state to the formula's is known, and a later
+    candidate of that kind whose formula, scaled by the smallest such ratio, is over the limit is not traced
+    (selective remat saves ~2.3x what the formula counts: each of those traces was wasted)."""
+    rows: list[Row] = []
+    ratios: dict[tuple, float] = {}
+    log(f"tracing the fastest of {len(fitting)} layouts that fit by formula, until {traced} fit:")
+    for c, mem, _, blocks in fitting:
+        if sum(r.fits for r in rows) >= traced or len(rows) >= 2 * traced:
+            break
+        kind = (c.remat, c.pp > 1)
+        states = mem["params"] + mem["grads"] + mem["opt_state"]
+        scaled = states + ratios.get(kind, 0.0) * (mem["total"] - states)
+        if kind in ratios and scaled > job.limit * 1.05:
+            pruned[f"remat={c.remat}{' with pp' if c.pp > 1 else ''}: over memory by the formula scaled to the "
+                   "traced layouts of its kind (not traced)"] += 1  # fmt: skip
+            continue
+        t0 = time.process_time()
+        try:
+            row = _traced_row(job, c, mem, blocks)
+        except ValueError as e:  # a validator the enumeration does not know refused it: say so, go on
+            log(f"  pruned {c.label()}: {str(e).split('; ')[0]}")
+            continue
+        rows.append(row)
+        rest = mem["total"] - states
+        if rest > 0:
+            ratios[kind] = min(ratios.get(kind, math.inf), (row.peak - states) / rest)
+        fit = "fits" if row.fits else ("tight" if row.peak <= job.cluster.device.usable else "over memory")
+        log(f"  traced {len(rows)}: {c.label()}: {row.peak / _GIB:.2f} GiB, {fit} ({time.process_time() - t0:.1f} s)")
+    return rows
+
+
+def _smallest_row(job: _Job, smallest: tuple, log) -> Row:
+    c, mem, _, blocks = smallest
     try:
-        p = predict(base, model, model_cfg, shape, c, batch_size=batch_size, seq_len=seq_len)
-    except ValueError as e:  # a validator the enumeration does not know refused it: say so, go on
-        log(f"  pruned {c.label()}: {str(e).split('; ')[0]}")
-        return None
-    t = step_time(c, cluster, p.comm, flops_per_token=fpt, tokens=batch_size * seq_len, n_blocks=p.blocks, ops=p.ops)
+        row = _traced_row(job, c, mem, blocks)
+    except ValueError as e:  # not "the smallest needs N GiB": it was never traced, so say why
+        raise PlanError(
+            f"no traced layout fits in {job.limit / _GIB:.1f} GiB, and the one that needs the least memory by "
+            f"formula ({c.label()}) cannot be traced: {e}"
+        ) from None
+    log(f"  traced the smallest by formula: {c.label()}: {row.peak / _GIB:.2f} GiB")
+    return row
+
+
+@contextlib.contextmanager
+def _young_heap() -> Iterator[None]:
+    """Each trace collects garbage first (its peak must not depend on when a collection comes); the objects
+    alive before planning (torch's modules, the caller's) are frozen out of those collections, which then
+    take milliseconds instead of 0.2 s each."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _traced_row(job: _Job, c: Candidate, mem: dict, blocks: int) -> Row:
+    """``c`` traced (ValueError: a validator the enumeration does not know refused it)."""
+    p = predict(job.base, job.model, job.model_cfg, job.shape, c, batch_size=job.batch_size, seq_len=job.seq_len)
+    tokens = job.batch_size * job.seq_len
+    t = step_time(c, job.cluster, p.comm, flops_per_token=job.fpt, tokens=tokens, n_blocks=p.blocks, ops=p.ops)
     rest = p.peak - p.params - p.grads - p.opt_state
     buffers = min(mem["buffers"], max(rest, 0.0))
     parts = {
@@ -207,7 +334,7 @@ def _traced_row(base, model, model_cfg, shape, c, mem, cluster, batch_size, seq_
         "buffers": buffers,
         "activations": rest - buffers,
     }
-    return Row(cand=c, peak=p.peak, parts=parts, analytic=mem, time=t, fits=p.peak <= cluster.device.usable)
+    return Row(cand=c, peak=p.peak, parts=parts, analytic=mem, time=t, fits=p.peak <= job.limit)
 
 
 def _nearest_world(model, model_cfg, cluster, batch_size, seq_len, shape, dtypes) -> int | None:

@@ -28,7 +28,7 @@ from ..pipeline._generators import ScheduleName
 from ..sharding import Layout
 from ._candidates import Candidate, job_config
 from ._cost import pipe_stats
-from ._trace import trace_rank
+from ._trace import rank_mesh, trace_rank
 
 __all__ = ["Prediction", "predict", "ModelShape", "model_shape"]
 
@@ -116,25 +116,19 @@ def predict(
         cfg = job_config(base_cfg, traced, batch_size=batch_size // m * m_traced, seq_len=seq_len)
         # two and three blocks: from two on, FSDP's prefetch holds the next block's gather (one block has none)
         a = min(2, real[0])
-        t1, t2 = (
-            trace_rank(cfg, model, dataclasses.replace(model_cfg, **{shape.field: n}), world=world, rank=0)
-            for n in (a, a + 1)
-        )
+        with rank_mesh(cfg.parallelism, world, 0) as mesh:
+            t1, t2 = (
+                trace_rank(
+                    cfg, model, dataclasses.replace(model_cfg, **{shape.field: n}), world=world, rank=0, mesh=mesh
+                )
+                for n in (a, a + 1)
+            )
         return _combine(t1, t2, real[0] - a + 1, 0, m / m_traced)
-    stages = cand.pp * cand.stages_per_rank
     real_inflight = pipe_stats(cand.pp, cand.schedule, cand.stages_per_rank, m)[1]
     worst, most_ops = None, 0.0
     for pp_rank in sorted({0, cand.pp - 1}):
         rank = pp_rank * (world // cand.pp)
-        grid = {}  # (blocks per stage, microbatches) -> trace
-        for mt in (1, 2):
-            cfg = job_config(
-                base_cfg, dataclasses.replace(cand, microbatches=mt), batch_size=batch_size // m * mt, seq_len=seq_len
-            )
-            for per_stage in (1, 2):
-                layers = tuple(range(s * per_stage, (s + 1) * per_stage) for s in range(stages))
-                mcfg = dataclasses.replace(model_cfg, **{shape.field: stages * per_stage})
-                grid[per_stage, mt] = trace_rank(cfg, model, mcfg, world=world, rank=rank, stage_layers=layers)
+        grid = _pp_grid(base_cfg, model, model_cfg, shape, cand, batch_size=batch_size, seq_len=seq_len, rank=rank)
         # in-flight microbatches on this rank with 1 and 2 microbatches, and in the real schedule
         i1, i2 = (pipe_stats(cand.pp, cand.schedule, cand.stages_per_rank, mt)[1][pp_rank] for mt in (1, 2))
         # from two microbatches on, each more in flight adds what the second added (zero-bubble schedules also
@@ -151,6 +145,26 @@ def predict(
     if worst is None:  # unreachable: the loop visits pp rank 0
         raise RuntimeError(f"no pipeline rank was traced for {cand}")
     return worst._replace(ops=most_ops)
+
+
+def _pp_grid(
+    base_cfg, model, model_cfg, shape: ModelShape, cand: Candidate, *, batch_size: int, seq_len: int, rank: int
+) -> dict:
+    """``{(blocks per stage, microbatches): trace}`` of one pipeline rank at 1 and 2 of each, in one mesh."""
+    stages, m, field = cand.pp * cand.stages_per_rank, cand.microbatches, str(shape.field)
+    grid = {}
+    par = job_config(base_cfg, cand, batch_size=batch_size, seq_len=seq_len).parallelism
+    with rank_mesh(par, cand.world, rank) as mesh:
+        for mt in (1, 2):
+            one = dataclasses.replace(cand, microbatches=mt)
+            cfg = job_config(base_cfg, one, batch_size=batch_size // m * mt, seq_len=seq_len)
+            for per_stage in (1, 2):
+                layers = tuple(range(s * per_stage, (s + 1) * per_stage) for s in range(stages))
+                mcfg = dataclasses.replace(model_cfg, **{field: stages * per_stage})
+                grid[per_stage, mt] = trace_rank(
+                    cfg, model, mcfg, world=cand.world, rank=rank, stage_layers=layers, mesh=mesh
+                )
+    return grid
 
 
 def _combine(t1, t2, k: float, rank: int, comm_scale: float, blocks: int | None = None) -> Prediction:

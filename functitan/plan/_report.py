@@ -13,23 +13,31 @@ __all__ = ["table", "write_toml", "render_png"]
 _GIB = float(1 << 30)
 
 
-def table(plan: Any, usable: float) -> str:
+def table(plan: Any, usable: float | None = None) -> str:
+    """The traced rows, best first: peak, formula, headroom (usable memory left free), fit, step time."""
+    usable = usable or plan.usable
+    w = max([44, *(len(r.cand.label()) for r in plan.rows)])
     head = (
-        f"{'#':>2}  {'layout':<44} {'peak GiB':>9} {'formula':>8} {'fits':>4} {'step s':>9} {'tok/s':>10} "
-        f"{'MFU':>5} {'bubble':>6} {'comm':>5}"
+        f"{'#':>2}  {'layout':<{w}} {'peak GiB':>9} {'formula':>8} {'headroom':>14} {'fits':>5} {'step s':>9} "
+        f"{'tok/s':>10} {'MFU':>5} {'bubble':>6} {'comm':>5}"
     )
     lines = [head, "-" * len(head)]
     for i, r in enumerate(plan.rows, 1):
         a = r.analytic["total"]
         flag = "!" if abs(a - r.peak) > 0.1 * r.peak else " "
+        free = usable - r.peak
+        fit = "yes" if r.fits else ("tight" if free >= 0 else "NO")
         lines.append(
-            f"{i:>2}  {r.cand.label():<44} {r.peak / _GIB:>9.2f} {a / _GIB:>7.2f}{flag} "
-            f"{'yes' if r.fits else 'NO':>4} {r.time.total:>9.4g} {r.time.tokens_per_s:>10.4g} "
-            f"{100 * r.time.mfu:>4.1f}% {100 * r.time.bubble:>5.1f}% {100 * r.time.comm_exposed / r.time.total:>4.0f}%"
+            f"{i:>2}  {r.cand.label():<{w}} {r.peak / _GIB:>9.2f} {a / _GIB:>7.2f}{flag} "
+            f"{free / _GIB:>7.2f} {100 * free / usable:>5.1f}% {fit:>5} {r.time.total:>9.4g} "
+            f"{r.time.tokens_per_s:>10.4g} {100 * r.time.mfu:>4.1f}% {100 * r.time.bubble:>5.1f}% "
+            f"{100 * r.time.comm_exposed / r.time.total:>4.0f}%"
         )
     lines.append(
         f"peak: traced per-rank peak (worst rank); formula: the analytic estimate, '!' where it differs by "
-        f"> 10%; fits: peak <= {usable / _GIB:.1f} GiB usable"
+        f"> 10%; headroom: GiB and % of the {usable / _GIB:.1f} GiB usable left free; fits: headroom >= the "
+        f"{100 * plan.margin:g}% margin (tight: under it, never recommended); step times within "
+        f"{100 * plan.tolerance:g}% are a tie, broken toward headroom"
     )
     best = plan.rows[0]
     lines.append(

@@ -2,14 +2,18 @@
 
 The step is the trainer's own (``train.make_layout``, ``train.place_model``, ``train.make_step``) run under
 ``FakeTensorMode`` with torch's fake process group at the target world size, in this one CPU process: tensors
-carry shapes and dtypes but no storage, collectives return at once, and torch's ``MemTracker`` sums the
-storages alive at each instant exactly as it does in a real run. Two dispatch modes ride along: one answers
-the step's host reads (``loss.item()``: a fake tensor has no value; every read gives 1.0, a finite loss), one
-counts the bytes of every c10d collective by the mesh axes its group spans, and every op dispatched (the
-host's per-op cost is a term of the step time).
+carry shapes and dtypes but no storage, collectives return at once, and ``LiveBytes`` sums the storages
+alive at each instant as torch's ``MemTracker`` does in a real run (to the byte, at a third less time per op).
+Two dispatch modes ride along: one answers the step's host reads (``loss.item()``: a fake tensor has no value;
+every read gives 1.0, a finite loss), one counts the bytes of every c10d collective by the mesh axes its group
+spans, and every op dispatched (the host's per-op cost is a term of the step time).
 
-Gotchas (measured, torch 2.13): the mesh is built outside FakeTensorMode (its construction reads values); a
-first step runs before the measured one (lazy state is created on it).
+Cost (405B and 8B shapes, one core): a traced step is ~1-1.5 s, nearly all of it torch's per-op dispatch
+(FakeTensorMode, DTensor, autograd); half the ops a step dispatches are device queries of the autograd engine
+(``prim.device``), which the counting mode answers itself (still counted); the mesh of a world of 16,384 ranks
+takes 0.2 s to build, so one candidate's traces share it (``rank_mesh``).
+
+Gotchas (measured, torch 2.13): the mesh is built outside FakeTensorMode (its construction reads values).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import gc
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import optree
@@ -29,9 +34,11 @@ from ..mesh import make_mesh
 from ..model import Param
 from ..train import local_batch, make_layout, make_step, place_model
 from ..train_state import TrainState
+from ._memtrack import LiveBytes
 
-__all__ = ["RankTrace", "trace_rank", "fake_world", "build_step", "step_peak", "COMM_KINDS"]
+__all__ = ["RankTrace", "trace_rank", "rank_mesh", "fake_world", "build_step", "step_peak", "COMM_KINDS"]
 
+_DEVICE = torch.ops.prim.device.default
 COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "p2p")
 
 _C10D_KIND = {
@@ -64,8 +71,9 @@ class RankTrace(NamedTuple):
     opt_state: int
     grads: int
     comm: dict
-    after_forward: int = 0  # live bytes once a microbatch's forward has run (all its saved activations): a
-    #                         lower bound of the peak at a fixed program point (0 with pipelining: not traced)
+    after_forward: int = 0  # live bytes when the step's first backward op runs (the first microbatch's forward
+    #                         done, all its activations saved): the peak's lower bound at a fixed program point
+    #                         (0 with pipelining: not used)
     ops: int = 0  # aten ops the step dispatches on this rank (each costs host time: ``Device.op_s``)
 
 
@@ -123,8 +131,10 @@ class _CommCounter(TorchDispatchMode):
         return tuple(reversed(out))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         self.ops += 1
+        if func is _DEVICE:  # a device query (the autograd engine asks for every gradient's): no work below
+            return args[0].device
+        kwargs = kwargs or {}
         ns, name = func.namespace, func.__name__.split(".")[0]
         if ns in ("c10d", "_c10d_functional") and name in _C10D_KIND:
             kind = _C10D_KIND[name]
@@ -232,23 +242,36 @@ def step_peak(state, train_step, batch, *modes, warm_up: bool = True) -> tuple[i
     return max(v["Total"] for v in snap.values()), new_state
 
 
-def trace_rank(cfg, model, model_cfg, *, world: int, rank: int, stage_layers=None) -> RankTrace:
-    """Trace rank ``rank`` of ``world`` running ``cfg``'s step under FakeTensorMode (see the module docstring)."""
+@contextlib.contextmanager
+def rank_mesh(par: Any, world: int, rank: int) -> Iterator[Any]:
+    """The fake world of ``world`` ranks as ``rank`` and its mesh for ``par``'s degrees, for one or more
+    ``trace_rank`` calls: building a mesh is a loop over the rank's groups (0.2 s at 16,384 ranks), and the
+    traces of one candidate's rank at two block counts share it."""
+    with fake_world(world, rank), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        yield make_mesh(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, device="cpu")
+
+
+def trace_rank(cfg, model, model_cfg, *, world: int, rank: int, stage_layers=None, mesh=None) -> RankTrace:
+    """Trace rank ``rank`` of ``world`` running ``cfg``'s step under FakeTensorMode (see the module docstring);
+    ``mesh``: one from ``rank_mesh`` of the same degrees, world and rank (else it is built here)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     par = cfg.parallelism
-    with fake_world(world, rank), warnings.catch_warnings():
+    if mesh is None:
+        with rank_mesh(par, world, rank) as own:
+            return trace_rank(cfg, model, model_cfg, world=world, rank=rank, stage_layers=stage_layers, mesh=own)
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        mesh = make_mesh(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, device="cpu")
         counter = _CommCounter(mesh)
         with FakeTensorMode():
             state, train_step, batch = build_step(cfg, model, model_cfg, mesh, fake=True, stage_layers=stage_layers)
-            peak, _ = step_peak(state, train_step, batch, _HostReads(), counter, warm_up=False)
+            live = _live_step(state, train_step, batch, _HostReads(), counter)
             params, opt = _nbytes(state.params), _nbytes(state.opt_state)
-            after = _after_forward(cfg, model, model_cfg, mesh, state, batch) if par.pp == 1 else 0
+    after = (live.at_backward or 0) if par.pp == 1 else 0
     comm = {axes: {k: list(v) for k, v in kinds.items()} for axes, kinds in counter.comm.items()}
     return RankTrace(
-        peak=peak,
+        peak=live.peak,
         params=params,
         opt_state=opt,
         grads=params_grad_bytes(state.params),
@@ -258,22 +281,19 @@ def trace_rank(cfg, model, model_cfg, *, world: int, rank: int, stage_layers=Non
     )
 
 
-def _after_forward(cfg, model, model_cfg, mesh, state, batch) -> int:
-    """Live bytes right after one microbatch's forward (the model's loss with its graph kept), params and
-    optimizer state included. The step's peak can move between program points as blocks are added (the
-    head's backward at one block, the start of backward at a hundred); this point is affine in the blocks."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    from ..transforms import split_batch
-
-    layout, _ = make_layout(cfg, mesh)
-    mb = split_batch(batch, cfg.training.microbatches)[0]
-    mt = MemTracker()
-    mt.track_external(*[x for x in optree.tree_leaves((state.params, state.opt_state)) if isinstance(x, torch.Tensor)])
-    with _HostReads(), mt, torch.enable_grad():
-        loss = model.loss(state.params, mb, model_cfg, layout)  # positional, as Model's contract says
-        live = max(v["Total"] for v in mt.get_tracker_snapshot("current").values())
-        del loss
+def _live_step(state, train_step, batch, *modes) -> LiveBytes:
+    """One fake step under ``modes`` and ``LiveBytes`` (MemTracker's count of live tensor bytes, a third faster;
+    ``step_peak``'s docstring says why no warm-up step runs and why garbage is collected first)."""
+    gc.collect()
+    live = LiveBytes()
+    live.track_external(
+        *[x for x in optree.tree_leaves((state.params, state.opt_state)) if isinstance(x, torch.Tensor)]
+    )
+    with contextlib.ExitStack() as stack:
+        for m in modes:
+            stack.enter_context(m)
+        stack.enter_context(live)
+        train_step(state, batch)
     return live
 
 
