@@ -43,6 +43,7 @@ __all__ = [
     "reduce_scatter",
     "all_reduce",
     "grad_all_reduce",
+    "chunk",
     "chunk_sizes",
 ]
 
@@ -54,8 +55,14 @@ def _gathering() -> contextvars.Token[bool] | None:
 
 def chunk_sizes(full: int, n: int) -> list[int]:
     """Sizes of ``torch.chunk(range(full), n)`` padded with zeros to ``n`` entries (DTensor's Shard split)."""
+    return [chunk(full, n, i)[1] for i in range(n)]
+
+
+def chunk(full: int, n: int, i: int) -> tuple[int, int]:
+    """``(start, length)`` of chunk ``i`` of ``chunk_sizes(full, n)``, in O(1) (FSDP 8192 asks per leaf)."""
     c = -(-full // n) if full else 0
-    return [max(0, min(c, full - i * c)) for i in range(n)]
+    start = min(i * c, full)
+    return start, max(0, min(c, full - start))
 
 
 def _pad_to(x: Tensor, size: int) -> Tensor:
@@ -81,7 +88,7 @@ def _scatter(g: Tensor, dim: int, group: dist.ProcessGroup, scale: float) -> Ten
     moved = (moved * scale if scale != 1.0 else moved).contiguous()
     out = moved.new_empty((c, *moved.shape[1:]))
     reduce_scatter_now(out, moved, group)
-    return out[: chunk_sizes(full, n)[dist.get_rank(group)]].movedim(0, dim)
+    return out[: chunk(full, n, dist.get_rank(group))[1]].movedim(0, dim)
 
 
 def _scale(reduce: str, group: dist.ProcessGroup) -> float:
@@ -365,7 +372,7 @@ class _BucketGather(torch.autograd.Function):
         results, off = [], 0
         for (c, rest), dim, full, dtype in zip(ctx.layout, ctx.dims, ctx.fulls, ctx.in_dtypes):
             size = c * math.prod(rest)
-            mine = chunk_sizes(full, n)[rank]
+            mine = chunk(full, n, rank)[1]
             t = out[off : off + size].reshape(c, *rest)[:mine].movedim(0, dim)
             results.append(t if ctx.reduce_dtype is not None else t.to(dtype))
             off += size

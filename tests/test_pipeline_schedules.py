@@ -261,6 +261,16 @@ def test_zb_v_and_interleaved_bubbles(p):
     assert zbv.bubble_fraction < inter.bubble_fraction
 
 
+def test_simulate_of_a_validated_schedule_skips_only_the_check():
+    # the planner times hundreds of built-in schedules; validating one costs more than timing it
+    for schedule in (P.zb_v(4, 8), P.interleaved_1f1b(3, 2, 6), P.zb_h1(4, 12)):
+        assert P.simulate(schedule, EQUAL, validated=True) == P.simulate(schedule, EQUAL)
+    rows = _one_f_one_b_rows()
+    rows[1][0], rows[1][1] = rows[1][1], rows[1][0]  # a backward before its forward: unvalidated, refused
+    with pytest.raises(ValueError, match=r"needs F\(stage 1, mb 0\), which comes later"):
+        P.simulate(_with_rows(rows), EQUAL)
+
+
 def test_simulate_p2p_and_per_stage_costs_exactly():
     p, m, c = 3, 6, Fraction(1, 2)
     sim = P.simulate(P.gpipe(p, m), P.Costs(f=1, b=1, w=1, p2p=c))

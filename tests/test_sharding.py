@@ -158,3 +158,38 @@ def test_constrain_works_on_activations_inside_a_forward(gloo):
     for g, full in gloo.run(_constrain_grads, 2):
         torch.testing.assert_close(g, 8 * x)  # d/dx sum((2x)^2), whatever the shards
         torch.testing.assert_close(full, 2 * x)
+
+
+def test_place_cuts_only_this_ranks_shard_as_distribute_tensor_would():
+    # the planner places params at FSDP 8192; cutting all 8192 chunks to keep one was most of its trace time
+    from torch.distributed.tensor import distribute_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from functitan.plan._trace import fake_world
+
+    class Outputs(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.n += len(out) if isinstance(out, (list, tuple)) else 1
+            return out
+
+    if dist.is_initialized():  # the fake world is this process's own (make_mesh() above made a 1-rank group)
+        dist.destroy_process_group()
+    full = {"wq": torch.arange(6000.0).reshape(1000, 6), "norm": torch.arange(7.0)}  # both uneven over 2048
+    specs = {"wq": ("embed", "heads"), "norm": ("embed",)}
+    for rank in (1, 4095):  # a full shard, and the last rank's (empty: 1000 rows in 2048 chunks of 1)
+        with fake_world(4096, rank):
+            mesh = make_mesh(dp_shard=2048, tp=2)
+            counter = Outputs()
+            with counter:
+                placed = place(full, specs, default_rules(), mesh)
+            assert counter.n < 10 * len(full)  # about two tensors per leaf, not one per rank
+            for k, x in full.items():
+                pl = placed[k].placements
+                want = distribute_tensor(x, mesh, pl, src_data_rank=None)
+                assert placed[k].to_local().shape == want.to_local().shape, (rank, k)
+                assert torch.equal(placed[k].to_local(), want.to_local()), (rank, k)
+                assert placed[k].shape == x.shape and placed[k].requires_grad
+                assert placed[k].to_local().untyped_storage().nbytes() <= want.to_local().untyped_storage().nbytes()

@@ -37,7 +37,7 @@ from functitan.pipeline._schedule import (
     split_pairs,
     v_placement,
 )
-from functitan.pipeline._simulate import Costs, Simulation, simulate
+from functitan.pipeline._simulate import Costs, Simulation, peak_activations, simulate
 from functitan.pipeline._validate import validate
 
 if TYPE_CHECKING:  # imported on first use (functitan._lazy): they import torch, schedules as data do not
@@ -103,6 +103,7 @@ __all__ = [
     "make_schedule",
     "make_stages",
     "one_f_one_b",
+    "peak_activations",
     "pipeline_grad_fn",
     "place_stages",
     "rank_tree",

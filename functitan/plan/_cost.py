@@ -39,7 +39,8 @@ from ._candidates import Candidate
 from ._devices import Cluster
 
 __all__ = [
-    "pipe_stats",
+    "pipe_bubble",
+    "pipe_in_flight",
     "Time",
     "step_time",
     "analytic_memory",
@@ -88,28 +89,45 @@ def spans_nodes(c: Candidate, axes: tuple[str, ...], per_node: int) -> bool:
     return top >= per_node
 
 
+def _steady(pp: int, v: int, m: int) -> int:
+    """Past ``2 * stages`` microbatches a schedule is in steady state: its warm-up and cool-down (idle time,
+    microbatches in flight) no longer grow, so it is built there and only its busy time scaled to ``m``."""
+    return min(m, 2 * pp * v)
+
+
+def _schedule(pp: int, schedule: str, v: int, m: int) -> pipeline.Schedule:
+    return build_schedule(ParallelismConfig(pp=pp, pipeline_schedule=schedule, stages_per_rank=v), m)
+
+
 @functools.cache
-def pipe_stats(pp: int, schedule: str, v: int, m: int) -> tuple[float, tuple[int, ...]]:
-    """``(bubble fraction, microbatches in flight per rank)`` of a schedule, from functitan's simulator with
-    equal F, B and W costs. Past ``2 * stages`` microbatches a schedule is in steady state (its warm-up and
-    cool-down idle time no longer grows), so it is simulated there and the busy time scaled to ``m``."""
+def pipe_in_flight(pp: int, schedule: str, v: int, m: int) -> tuple[int, ...]:
+    """Microbatches in flight per rank at its peak, read off the schedule's order (no timing: the screen asks
+    this of every pipelined candidate, and timing a 64-rank schedule costs eight times as much)."""
     if pp == 1:
-        return 0.0, (1,)
-    par = ParallelismConfig(pp=pp, pipeline_schedule=schedule, stages_per_rank=v)
-    steady = 2 * pp * v
-    sim = pipeline.simulate(build_schedule(par, min(m, steady)))
+        return (1,)
+    return pipeline.peak_activations(_schedule(pp, schedule, v, _steady(pp, v, m)))
+
+
+@functools.cache
+def pipe_bubble(pp: int, schedule: str, v: int, m: int) -> float:
+    """The idle fraction of a schedule, from functitan's simulator with equal F, B and W costs."""
+    if pp == 1:
+        return 0.0
+    steady = _steady(pp, v, m)
+    # a built-in schedule: every kind of them is validated by tests/test_pipeline_schedules.py
+    sim = pipeline.simulate(_schedule(pp, schedule, v, steady), validated=True)
     if m <= steady:
-        return float(sim.bubble_fraction), sim.peak_activations
+        return float(sim.bubble_fraction)
     idle, busy = sum(sim.idle), sum(sim.busy) * m / steady
-    return float(idle / (idle + busy)), sim.peak_activations
+    return float(idle / (idle + busy))
 
 
 def bubble(c: Candidate) -> float:
-    return pipe_stats(c.pp, c.schedule, c.stages_per_rank, c.microbatches)[0]
+    return pipe_bubble(c.pp, c.schedule, c.stages_per_rank, c.microbatches)
 
 
 def in_flight(c: Candidate) -> int:
-    return max(pipe_stats(c.pp, c.schedule, c.stages_per_rank, c.microbatches)[1])
+    return max(pipe_in_flight(c.pp, c.schedule, c.stages_per_rank, c.microbatches))
 
 
 def _collective_s(kind: str, nbytes: float, count: float, n: int, bw: float, alpha: float) -> float:

@@ -149,20 +149,18 @@ def plan(
         ),
     )
     fpt = model.flops_per_token(model_cfg, seq_len)
-    screen = []
+    screen = []  # (candidate, formula memory, blocks on the fullest pipeline rank)
     for c in cands:
-        blocks = max(rank_blocks(shape, c))  # the fullest pipeline rank
-        mem = analytic_memory(c, dims, seq_len=seq_len, batch_size=batch_size, blocks=blocks)
-        t = step_time(
-            c,
-            cluster,
-            analytic_comm(c, dims, seq_len=seq_len, batch_size=batch_size, blocks=blocks),
-            flops_per_token=fpt,
-            tokens=global_batch_tokens,
-            n_blocks=blocks,
-        )
-        screen.append((c, mem, t, blocks))
-    fitting = sorted((s for s in screen if s[1]["total"] <= limit * 1.1), key=lambda s: s[2].total)
+        blocks = max(rank_blocks(shape, c))
+        screen.append((c, analytic_memory(c, dims, seq_len=seq_len, batch_size=batch_size, blocks=blocks), blocks))
+
+    # only layouts that may fit are timed: a 64-rank pipeline's bubble is a simulation
+    def timed(c: Candidate, mem: dict, blocks: int) -> tuple:
+        comm = analytic_comm(c, dims, seq_len=seq_len, batch_size=batch_size, blocks=blocks)
+        t = step_time(c, cluster, comm, flops_per_token=fpt, tokens=global_batch_tokens, n_blocks=blocks)
+        return c, mem, t, blocks
+
+    fitting = sorted((timed(*s) for s in screen if s[1]["total"] <= limit * 1.1), key=lambda s: s[2].total)
     job = _Job(base, model, model_cfg, shape, cluster, batch_size, seq_len, fpt, limit)
     # how many to trace does not depend on how many are shown (``top`` up to MIN_TRACED): the recommendation
     # must not change with a display option, as it did when --top 3 traced fewer candidates than --top 8
@@ -170,7 +168,7 @@ def plan(
         rows = _trace_best(job, fitting, max(top, MIN_TRACED), pruned, log)
         if not any(r.fits for r in rows):  # the formula was optimistic: try the layout that needs the least memory
             smallest = min(screen, key=lambda s: s[1]["total"])
-            row = next((r for r in rows if r.cand == smallest[0]), None) or _smallest_row(job, smallest, log)
+            row = next((r for r in rows if r.cand == smallest[0]), None) or _smallest_row(job, *smallest, log)
             if row.fits:
                 rows.append(row)
     if not any(r.fits for r in rows):
@@ -294,8 +292,7 @@ def _trace_best(job: _Job, fitting: list, traced: int, pruned: Counter, log) -> 
     return rows
 
 
-def _smallest_row(job: _Job, smallest: tuple, log) -> Row:
-    c, mem, _, blocks = smallest
+def _smallest_row(job: _Job, c: Candidate, mem: dict, blocks: int, log) -> Row:
     try:
         row = _traced_row(job, c, mem, blocks)
     except ValueError as e:  # not "the smallest needs N GiB": it was never traced, so say why

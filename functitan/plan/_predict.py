@@ -27,7 +27,7 @@ from ..job_config import ParallelismConfig, build_schedule
 from ..pipeline._generators import ScheduleName
 from ..sharding import Layout
 from ._candidates import Candidate, job_config
-from ._cost import pipe_stats
+from ._cost import pipe_in_flight
 from ._trace import rank_mesh, trace_rank
 
 __all__ = ["Prediction", "predict", "ModelShape", "model_shape"]
@@ -124,13 +124,13 @@ def predict(
                 for n in (a, a + 1)
             )
         return _combine(t1, t2, real[0] - a + 1, 0, m / m_traced)
-    real_inflight = pipe_stats(cand.pp, cand.schedule, cand.stages_per_rank, m)[1]
+    real_inflight = pipe_in_flight(cand.pp, cand.schedule, cand.stages_per_rank, m)
     worst, most_ops = None, 0.0
     for pp_rank in sorted({0, cand.pp - 1}):
         rank = pp_rank * (world // cand.pp)
         grid = _pp_grid(base_cfg, model, model_cfg, shape, cand, batch_size=batch_size, seq_len=seq_len, rank=rank)
         # in-flight microbatches on this rank with 1 and 2 microbatches, and in the real schedule
-        i1, i2 = (pipe_stats(cand.pp, cand.schedule, cand.stages_per_rank, mt)[1][pp_rank] for mt in (1, 2))
+        i1, i2 = (pipe_in_flight(cand.pp, cand.schedule, cand.stages_per_rank, mt)[pp_rank] for mt in (1, 2))
         # from two microbatches on, each more in flight adds what the second added (zero-bubble schedules also
         # hold W's inputs, which the in-flight count does not see: two microbatches are the floor)
         u = 1.0 + ((real_inflight[pp_rank] - i2) / (i2 - i1) if i2 != i1 else 0.0)
