@@ -623,3 +623,46 @@ def test_a_same_size_edit_of_a_metadata_file_is_damage_and_falls_back(tmp_path, 
     assert restored["step"] == 1  # the older, intact step
     (message,) = [str(w.message) for w in warned]
     assert f"{target} does not match its checksum in {tmp_path}/2/default/_COMMIT: the file is corrupted" in message
+
+
+def _blocked_on_a_peer_that_failed(timeout_s: float) -> float | None:
+    """Two ranks on a torchft gloo group; rank 1 waits in an allreduce that rank 0 never joins: its collective
+    failed and it left for the next quorum (functitan.elastic.live). Rank 0 hangs up; rank 1 returns how long
+    its wait lasted."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    import torchft
+
+    from functitan.elastic.live import LiveStepper
+
+    rank = dist.get_rank()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = [store.port if store is not None else 0]
+    dist.broadcast_object_list(port, src=0)
+    pg = torchft.ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+    pg.configure(f"127.0.0.1:{port[0]}/hangup", f"r{rank}", rank, 2)
+    x = torch.ones(1024)
+    pg.allreduce([x], dist.AllreduceOptions()).wait()  # connected
+    dist.barrier()
+    if rank == 0:
+        time.sleep(1.0)
+        LiveStepper._hang_up(SimpleNamespace(_pg=pg))  # type: ignore[arg-type]
+        dist.barrier()
+        return None
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="Connection closed by peer|Connection reset"):
+        pg.allreduce([x], dist.AllreduceOptions()).wait()
+    waited = time.monotonic() - t0
+    dist.barrier()
+    return waited
+
+
+def test_a_live_group_whose_collective_failed_hangs_up_so_a_peer_blocked_on_it_fails_at_once(gloo):
+    # CI: a survivor of a SIGKILL waited out elastic.timeout_s (30 s) in a ring allreduce on the other survivor,
+    # which had failed fast and gone to a quorum that needed the blocked one (1 of 6 kills on loopback)
+    pytest.importorskip("torchft")
+    _, waited = gloo.run(_blocked_on_a_peer_that_failed, 2, 20.0, timeout=120)
+    assert waited < 6, waited  # about the 1 s before the hang-up; gloo's abort alone waited the full 20 s

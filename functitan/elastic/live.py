@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 import socket
 from collections.abc import Iterator
@@ -104,8 +105,9 @@ class LiveStepper:
             store_addr, store_port = "127.0.0.1", self._store.port
         host = ecfg.advertise_host or socket.gethostname()
         self.ecfg, self.replica_id = ecfg, ecfg.replica_id or f"{host}-{os.getpid()}"
+        self._pg = torchft.ProcessGroupGloo(timeout=timeout)
         self.manager = torchft.Manager(
-            pg=torchft.ProcessGroupGloo(timeout=timeout),
+            pg=self._pg,
             min_replica_size=ecfg.min_replicas,
             load_state_dict=self._load,
             state_dict=self._state_dict,
@@ -171,6 +173,7 @@ class LiveStepper:
         flat[:-1].mul_(weight)
         self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
         if self.manager.errored() is not None:  # a peer failed mid-step: the vote will discard this step
+            self._hang_up()
             flat.zero_()
         out, offset = [], 0
         for g in leaves:
@@ -183,6 +186,19 @@ class LiveStepper:
             )
             offset += n
         return flat[-1], optree.tree_unflatten(treedef, out)
+
+    def _hang_up(self) -> None:
+        """Close this group's connections now that its collective failed, so that a peer still blocked on a message
+        from us fails at once instead of waiting out ``elastic.timeout_s``.
+
+        A ring allreduce that loses one peer fails fast only where a rank waits on the dead one; a rank waiting on a
+        survivor that already failed and left for the next quorum waits for the timeout, and that quorum waits for
+        it (1 of 6 kills here: 30 s with elastic.timeout_s=30). gloo's ``abort`` leaves the sockets open; only the
+        process group's destruction closes them, so torchft's wrapper drops it (``abort`` sets its group to None)
+        and the collector frees it. The next quorum has a new id (the lighthouse bumps it for a failed commit, and
+        for a lost member), so torchft configures a fresh group there."""
+        self._pg.abort()
+        gc.collect()
 
     def advance(
         self, state: TrainState, preemption: Preemption, before_update: Any = None
