@@ -9,12 +9,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._command import run
-from .config import parse_config
+from .config import parse_config, to_toml
 from .elastic import launch, parse_launch_args, watch_launcher
 from .job_config import JobConfig
 
 EXAMPLE = """examples:
   functitan train --config configs/debug.toml --training.steps=500 --optimizer.lr=1e-3
+  functitan train --config configs/debug.toml --print-config > mine.toml   # what differs from the defaults
+  functitan train --config mine.toml --dry-run          # build it all, print the banner, write nothing, exit
   functitan train --config configs/debug.toml --nproc 2 --parallelism.dp_shard=2      # FSDP on 2 processes
   functitan report runs/<run-name>                                                   # then look at it
 """
@@ -25,21 +27,30 @@ def main(argv: Sequence[str] | None = None, *, worker: Callable[..., int] | None
 
     ``worker(cfg, stepper=...)``: what trains the parsed config and returns the exit status
     (``functitan.train.train_config``, imported when needed; ``python -m functitan.train`` passes its own, so
-    that module is not imported twice). The stepper is chosen here: the trainer imports nothing of elastic."""
+    that module is not imported twice). The stepper is chosen here: the trainer imports nothing of elastic.
+
+    ``--print-config``: the parsed config as TOML (the keys that differ from the defaults; ``--config`` reads it
+    back to the same run), without importing torch. ``--dry-run``: everything up to the first step (mesh, data,
+    model, placed state, optimizer) and the banner, on every rank of a launch; nothing is written."""
     debug = "--debug" in (sys.argv[1:] if argv is None else argv)  # passed on to the workers
 
     def body(args: list[str]) -> int:
+        print_config, dry_run = "--print-config" in args, "--dry-run" in args
+        args = [a for a in args if a not in ("--print-config", "--dry-run")]
         spec, rest = parse_launch_args(args)
+        if print_config:
+            print(to_toml(parse_config(JobConfig, rest, epilog=EXAMPLE)), end="")
+            return 0
         if spec is not None:
             parse_config(JobConfig, rest, epilog=EXAMPLE)  # a bad value is reported once, before any process starts
-            return launch(spec, rest + (["--debug"] if debug else []))
+            return launch(spec, rest + (["--debug"] if debug else []) + (["--dry-run"] if dry_run else []))
         watch_launcher()  # a worker of `--nproc`: dies with the launcher, even when SIGKILL leaves it no word
         cfg = parse_config(JobConfig, args, epilog=EXAMPLE)
         if worker is not None:
-            return worker(cfg, stepper=_stepper(cfg))
+            return worker(cfg, stepper=_stepper(cfg), dry_run=dry_run)
         from .train import train_config
 
-        return train_config(cfg, stepper=_stepper(cfg))
+        return train_config(cfg, stepper=_stepper(cfg), dry_run=dry_run)
 
     return run(argv, body)
 

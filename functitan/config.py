@@ -31,6 +31,7 @@ __all__ = [
     "apply_overrides",
     "check_value",
     "to_dict",
+    "to_toml",
     "ConfigError",
     "check",
 ]
@@ -314,6 +315,39 @@ def parse_config(
             overrides[key] = value
         i += 1
     return apply_overrides(cls(), overrides)
+
+
+def _toml_value(key: str, v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return repr(v) if v == v and abs(v) != float("inf") else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    if isinstance(v, int):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(key, x) for x in v) + "]"
+    raise TypeError(f"{key}: {type(v).__name__} has no TOML form")
+
+
+def to_toml(cfg: Any, *, every_key_of: Sequence[str] = ()) -> str:
+    """``cfg`` as a TOML file that ``parse_config(type(cfg), ["--config", FILE])`` reads back to an equal config:
+    the keys that differ from the defaults, and every key of the sections named in ``every_key_of``. A section's
+    open ``overrides`` are its own keys (``[model] n_layers = 2``); None (TOML has none) is left out, which is
+    only exact where None is the default, as it is for every None-able key of functitan's configs."""
+    default, mine = to_dict(type(cfg)()), to_dict(cfg)
+    out = []
+    for section, values in mine.items():
+        keys = {}
+        for k, v in values.items():
+            if k == OPEN_FIELD and isinstance(v, dict):
+                keys.update({f: x for f, x in v.items() if x is not None})
+            elif v is not None and (v != default[section].get(k) or section in every_key_of):
+                keys[k] = v
+        if keys:
+            out += [f"[{section}]", *(f"{k} = {_toml_value(f'{section}.{k}', v)}" for k, v in keys.items()), ""]
+    return "\n".join(out)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -3,9 +3,10 @@
 ``functitan train --help`` lists every key with its default; TOML files (configs/*.toml) and
 ``--section.key=value`` overrides land on these dataclasses (see functitan.config). Each section checks its
 own values in ``__post_init__`` and ``JobConfig`` the ones that depend on each other, so every value is
-checked at parse time, before a process starts or a step is computed. A field's ``metadata["help"]`` is its
-help in ``functitan train --help`` and in every other command's flag that sets it (``--seq-len`` is
-``training.seq_len`` in gradcheck and plan: functitan._command.config_flag), so it is written once.
+checked at parse time, before a process starts or a step is computed. A key's entry under its section's
+``Attributes:`` (or a field's ``metadata["help"]``) is its help in ``functitan train --help`` and in every other
+command's flag that sets it (``--seq-len`` is ``training.seq_len`` in gradcheck and plan:
+functitan._command.config_flag), so it is written once.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "learning_rate_schedule",
     "Device",
     "ParamDType",
+    "OptimizerName",
 ]
 
 Device = Literal["auto", "cpu", "cuda"]  # auto: cuda when available, else cpu
@@ -110,20 +112,36 @@ def parse_model_args(argv: Sequence[str]) -> tuple[ModelConfig, list[str]]:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
-    steps: int = field(default=200, metadata={"help": "optimizer steps"})
-    batch_size: int = field(default=8, metadata={"help": "global: sequences per step over all data-parallel ranks"})
-    seq_len: int = field(default=256, metadata={"help": "tokens per sequence"})
-    microbatches: int = field(
-        default=1, metadata={"help": "gradient accumulation steps per rank (with pp > 1: pipeline microbatches)"}
-    )
+    """The loop: how long, how big, in what precision.
+
+    Attributes:
+        steps: optimizer steps.
+        batch_size: global: sequences per step over all data-parallel ranks.
+        seq_len: tokens per sequence.
+        microbatches: gradient accumulation steps per rank (with pp > 1: pipeline microbatches).
+        seed: the parameter init and dropout seed (the data order has data.seed).
+        remat: activation checkpointing per block: none, full (recompute the block), selective (keep matmul
+            and attention outputs), offload (saved activations to host memory).
+        param_dtype: the compute dtype of params; the master weights and optimizer state stay float32.
+        reduce_dtype: the dtype gradients are reduced in across data-parallel ranks.
+        compile: torch.compile each block.
+        on_nonfinite: a NaN or inf loss stops the run (after a checkpoint), or skips that step's update.
+        device: auto is cuda when available, else cpu.
+        threads: CPU threads per process; 0 leaves torch's default.
+    """
+
+    steps: int = 200
+    batch_size: int = 8
+    seq_len: int = 256
+    microbatches: int = 1
     seed: int = 0
-    remat: RematName = "none"  # activation checkpointing per block (functitan._remat: none/full/selective/offload)
-    param_dtype: ParamDType = "float32"  # compute dtype (master weights stay fp32)
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # gradient reduction dtype
-    compile: bool = False  # torch.compile each block
+    remat: RematName = "none"
+    param_dtype: ParamDType = "float32"
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    compile: bool = False
     on_nonfinite: NonFinitePolicy = "stop"
     device: Device = "auto"
-    threads: int = 0  # CPU threads per process; 0 leaves torch's default
+    threads: int = 0
 
     def __post_init__(self) -> None:
         _at_least(self, ("steps", "batch_size", "seq_len", "microbatches"), 1)
@@ -131,19 +149,42 @@ class TrainingConfig:
         check(self.device in get_args(Device), "device", self.device, f"choose one of {list(get_args(Device))}")
 
 
+OptimizerName = Literal["adamw", "sgd", "lion", "adafactor"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    name: Literal["adamw", "sgd"] = "adamw"
+    """The optimizer and its learning-rate schedule (``functitan.optim``, optax's shapes).
+
+    Attributes:
+        name: adamw; sgd (with momentum); lion (b1, b2, weight_decay; use an lr 3-10x below AdamW's);
+            adafactor (factored second moments, relative step scaled by lr; weight_decay if > 0).
+        lr: the peak learning rate.
+        schedule: warmup_cosine, warmup_linear, wsd (warmup, stable, then decay over the last decay_fraction
+            of the steps) or constant.
+        warmup_steps: linear warmup from 0 to lr (capped at training.steps).
+        final_lr_ratio: the lr at the last step, as a fraction of lr.
+        decay_fraction: wsd only: the share of the steps spent decaying.
+        b1: first-moment decay (adamw, lion).
+        b2: second-moment decay (adamw, lion).
+        eps: adamw's denominator epsilon.
+        weight_decay: decoupled weight decay of matrices (params whose spec says so).
+        momentum: sgd only.
+        max_norm: the global gradient-norm clip; 0 disables it.
+    """
+
+    name: OptimizerName = "adamw"
     lr: float = 3e-3
     schedule: Literal["warmup_cosine", "warmup_linear", "wsd", "constant"] = "warmup_cosine"
     warmup_steps: int = 20
     final_lr_ratio: float = 0.1
+    decay_fraction: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    momentum: float = 0.9  # sgd only
-    max_norm: float = 1.0  # global gradient-norm clip; 0 disables
+    momentum: float = 0.9
+    max_norm: float = 1.0
 
     def __post_init__(self) -> None:
         check(
@@ -156,6 +197,12 @@ class OptimizerConfig:
             self.final_lr_ratio,
             "the final lr is lr times a ratio in [0, 1]",
         )
+        check(
+            0 <= self.decay_fraction <= 1,
+            "decay_fraction",
+            self.decay_fraction,
+            "wsd decays over this share of training.steps, in [0, 1], e.g. 0.1",
+        )
         for name in ("b1", "b2", "momentum"):
             value = getattr(self, name)
             check(0 <= value < 1, name, value, "a decay rate in [0, 1), e.g. 0.9")
@@ -166,14 +213,27 @@ class OptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelismConfig:
+    """The layout: mesh degrees, whose product is the world size (docs/parallelism.md).
+
+    Attributes:
+        dp_replicate: data-parallel replicas (DDP; with dp_shard > 1: HSDP).
+        dp_shard: FSDP ranks that shard params, gradients and optimizer state; -1: the remaining ranks.
+        tp: tensor-parallel ranks (the model's logical axes decide the collectives).
+        pp: pipeline ranks.
+        sequence_parallel: with tp > 1: shard norms and the residual stream along the sequence.
+        reshard_after_forward: FSDP: free gathered params after each block's forward (regather in backward).
+        pipeline_schedule: the pipeline schedule, with pp > 1.
+        stages_per_rank: interleaved_1f1b only (zb_v always has 2).
+    """
+
     dp_replicate: int = 1
-    dp_shard: int = -1  # -1: the remaining ranks
+    dp_shard: int = -1
     tp: int = 1
-    pp: int = field(default=1, metadata={"help": "pipeline ranks"})
-    sequence_parallel: bool = True  # with tp > 1: shard norms and the residual stream along the sequence
-    reshard_after_forward: bool = True  # FSDP: free gathered params after each block's forward
-    pipeline_schedule: ScheduleName = field(default="1f1b", metadata={"help": "the pipeline schedule, with pp > 1"})
-    stages_per_rank: int = field(default=2, metadata={"help": "interleaved_1f1b only (zb_v always has 2)"})
+    pp: int = 1
+    sequence_parallel: bool = True
+    reshard_after_forward: bool = True
+    pipeline_schedule: ScheduleName = "1f1b"
+    stages_per_rank: int = 2
 
     def __post_init__(self) -> None:
         _at_least(self, ("dp_replicate", "tp", "pp", "stages_per_rank"), 1)
@@ -187,9 +247,17 @@ class ParallelismConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class MetricsConfig:
+    """Where a run's records go (runs/<run_name>/: metrics, TensorBoard events, the report's data).
+
+    Attributes:
+        log_every: write the metrics every this many steps (loss: that step's; loss_avg: the mean since the last).
+        run_dir: the directory that holds the runs.
+        run_name: this run's directory under run_dir; none for a timestamp (pass a run's name to resume it).
+    """
+
     log_every: int = 10
     run_dir: str = "runs"
-    run_name: str | None = None  # None: a timestamp
+    run_name: str | None = None
 
     def __post_init__(self) -> None:
         _at_least(self, ("log_every",), 1)
@@ -262,13 +330,24 @@ class ElasticConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
+    """Async sharded checkpoints (docs/checkpoints.md): Orbax-readable tensorstore steps.
+
+    Attributes:
+        enable: save checkpoints (and resume from the newest one of this run).
+        folder: under runs/<run_name>/ (resume a run by passing its metrics.run_name), or an absolute path.
+        interval: save every this many steps (and at the last step).
+        keep_last: committed steps kept; older ones are deleted once a newer one commits.
+        load_path: weights to start from: a functitan checkpoint, a Hugging Face directory or a torchtitan
+            (DCP) step.
+        when_busy: a save due while the previous one still writes: wait for it (the newest commit then trails
+            the loop by at most one interval plus the save in flight), or skip this one (never waits).
+    """
+
     enable: bool = False
-    folder: str = "checkpoints"  # under runs/<run_name>/ (resume a run by passing its metrics.run_name), or absolute
+    folder: str = "checkpoints"
     interval: int = 100
     keep_last: int = 3
-    load_path: str | None = None  # weights to start from: a functitan checkpoint or a Hugging Face directory
-    # a save due while the previous one still writes: wait for it (the newest commit then trails the loop by at
-    # most one interval plus the save in flight; metrics checkpoint_wait_s), or skip this one (never waits)
+    load_path: str | None = None
     when_busy: Literal["wait", "skip"] = "wait"
 
     def __post_init__(self) -> None:
@@ -321,24 +400,23 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optim.Sche
         return optim.warmup_cosine(cfg.lr, warmup, total_steps, final=final)
     if cfg.schedule == "warmup_linear":
         return optim.warmup_linear(cfg.lr, warmup, total_steps, final=final)
-    return optim.wsd(cfg.lr, warmup, total_steps, final=final)
+    return optim.wsd(cfg.lr, warmup, total_steps, decay_fraction=cfg.decay_fraction, final=final)
 
 
 def build_optimizer(
     cfg: OptimizerConfig, total_steps: int, *, decay_mask: optim.Mask | None = None
 ) -> optim.GradientTransformation:
     """The optimizer the config names (clipping by ``max_norm`` happens in the train step, which has the norm).
-    ``decay_mask``: which params adamw decays (``optim.decay_mask_from_specs(specs)``; default: matrices)."""
+    ``decay_mask``: which params are decayed (``optim.decay_mask_from_specs(specs)``; default: matrices)."""
     lr = learning_rate_schedule(cfg, total_steps)
+    mask = decay_mask or optim.default_decay_mask
     if cfg.name == "adamw":
-        return optim.adamw(
-            lr,
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=decay_mask or optim.default_decay_mask,
-        )
+        return optim.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
+    if cfg.name == "lion":
+        return optim.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
+    if cfg.name == "adafactor":
+        decay = cfg.weight_decay or None  # 0: no decay term in the chain
+        return optim.adafactor(lr, weight_decay_rate=decay, weight_decay_mask=mask)
     return optim.sgd(lr, momentum=cfg.momentum)
 
 

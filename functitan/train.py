@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from . import _loss, optim, pipeline
 from . import metrics as M
+from ._banner import banner
 from ._batch import split_batch
 from ._model_setup import check_model, check_resumed_model, init_model
 from ._preempt import Preemption
@@ -38,9 +39,9 @@ from .config import to_dict
 from .data import build_loader
 from .errors import PeersGone
 from .hostmem import keep_freed_memory
-from .job_config import JobConfig, build_optimizer, build_schedule, learning_rate_schedule
+from .job_config import DEFAULT_FLAVOR, JobConfig, build_optimizer, build_schedule, learning_rate_schedule
 from .mesh import make_mesh, resolve_degrees
-from .model import Model, config_to_dict
+from .model import Model, config_to_dict, count
 from .model import specs as model_specs
 from .random import key
 from .sharding import Layout, default_rules, place
@@ -64,7 +65,7 @@ __all__ = [
 EXIT_REJOIN = 3  # elastic: a peer left after a checkpoint; torchrun restarts this worker into the new group
 
 
-def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None) -> dict[str, Any]:
+def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None, dry_run: bool = False) -> dict[str, Any]:
     """Train as ``cfg`` says; returns a summary (first/last loss, steps, run directory, final state).
 
     ``model``: the Model value to train (default: the one ``cfg.model.name`` resolves to). ``stepper``: what runs
@@ -72,6 +73,8 @@ def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None) -> d
     ``functitan.elastic.live.live_stepper``, which ``functitan train`` passes). It is also the step hook: a
     stepper that wraps ``local_stepper`` with its own ``train_step`` sees every step's call, so a benchmark
     measures the trainer as a user runs it without patching it (benchmarks/first_step.py times each step).
+    ``dry_run``: build everything (mesh, data, model, placed params, optimizer state), print the banner, and
+    return before the run directory, the checkpoint or a step is touched.
     """
     if stepper is None and cfg.elastic.live:
         raise ValueError(
@@ -112,8 +115,25 @@ def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None) -> d
     params = placed.params
     state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=loader.init_state(), rng=rng)
 
-    # 5. checkpoint: resume from the newest complete checkpoint of this run, else a weights-only load_path
     run_dir = _run_dir(cfg, model.name)
+    if dist.get_rank() == 0:
+        lines = banner(
+            model=name,
+            flavor=cfg.model.flavor
+            or (f"from {cfg.checkpoint.load_path}" if cfg.checkpoint.load_path else DEFAULT_FLAVOR),
+            n_params=count(model.params(model_cfg)),
+            degrees={a: mesh.size(i) for i, a in enumerate(mesh.mesh_dim_names or ())},
+            training=tcfg,
+            params=state.params,
+            opt_state=state.opt_state,
+            run_dir=run_dir,
+            dry_run=dry_run,
+        )
+        print("\n".join(lines), flush=True)
+    if dry_run:
+        return {"steps": 0, "dry_run": True, "run_dir": None, "state": state}
+
+    # 5. checkpoint: resume from the newest complete checkpoint of this run, else a weights-only load_path
     lock = lock_run(run_dir, wait_s=30.0 if "FUNCTITAN_ELASTIC_RUN" in os.environ else 0.0)  # one job per run
     ckpt = None
     if cfg.checkpoint.enable:
@@ -289,6 +309,7 @@ def _loop(
     start = state.step  # 0, or the step a checkpoint resumed at; elastic.live: a peer may heal us further on
     first_loss = last_loss = float("nan")
     stop = ran = 0
+    window_sum, window_n = 0.0, 0  # the losses since the last write: its loss_avg (a tensor stays unsynced)
     failed = True  # closing the sinks and the saver must not replace the error that stopped the loop
     try:
         with Preemption() as preemption:
@@ -317,12 +338,14 @@ def _loop(
                     start, first_loss = state.step - 1, out["loss"]
                 ran += 1
                 last_loss = out["loss"]
+                window_sum, window_n = window_sum + out["loss"], window_n + 1
                 stop = preemption.agreed(device)  # every rank stops at the same boundary
                 if state.step % cfg.metrics.log_every == 0 or state.step in (1, steps) or stop:
                     sinks.write(
                         state.step,
                         {
                             **out,
+                            "loss_avg": float(window_sum) / window_n,
                             "lr": lr_at(state.step - 1),
                             **meter.flush(),
                             **M.peak_memory(device),
@@ -331,6 +354,7 @@ def _loop(
                         },
                     )
                     M.reset_peak_memory(device)
+                    window_sum, window_n = 0.0, 0
                 if ckpt is not None:
                     ckpt.maybe_save(state, force=state.step == steps or bool(stop), defer_staging=True)
         failed = False
@@ -467,11 +491,13 @@ def _run_dir(cfg: JobConfig, model_name: str) -> Path:
     return Path(cfg.metrics.run_dir) / name
 
 
-def train_config(cfg: JobConfig, *, stepper: Any = None) -> int:
-    """``run(cfg, stepper=stepper)`` as a process's exit status: 0, or ``EXIT_REJOIN`` for an elastic worker that
-    must rejoin."""
+def train_config(cfg: JobConfig, *, stepper: Any = None, dry_run: bool = False) -> int:
+    """``run(cfg, stepper=stepper, dry_run=dry_run)`` as a process's exit status: 0, or ``EXIT_REJOIN`` for an
+    elastic worker that must rejoin."""
     try:
-        summary = run(cfg, stepper=stepper)
+        summary = run(cfg, stepper=stepper, dry_run=dry_run)
+        if dry_run:
+            return 0
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

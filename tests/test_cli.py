@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from functitan.cli import COMMANDS, main
@@ -64,6 +66,8 @@ from functitan.config import parse_config
 from functitan.job_config import JobConfig
 _load(COMMANDS["train"][1])
 cfg = parse_config(JobConfig, ["--config", sys.argv[1], "--parallelism.dp_shard=2", "--optimizer.schedule=wsd"])
+from functitan._train_cli import main
+assert main(["--config", sys.argv[1], "--print-config"]) == 0  # the config as TOML, torch not imported either
 print(cfg.parallelism.dp_shard, sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
 """
 _TRAINER = """
@@ -84,7 +88,7 @@ def test_the_train_launcher_checks_a_config_without_torch_and_the_trainer_import
     config = Path(__file__).resolve().parents[1] / "configs" / "debug.toml"
     out = subprocess.run([sys.executable, "-c", _LAUNCH_PATH, str(config)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split(maxsplit=1) == ["2", "[]\n"], out.stdout
+    assert out.stdout.splitlines()[-1] == "2 []" and "[model]" in out.stdout, out.stdout
     out = subprocess.run([sys.executable, "-c", _TRAINER], capture_output=True, text=True, timeout=60)
     assert (out.returncode, out.stdout) == (0, "[]\n"), out.stderr[-2000:]
 
@@ -185,7 +189,7 @@ def test_a_config_flag_takes_its_help_and_check_from_the_key(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for key in ("parallelism.pp", "parallelism.stages_per_rank", "training.microbatches"):
         text = flat_keys(JobConfig)[key][2]
-        assert text and text in out and f"the config key {key}" in out, (key, out)
+        assert text and text.rstrip(".") in out and f"the config key {key}" in out, (key, out)
 
 
 def test_every_command_reads_model_flags_with_the_trainers_parser():
@@ -225,3 +229,130 @@ def test_every_error_class_a_user_fixes_is_a_user_error():
                 found[f"{info.name}.{name}"] = issubclass(obj, UserError)
     assert len(found) >= 10 and "functitan.plan._plan.PlanError" in found, found
     assert [name for name, ok in found.items() if not ok] == []
+
+
+# the trainer on one process, as small as it gets (in-process: `main` is the command as typed)
+_TINY = [
+    "--model.n_layers=1",
+    "--model.dim=32",
+    "--model.n_heads=2",
+    "--model.n_kv_heads=1",
+    "--model.ffn_dim=64",
+    "--training.batch_size=2",
+    "--training.seq_len=16",
+    "--data.max_corpus_bytes=100000",
+]
+
+
+def _losses(run_dir) -> dict[int, dict]:
+    import json
+
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_every_train_key_says_what_it_is_in_train_help(capsys):
+    # the comments in job_config.py were not in --help: 40 of the keys had no description
+    from functitan.config import flat_keys
+    from functitan.job_config import JobConfig
+
+    assert [key for key, (_, _, text) in flat_keys(JobConfig).items() if not text] == []
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "--optimizer.b1" in out and "first-moment decay (adamw, lion)" in out
+    assert "--print-config" in out and "--dry-run" in out
+
+
+def test_print_config_is_toml_that_config_reads_back_to_the_same_run(tmp_path, capsys):
+    from functitan.config import parse_config
+    from functitan.job_config import JobConfig
+
+    args = [
+        "--config",
+        "configs/debug.toml",
+        "--model.n_layers=3",
+        "--data.paths=a.txt,b dir/c.jsonl",
+        "--optimizer.name=lion",
+        "--optimizer.schedule=wsd",
+        "--optimizer.decay_fraction=0.25",
+        '--metrics.run_name=quoted "name"',
+        "--parallelism.dp_shard=2",
+    ]
+    assert main(["train", *args, "--print-config"]) == 0
+    text = capsys.readouterr().out
+    (tmp_path / "mine.toml").write_text(text)
+    again = parse_config(JobConfig, ["--config", str(tmp_path / "mine.toml")])
+    assert again == parse_config(JobConfig, args)
+    assert again.data.paths == ("a.txt", "b dir/c.jsonl") and str(again.model.overrides["n_layers"]) == "3"
+    assert '[optimizer]\nname = "lion"' in text and "[elastic]" not in text  # only what differs from defaults
+
+
+def test_dry_run_builds_the_run_prints_the_banner_and_writes_nothing(tmp_path, capsys):
+    from functitan.config import parse_config
+    from functitan.job_config import JobConfig
+    from functitan.model import count
+    from functitan.train import run
+
+    assert main(["train", *_TINY, f"--metrics.run_dir={tmp_path}", "--checkpoint.enable=true", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert list(tmp_path.iterdir()) == []  # no run directory, no checkpoint, no metrics
+    n = count(run(parse_config(JobConfig, _TINY), dry_run=True)["state"].params)
+    assert out[0] == f"functitan: model llama (debug): {n / 1e3:.2f}K parameters", out
+    assert out[1].startswith("functitan: layout one process on 1 process; 2 sequences x 16 tokens per step")
+    kib = f"{4 * n / 2**10:.3g} KiB"  # fp32
+    assert out[2].startswith(f"functitan: rank 0 holds {kib} params + {kib} grads + "), out[2]
+    assert out[3] == "functitan: nothing is written (--dry-run)" and len(out) == 4
+
+
+def _dry_banner(overrides: dict) -> str:
+    import contextlib
+    import io
+
+    from functitan.config import apply_overrides
+    from functitan.job_config import JobConfig
+    from functitan.train import run
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        out = run(apply_overrides(JobConfig(), overrides), dry_run=True)
+    assert out["dry_run"] and out["steps"] == 0
+    return buf.getvalue()
+
+
+def test_the_banner_names_each_axis_and_this_ranks_share(gloo):
+    tiny = {a[2:].split("=")[0]: a.split("=")[1] for a in _TINY}
+    one = _dry_banner(tiny)
+    two = gloo.run(_dry_banner, 2, {**tiny, "parallelism.dp_shard": 2})
+    assert two[1] == ""  # rank 0 prints it
+    line = next(x for x in two[0].splitlines() if "layout" in x)
+    assert line.startswith("functitan: layout dp_shard=2 on 2 processes; 2 sequences"), line
+
+    def held(text: str) -> float:  # the params this rank holds, in KiB
+        value, unit = next(x for x in text.splitlines() if "holds" in x).split("holds ")[1].split()[:2]
+        assert unit == "KiB", text
+        return float(value)
+
+    assert held(two[0]) == pytest.approx(held(one) / 2, rel=0.05)  # FSDP: half the params on each rank
+
+
+def test_lion_and_adafactor_train_from_the_config_and_loss_avg_is_the_window_mean(tmp_path):
+    common = [*_TINY, "--training.steps=4", f"--metrics.run_dir={tmp_path}", "--optimizer.lr=1e-2"]
+    runs = {}
+    for name in ("adamw", "lion", "adafactor"):
+        assert (
+            main(["train", *common, f"--optimizer.name={name}", f"--metrics.run_name={name}", "--metrics.log_every=1"])
+            == 0
+        )
+        runs[name] = _losses(tmp_path / name)
+    first = {name: r[1]["loss"] for name, r in runs.items()}
+    assert len(set(first.values())) == 1  # the same init and batch
+    # three different updates (adamw's and lion's first steps are both lr x sign(g): step 2 agrees)
+    third = {name: r[3]["loss"] for name, r in runs.items()}
+    assert len(set(third.values())) == 3 and all(math.isfinite(v) for v in third.values()), third
+    # the logged loss_avg is the mean of the steps since the previous line
+    assert main(["train", *common, "--metrics.run_name=window", "--metrics.log_every=3"]) == 0
+    window, each = _losses(tmp_path / "window"), runs["adamw"]
+    assert sorted(window) == [1, 3, 4]
+    assert window[3]["loss_avg"] == pytest.approx((each[2]["loss"] + each[3]["loss"]) / 2, rel=1e-6)
+    assert window[4]["loss_avg"] == pytest.approx(each[4]["loss"], rel=1e-6)
+    assert window[3]["loss"] == pytest.approx(each[3]["loss"], rel=1e-6)

@@ -60,7 +60,7 @@ def test_help_lists_every_key_with_its_default():
 def test_help_says_what_each_key_is_in_its_sections_words():
     # a key's help is written once: its field's metadata, or its section's Attributes docstring
     lines = {line.split()[0]: line for line in config_help(JobConfig).splitlines() if line.startswith("  --")}
-    assert lines["--training.seq_len"].endswith("tokens per sequence")
+    assert lines["--training.seq_len"].endswith("tokens per sequence.")
     assert lines["--elastic.lighthouse"].endswith("the torchft lighthouse, http://HOST:PORT (live only).")
     assert lines["--data.tokenizer"].endswith(
         "a tokenizer.json or tiktoken file; None for the byte tokenizer (with path: None for the one the shards "
@@ -98,6 +98,7 @@ def test_cli_surface_is_frozen():
         "optimizer.schedule",
         "optimizer.warmup_steps",
         "optimizer.final_lr_ratio",
+        "optimizer.decay_fraction",
         "optimizer.b1",
         "optimizer.b2",
         "optimizer.eps",
@@ -169,3 +170,51 @@ def test_the_live_levels_needs_are_checked_when_the_config_is_parsed(argv, messa
         parse_config(JobConfig, argv)
     assert message in str(exc.value), str(exc.value)
     assert parse_config(JobConfig, [*LIVE, "--training.batch_size=8"]).elastic.live
+
+
+def _three_updates(tx, params):
+    import torch
+
+    from functitan import optim
+
+    state = tx.init(params)
+    for i in range(3):
+        grads = {k: torch.sin(v * (i + 1)) for k, v in params.items()}
+        updates, state = tx.update(grads, state, params)
+        params = optim.apply_updates(params, updates)
+    return params
+
+
+@pytest.mark.parametrize("name", ["lion", "adafactor"])
+def test_every_shipped_optimizer_is_one_config_key_away(name):
+    # only adamw and sgd could be chosen; lion and adafactor shipped in functitan.optim unreachable from a config
+    import torch
+
+    from functitan import optim
+    from functitan.job_config import OptimizerConfig, build_optimizer, learning_rate_schedule
+
+    cfg = OptimizerConfig(name=name, lr=1e-2, weight_decay=0.05, b1=0.8, b2=0.97, warmup_steps=2)
+    lr = learning_rate_schedule(cfg, 10)
+    by_hand = {
+        "lion": optim.lion(lr, b1=0.8, b2=0.97, weight_decay=0.05, mask=optim.default_decay_mask),
+        "adafactor": optim.adafactor(lr, weight_decay_rate=0.05, weight_decay_mask=optim.default_decay_mask),
+    }[name]
+    torch.manual_seed(0)
+    params = {"w": torch.randn(130, 129), "b": torch.randn(7)}
+    mine, theirs = _three_updates(build_optimizer(cfg, 10), params), _three_updates(by_hand, params)
+    for k in params:
+        torch.testing.assert_close(mine[k], theirs[k], rtol=0, atol=0)
+        assert not torch.equal(mine[k], params[k])
+    assert parse_config(JobConfig, [f"--optimizer.name={name}"]).optimizer.name == name
+
+
+def test_the_wsd_decay_fraction_is_a_key():
+    from functitan.job_config import OptimizerConfig, learning_rate_schedule
+
+    def lr(fraction: float, step: int) -> float:
+        cfg = OptimizerConfig(schedule="wsd", lr=1.0, warmup_steps=0, final_lr_ratio=0.0, decay_fraction=fraction)
+        return float(learning_rate_schedule(cfg, 100)(step))
+
+    assert lr(0.1, 60) == 1.0 and lr(0.5, 60) < 1.0 and lr(0.5, 40) == 1.0
+    with pytest.raises(ConfigError, match=r"optimizer.decay_fraction=2.0: wsd decays over this share"):
+        parse_config(JobConfig, ["--optimizer.decay_fraction=2"])

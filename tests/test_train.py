@@ -136,6 +136,7 @@ def test_an_unnamed_run_is_named_after_the_model(tmp_path):
     (run,) = tmp_path.iterdir()
     assert run.name.startswith("gpt2-20") and len(run.name) == len("gpt2-20261201-061433"), run.name
     assert f"logs in {run}" in out.stdout
+    assert f"functitan: records in {run}/ (tensorboard --logdir {run}/tb)" in out.stdout  # the banner, as typed
 
 
 def test_a_live_config_without_its_stepper_is_refused_before_anything_starts():

@@ -60,6 +60,7 @@ def _hms(seconds: float) -> str:
 # (metric key, label, format); a field shows when its key is in the metrics; None prints "n/a".
 _FIELDS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("loss", "loss", lambda v: f"{v:.4f}"),
+    ("loss_avg", "avg", lambda v: f"{v:.4f}"),
     ("grad_norm", "gnorm", lambda v: f"{v:.3f}"),
     ("lr", "lr", lambda v: f"{v:.2e}"),
     ("tokens_per_s", "tok/s", _si),
@@ -76,8 +77,8 @@ class ConsoleSink:
     """A live progress bar with ETA on a terminal; one plain line per write elsewhere (CI logs, files).
 
     On a TTY the line is redrawn in place with a carriage return and cut to the terminal width; otherwise
-    each write prints a full line, so logs stay greppable. Shows loss, grad norm, lr, tokens/s, TFLOP/s,
-    MFU ("n/a" when None) and peak memory when they are among the metrics.
+    each write prints a full line, so logs stay greppable. Shows loss, loss_avg (the mean since the last line),
+    grad norm, lr, tokens/s, TFLOP/s, MFU ("n/a" when None) and peak memory when they are among the metrics.
 
     Args:
       total_steps: the step the run ends at (for the bar and the ETA).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..config import to_dict
+from ..config import to_toml
 from ..job_config import JobConfig
 
 __all__ = ["table", "write_toml", "render_png"]
@@ -50,35 +50,10 @@ def table(plan: Any, usable: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def write_toml(cfg: JobConfig, path: str | Path) -> None:
     """Every [model], [training] and [parallelism] key, and the other keys that differ from the defaults, as
     ``functitan train --config`` reads them."""
-    default, mine = to_dict(JobConfig()), to_dict(cfg)
-    out = []
-    for section, values in mine.items():
-        keys = {}
-        for k, v in values.items():
-            if section == "model" and k == "overrides":
-                keys.update({f: x for f, x in v.items() if not isinstance(x, (dict, list, tuple)) and x is not None})
-            elif (
-                (v != default[section].get(k) or section in ("training", "parallelism"))
-                and v is not None
-                and not isinstance(v, (dict, list, tuple))
-            ):
-                keys[k] = v
-        if keys:
-            out.append(f"[{section}]")
-            out.extend(f"{k} = {_toml_value(v)}" for k, v in keys.items())
-            out.append("")
-    Path(path).write_text("# written by `functitan plan`\n" + "\n".join(out))
+    Path(path).write_text("# written by `functitan plan`\n" + to_toml(cfg, every_key_of=("training", "parallelism")))
 
 
 def render_png(plan: Any, path: str | Path, top: int = 6) -> None:

@@ -1,0 +1,75 @@
+"""What a run prints before its first step: the model, its size, the layout per mesh axis, this rank's state
+memory, and where the records go. A user reads it to catch a wrong flavor, a missed degree or a full disk
+before the first step spends minutes; ``functitan train --dry-run`` prints it and stops."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor
+
+from .mesh import AXES
+
+__all__ = ["banner", "state_bytes"]
+
+
+def state_bytes(tree: Any) -> int:
+    """Bytes this rank holds for ``tree``'s tensors (a DTensor counts its local shard)."""
+    total = 0
+    for x in optree.tree_leaves(tree, none_is_leaf=False):
+        if isinstance(x, DTensor):
+            x = x.to_local()
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+    return total
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _size(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def banner(
+    *,
+    model: str,
+    flavor: str,
+    n_params: int,
+    degrees: dict[str, int],
+    training: Any,
+    params: Any,
+    opt_state: Any,
+    run_dir: Path,
+    dry_run: bool = False,
+) -> list[str]:
+    """The lines (rank 0 prints them). ``degrees``: the mesh's size per axis; ``params`` / ``opt_state``: this
+    rank's placed state. Gradients are counted as one more copy of the params (their dtype and sharding);
+    activations are not counted: ``functitan plan`` traces them."""
+    world = 1
+    for a in AXES:
+        world *= degrees.get(a, 1)
+    layout = " ".join(f"{a}={degrees[a]}" for a in AXES if degrees.get(a, 1) > 1) or "one process"
+    p, o = state_bytes(params), state_bytes(opt_state)
+    where = (
+        "nothing is written (--dry-run)" if dry_run else f"records in {run_dir}/ (tensorboard --logdir {run_dir}/tb)"
+    )
+    return [
+        f"functitan: model {model} ({flavor}): {_count(n_params)} parameters",
+        f"functitan: layout {layout} on {world} process{'es' if world > 1 else ''}; {training.batch_size} "
+        f"sequences x {training.seq_len} tokens per step, {training.microbatches} microbatch(es) per rank; "
+        f"remat {training.remat}, params {training.param_dtype}",
+        f"functitan: rank 0 holds {_size(p)} params + {_size(p)} grads + {_size(o)} optimizer state = "
+        f"{_size(2 * p + o)} before activations (functitan plan traces those)",
+        f"functitan: {where}",
+    ]
