@@ -207,9 +207,52 @@ def test_parquet_and_datasets_directories(tmp_path: Path):
     )
     ds.save_to_disk(str(tmp_path / "hf"))
     got = prepare([tmp_path / "hf"], tmp_path / "hfprep", workers=1, progress=False)
-    assert got["documents"] == 9
-    tokens = sum(len(ByteTokenizer().encode(t)) for t in texts)
-    assert got["tokens"] == tokens
+    assert got["documents"] == 5  # the train split alone: tests/test_data_prepare.py checks the CLI's split
+    assert got["tokens"] == sum(len(ByteTokenizer().encode(t)) for t in texts[:5])
+
+
+def _documents_of(out: Path) -> list[str]:
+    """Every document of a prepared folder, decoded (byte tokenizer)."""
+    shards, tok, docs = ShardSet(out), ByteTokenizer(), []
+    for i in range(len(shards)):
+        tokens, starts = shards.get(i)
+        docs += [tok.decode(tokens[a:b].tolist()) for a, b in zip(starts[:-1], starts[1:])]
+    return docs
+
+
+def test_a_datasetdicts_splits_are_prepared_apart_and_no_test_document_reaches_the_training_shards(tmp_path, capsys):
+    # `data prepare` of a saved DatasetDict merged its test split into the training shards without a word
+    datasets = pytest.importorskip("datasets")
+    from functitan.cli import main
+
+    train = [f"train document {i} " + "ab" * i for i in range(6)]
+    test = [f"held-out document {i} " + "cd" * i for i in range(3)]
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"text": train}), "test": datasets.Dataset.from_dict({"text": test})}
+    ).save_to_disk(str(tmp_path / "hf"))
+    assert main(["data", "prepare", str(tmp_path / "hf"), "--out", str(tmp_path / "train"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"split 'train' of {tmp_path / 'hf'}; left out test (prepare one with --split test" in out, out
+    assert sorted(_documents_of(tmp_path / "train")) == sorted(train)
+    argv = [
+        "data",
+        "prepare",
+        str(tmp_path / "hf"),
+        "--split",
+        "test",
+        "--out",
+        str(tmp_path / "test"),
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    assert sorted(_documents_of(tmp_path / "test")) == sorted(test)
+    capsys.readouterr()
+    assert main(["data", "prepare", str(tmp_path / "hf"), "--split", "validation", "--out", str(tmp_path / "v")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"functitan: error: {tmp_path / 'hf'}: a DatasetDict with the splits ['train', 'test'], none named "
+        "'validation'; pass --split NAME (one of them)"
+    ), err
 
 
 def _rss_bytes() -> int:

@@ -10,6 +10,9 @@ Sources: a ``.parquet`` file (the ``text_key`` column; needs ``pyarrow``), an ``
 directory saved by ``datasets.Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` (read with
 ``pyarrow``, no ``datasets`` needed), a ``.jsonl`` file (one JSON object per line), any other file as one
 UTF-8 text document. A directory that is not a ``datasets`` directory gives every file under it.
+
+A ``DatasetDict``'s splits are never merged: ``split`` picks one (default ``train``), so the held-out
+documents of ``test`` or ``validation`` stay out of the training shards; prepare each into its own folder.
 """
 
 from __future__ import annotations
@@ -43,23 +46,49 @@ class DataError(UserError):
 # -- sources -----------------------------------------------------------------------------------------
 
 
-def _datasets_files(d: Path) -> list[Path] | None:
-    """The Arrow files of a ``datasets`` ``save_to_disk`` directory (a Dataset or a DatasetDict), else None."""
-    if (d / "dataset_dict.json").is_file():
-        splits = json.loads((d / "dataset_dict.json").read_text()).get("splits", [])
-        return [f for s in splits for f in (_datasets_files(d / s) or [])]
+DEFAULT_SPLIT = "train"
+
+
+def splits(d: Path) -> list[str] | None:
+    """The split names of a ``DatasetDict.save_to_disk`` directory, else None."""
+    if not (d / "dataset_dict.json").is_file():
+        return None
+    return list(json.loads((d / "dataset_dict.json").read_text()).get("splits", []))
+
+
+def _datasets_files(d: Path, split: str) -> list[Path] | None:
+    """The Arrow files of a ``datasets`` ``save_to_disk`` directory (a Dataset, or ``split`` of a DatasetDict),
+    else None."""
+    names = splits(d)
+    if names is not None:
+        if split not in names:
+            raise DataError(
+                f"{d}: a DatasetDict with the splits {names}, none named {split!r}; pass --split NAME (one of them)"
+            )
+        return _datasets_files(d / split, split)
     if (d / "state.json").is_file() and (d / "dataset_info.json").is_file():
         state = json.loads((d / "state.json").read_text())
         return [d / f["filename"] for f in state.get("_data_files", [])]
     return None
 
 
-def source_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
-    """The files ``prepare`` reads, in order (a ``datasets`` directory gives its Arrow files)."""
+def source_files(paths: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT) -> list[Path]:
+    """The files ``prepare`` reads, in order (a ``datasets`` directory gives its Arrow files; a DatasetDict those
+    of ``split`` alone)."""
     out: list[Path] = []
     for p in map(Path, paths):
-        hf = _datasets_files(p) if p.is_dir() else None
+        hf = _datasets_files(p, split) if p.is_dir() else None
         out += hf if hf is not None else expand_paths([p])
+    return out
+
+
+def left_out(paths: Sequence[str | os.PathLike], split: str) -> dict[str, list[str]]:
+    """``{DatasetDict directory: its splits other than split}``: what a prepare of ``split`` did not read."""
+    out = {}
+    for p in map(Path, paths):
+        names = splits(p) if p.is_dir() else None
+        if names and [n for n in names if n != split]:
+            out[str(p)] = [n for n in names if n != split]
     return out
 
 
@@ -257,6 +286,7 @@ def prepare(
     workers: int | None = None,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     progress: bool = True,
+    split: str = DEFAULT_SPLIT,
 ) -> dict:
     """Tokenize ``sources`` into shards under ``out`` (resuming a previous, interrupted run); return the index.
 
@@ -268,11 +298,12 @@ def prepare(
         workers: tokenizing processes (default: the CPU count, at most the number of files).
         shard_tokens: the most tokens in one shard (a larger document gets a shard of its own).
         progress: show a progress bar (bytes of source files done) on stderr.
+        split: the split of a ``DatasetDict`` source to prepare (the others are left out, never merged).
 
     Raises:
         DataError: an empty, undecodable or unreadable source file (the message names it).
     """
-    files = source_files(sources)
+    files = source_files(sources, split)
     if not files:
         raise DataError(f"no source files under {list(map(str, sources))}")
     out = Path(out)
@@ -360,6 +391,12 @@ def _parser() -> Any:
     config_flag(ap, "data.text_key")
     ap.add_argument("--workers", type=int, default=None, metavar="N", help="processes (default: one per CPU)")
     ap.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N", help="tokens per shard")
+    ap.add_argument(
+        "--split",
+        default=DEFAULT_SPLIT,
+        metavar="NAME",
+        help=f"a DatasetDict's split to prepare (default {DEFAULT_SPLIT}); its other splits are left out, never merged",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress line")
     return ap
 
@@ -392,9 +429,15 @@ def _data_cli(args: list[str]) -> int:
         workers=ns.workers,
         shard_tokens=ns.shard_tokens,
         progress=not ns.no_progress,
+        split=ns.split,
     )
     print(
         f"functitan data prepare: {index['documents']} documents, {index['tokens']} tokens in "
         f"{len(index['shards'])} shards ({index['dtype']}) under {ns.out}"
     )
+    for d, others in left_out(ns.sources, ns.split).items():
+        print(
+            f"functitan data prepare: split {ns.split!r} of {d}; left out {', '.join(others)} "
+            f"(prepare one with --split {others[0]} --out ANOTHER_DIR)"
+        )
     return 0
