@@ -320,8 +320,8 @@ def parse_config(
 def _toml_value(key: str, v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, float):
-        return repr(v) if v == v and abs(v) != float("inf") else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    if isinstance(v, float):  # TOML spells the non-finite ones nan, inf, -inf (Python's repr: nan, inf, -inf)
+        return repr(v)
     if isinstance(v, int):
         return repr(v)
     if isinstance(v, str):

@@ -86,9 +86,9 @@ def left_out(paths: Sequence[str | os.PathLike], split: str) -> dict[str, list[s
     """``{DatasetDict directory: its splits other than split}``: what a prepare of ``split`` did not read."""
     out = {}
     for p in map(Path, paths):
-        names = splits(p) if p.is_dir() else None
-        if names and [n for n in names if n != split]:
-            out[str(p)] = [n for n in names if n != split]
+        others = [n for n in (splits(p) if p.is_dir() else None) or [] if n != split]
+        if others:
+            out[str(p)] = others
     return out
 
 
