@@ -8,8 +8,9 @@ BIN    := $(VENV)/bin
 ARGS   ?=
 TRAIN_EXTRAS ?= plot
 # the test extra (pytest, transformers, notebooks...), orbax (jax[cpu] + orbax-checkpoint, for the Orbax interop
-# tests), elastic (torchft, for the live elastic tests) and docs (mkdocs) are installed by `make test` only
-TEST_EXTRAS  ?= plot,test,orbax,elastic,docs
+# tests), elastic (torchft, for the live elastic tests), wandb (the W&B sink's tests) and docs (mkdocs) are installed
+# by `make test` only
+TEST_EXTRAS  ?= plot,test,orbax,elastic,wandb,docs
 export NO_MKDOCS_2_WARNING := 1
 
 .PHONY: train test docs install install-test clean lint

@@ -38,6 +38,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "functitan.checkpoint._cli:import_main",
     ),
     "data": ("data prepare: tokenize a corpus into memory-mapped shards", "functitan.data._prepare:main"),
+    "generate": (
+        "continue a prompt with a trained model: a run's checkpoint or an HF directory (greedy, top-k, top-p)",
+        "functitan.generate._cli:main",
+    ),
 }
 
 USAGE = "\n".join(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -34,6 +34,8 @@ __all__ = [
     "MetricsConfig",
     "CheckpointConfig",
     "ElasticConfig",
+    "EvalConfig",
+    "ProfileConfig",
     "JobConfig",
     "build_optimizer",
     "build_schedule",
@@ -149,7 +151,8 @@ class TrainingConfig:
         check(self.device in get_args(Device), "device", self.device, f"choose one of {list(get_args(Device))}")
 
 
-OptimizerName = Literal["adamw", "sgd", "lion", "adafactor"]
+OptimizerName = Literal["adamw", "sgd", "lion", "adafactor", "muon"]
+MuonAdjustLR = Literal["match_rms_adamw", "original", "none"]  # functitan.optim.muon's adjust_lr
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,7 +161,9 @@ class OptimizerConfig:
 
     Attributes:
         name: adamw; sgd (with momentum); lion (b1, b2, weight_decay; use an lr 3-10x below AdamW's);
-            adafactor (factored second moments, relative step scaled by lr; weight_decay if > 0).
+            adafactor (factored second moments, relative step scaled by lr; weight_decay if > 0); muon
+            (orthogonalised momentum for hidden matrices, AdamW with b1, b2, eps for embeddings, the head, norms
+            and biases; one lr and weight_decay for both with muon_adjust_lr=match_rms_adamw).
         lr: the peak learning rate.
         schedule: warmup_cosine, warmup_linear, wsd (warmup, stable, then decay over the last decay_fraction
             of the steps) or constant.
@@ -171,6 +176,14 @@ class OptimizerConfig:
         weight_decay: decoupled weight decay of matrices (params whose spec says so).
         momentum: sgd only.
         max_norm: the global gradient-norm clip; 0 disables it.
+        muon_momentum: muon only: the momentum of the hidden matrices (Nesterov).
+        ns_steps: muon only: Newton-Schulz iterations per step.
+        muon_adjust_lr: muon only: the lr of a matrix scaled by 0.2 sqrt(max(rows, cols)) (match_rms_adamw:
+            the update's RMS is AdamW's, so lr serves both groups), by sqrt(max(1, rows / cols)) (original,
+            torch.optim.Muon's default; wants a ~10x larger lr than AdamW) or not at all (none).
+        muon_ns_dtype: muon only: the dtype of the Newton-Schulz iteration: bfloat16 (torch.optim.Muon's and
+            Keller Jordan's), or float32 (on CPU often faster; layouts then agree with one process to fp32
+            rounding, where bfloat16 amplifies the collectives' rounding of a gradient).
     """
 
     name: OptimizerName = "adamw"
@@ -185,6 +198,10 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     momentum: float = 0.9
     max_norm: float = 1.0
+    muon_momentum: float = 0.95
+    ns_steps: int = 5
+    muon_adjust_lr: MuonAdjustLR = "match_rms_adamw"
+    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
     def __post_init__(self) -> None:
         check(
@@ -203,9 +220,10 @@ class OptimizerConfig:
             self.decay_fraction,
             "wsd decays over this share of training.steps, in [0, 1], e.g. 0.1",
         )
-        for name in ("b1", "b2", "momentum"):
+        for name in ("b1", "b2", "momentum", "muon_momentum"):
             value = getattr(self, name)
             check(0 <= value < 1, name, value, "a decay rate in [0, 1), e.g. 0.9")
+        check(1 <= self.ns_steps < 100, "ns_steps", self.ns_steps, "Newton-Schulz iterations in [1, 100), e.g. 5")
         for name in ("eps", "weight_decay", "max_norm"):
             value = getattr(self, name)
             check(math.isfinite(value) and value >= 0, name, value, "must be a finite number >= 0")
@@ -253,15 +271,34 @@ class MetricsConfig:
         log_every: write the metrics every this many steps (loss: that step's; loss_avg: the mean since the last).
         run_dir: the directory that holds the runs.
         run_name: this run's directory under run_dir; none for a timestamp (pass a run's name to resume it).
+        wandb: also log to Weights & Biases (pip install 'functitan[wandb]'): a W&B run named after the run's
+            directory, with the job's config; resuming the run continues it.
+        wandb_project: the W&B project (with wandb).
+        wandb_entity: the W&B team or user (with wandb); none for the logged-in user's default.
+        wandb_mode: online, offline (kept under the run's directory for `wandb sync`) or disabled (with wandb);
+            none for W&B's own choice: WANDB_MODE, else `wandb offline` / `wandb online`, else online.
     """
 
     log_every: int = 10
     run_dir: str = "runs"
     run_name: str | None = None
+    wandb: bool = False
+    wandb_project: str = "functitan"
+    wandb_entity: str | None = None
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
 
     def __post_init__(self) -> None:
         _at_least(self, ("log_every",), 1)
         check(bool(self.run_dir), "run_dir", self.run_dir, "a directory for the runs, e.g. runs")
+        check(bool(self.wandb_project), "wandb_project", self.wandb_project, "a W&B project name, e.g. functitan")
+        modes = ["online", "offline", "disabled", None]
+        check(self.wandb_mode in modes, "wandb_mode", self.wandb_mode, f"choose one of {modes}")
+        check(
+            not self.wandb or importlib.util.find_spec("wandb") is not None,
+            "wandb",
+            self.wandb,
+            "needs wandb: pip install 'functitan[wandb]'",
+        )
         check(
             self.run_name is None or (self.run_name not in (".", "..") and "/" not in self.run_name),
             "run_name",
@@ -357,6 +394,78 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Validation during training: the loss over tokens never trained on, every N steps (docs/data.md).
+
+    Every evaluation reads the same sequences: ``batches`` global batches of ``training.batch_size`` sequences,
+    shared out over the data-parallel ranks as a training step's are, each token evaluated once whatever the
+    layout; the mean over them (over their tokens, for a TokenLoss) is ``eval/loss`` in every sink and the report,
+    with ``eval/perplexity``.
+
+    Attributes:
+        every: evaluate every this many steps and at the last step; 0: never.
+        batches: global batches per evaluation (each training.batch_size sequences of training.seq_len).
+        holdout: the share of data's documents set aside: never trained on, evaluated (e.g. 0.01); or give
+            paths / path.
+        paths: text / JSONL files or directories to evaluate on (tokenized with data.tokenizer).
+        path: a directory of prepared shards to evaluate on (``functitan data prepare --split validation``;
+            made with data's tokenizer).
+    """
+
+    every: int = 0
+    batches: int = 4
+    holdout: float = 0.0
+    paths: tuple[str, ...] = ()
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        _at_least(self, ("every",), 0)
+        _at_least(self, ("batches",), 1)
+        check(0 <= self.holdout < 1, "holdout", self.holdout, "a share of the documents in [0, 1), e.g. 0.01")
+        given = [k for k, v in (("holdout", self.holdout), ("paths", self.paths), ("path", self.path)) if v]
+        if len(given) > 1:
+            check(
+                False,
+                given[0],
+                getattr(self, given[0]),
+                f"give one source of evaluation data, not also eval.{given[1]}",
+            )
+        check(
+            not self.every or bool(given),
+            "every",
+            self.every,
+            "evaluation needs tokens never trained on: add --eval.holdout=0.01 (1% of data's documents), "
+            "--eval.paths=FILES or --eval.path=SHARDS",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    """Traces and memory snapshots of chosen steps, in runs/<run_name>/profile/ (docs/reports.md).
+
+    Attributes:
+        steps: the steps to trace with torch.profiler (e.g. 5 or 5,6): each writes step-<N>-rank<R>.json, a
+            Chrome trace (ui.perfetto.dev, chrome://tracing); the step before each is the profiler's warmup.
+        with_stack: record each op's Python stack in the traces (larger files).
+        memory_snapshot_steps: CUDA: after these steps, write the allocator's state and history to
+            memory-step-<N>-rank<R>.pickle (open it in pytorch.org/memory_viz); none on CPU.
+        memory_snapshot_on_oom: CUDA: when a step runs out of memory, write memory-oom-step-<N>-rank<R>.pickle
+            before the error stops the run; none on CPU.
+    """
+
+    steps: tuple[int, ...] = ()
+    with_stack: bool = False
+    memory_snapshot_steps: tuple[int, ...] = ()
+    memory_snapshot_on_oom: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "memory_snapshot_steps"):
+            value = getattr(self, name)
+            if not all(s >= 1 for s in value):  # named as typed: --profile.steps=5,6
+                raise ConfigError(f"{name}={','.join(map(str, value))}: training steps, each >= 1, e.g. 5,6")
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -366,6 +475,8 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def __post_init__(self) -> None:
         live, mb = self.elastic.live, self.elastic.microbatch_size
@@ -379,6 +490,13 @@ class JobConfig:
                 f"training.batch_size={self.training.batch_size} must be a multiple of elastic.microbatch_size={mb}: "
                 "replica groups share out the global batch in units of microbatches"
             )
+        for name in ("steps", "memory_snapshot_steps"):  # a step past the end would be profiled by no run
+            late = [s for s in getattr(self.profile, name) if s > self.training.steps]
+            if late:
+                raise ConfigError(
+                    f"profile.{name}={','.join(map(str, getattr(self.profile, name)))}: step {late[0]} is past "
+                    f"training.steps={self.training.steps}; choose steps in 1..{self.training.steps}"
+                )
         # the schedule depends on training.steps: build it once here, so that its errors name the keys
         opt, steps = self.optimizer, self.training.steps
         try:
@@ -404,12 +522,34 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optim.Sche
 
 
 def build_optimizer(
-    cfg: OptimizerConfig, total_steps: int, *, decay_mask: optim.Mask | None = None
+    cfg: OptimizerConfig,
+    total_steps: int,
+    *,
+    decay_mask: optim.Mask | None = None,
+    muon_labels: Callable[[str, Any], str] | None = None,
 ) -> optim.GradientTransformation:
     """The optimizer the config names (clipping by ``max_norm`` happens in the train step, which has the norm).
-    ``decay_mask``: which params are decayed (``optim.decay_mask_from_specs(specs)``; default: matrices)."""
+    ``decay_mask``: which params are decayed (``optim.decay_mask_from_specs(specs)``; default: matrices).
+    ``muon_labels``: muon only, which params are hidden matrices (``optim.muon_labels_from_specs(specs)``;
+    default: the 2-D ones)."""
     lr = learning_rate_schedule(cfg, total_steps)
     mask = decay_mask or optim.default_decay_mask
+    if cfg.name == "muon":
+        import torch  # not at the top: parsing a config does not import torch
+
+        return optim.muon(
+            lr,
+            momentum=cfg.muon_momentum,
+            ns_steps=cfg.ns_steps,
+            weight_decay=cfg.weight_decay,
+            adjust_lr=cfg.muon_adjust_lr,
+            mask=mask,
+            labels=muon_labels or optim.default_muon_labels,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            adam_eps=cfg.eps,
+            ns_dtype=getattr(torch, cfg.muon_ns_dtype),
+        )
     if cfg.name == "adamw":
         return optim.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
     if cfg.name == "lion":

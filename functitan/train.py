@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import _loss, optim, pipeline
+from . import _eval, _loss, optim, pipeline
 from . import metrics as M
 from ._banner import banner
 from ._batch import split_batch
@@ -97,7 +97,9 @@ def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None, dry_
         dp_rank=layout.dp_rank,
         dp_size=layout.dp_size,
         device=device,
+        holdout=cfg.eval.holdout,  # the documents [eval] holds out are never trained on
     )
+    eval_data = _eval.eval_loader(cfg, loader, device)  # None without [eval]; its errors come before step 1
 
     # 2. model and init: identical on every rank and mesh (or weights from load_path)
     rng = key(tcfg.seed)
@@ -164,8 +166,9 @@ def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None, dry_
         flops_per_token=model.flops_per_token(model_cfg, tcfg.seq_len),
         peak=M.peak_flops(device, layout.param_dtype or torch.float32),
     )
+    evaluate = _eval.make_evaluator(eval_data, placed.eval_loss, cfg.eval.batches) if eval_data else None
     with lock, stepper(cfg, train_step, loader, device, loss_grad=placed.loss_grad, optimizer=optimizer) as advance:
-        return _loop(cfg, state, advance, loader, meter, ckpt, run_dir, device)
+        return _loop(cfg, state, advance, loader, meter, ckpt, run_dir, device, evaluate)
 
 
 def _record_run(cfg: JobConfig, name: str, model_cfg: Any, run_dir: Path) -> None:
@@ -204,6 +207,7 @@ class Placed(NamedTuple):
     grad_fn: Any  # (params, batch) -> ((loss, aux), grads): accumulated microbatches, or the pipeline executor
     norm_across: Any  # the process group the gradient norm sums over besides the mesh (pipelining: pp), or None
     loss_grad: Any  # (params, microbatch) -> (mean loss, grads), for elastic.live; None with pipelining
+    eval_loss: Any  # (params, batch) -> this rank's loss, no gradient kept ([eval]): a mean, or a TokenLoss
 
 
 def place_model(
@@ -228,22 +232,30 @@ def place_model(
             raise ValueError(f"parallelism.pp={par.pp}: model {model.name!r} declares no stages; use parallelism.pp=1")
         stage_model = model.stages(model_cfg, layout, seq_len=tcfg.seq_len, dtype=layout.param_dtype or torch.float32)
         stages = pipeline.make_stages(stage_model, build_schedule(par, tcfg.microbatches), mesh, layers=stage_layers)
+        grad_fn = pipeline.pipeline_grad_fn(stages)
         return Placed(
             params=pipeline.place_stages(full_params, specs, rules, stages),
-            grad_fn=pipeline.pipeline_grad_fn(stages),
+            grad_fn=grad_fn,
             norm_across=stages.pp_group,
             loss_grad=None,
+            eval_loss=_eval.pipeline_loss(grad_fn),
         )
     params = place(full_params, specs, rules, mesh)
     objective = lambda p, b: _loss.split_aux(model.loss(p, b, model_cfg, layout))  # noqa: E731  (loss, aux)
     loss_grad = value_and_grad(lambda p, b: _loss.as_mean(objective(p, b)[0]))  # elastic.live: per-microbatch means
-    return Placed(params, accumulate(value_and_grad(objective, has_aux=True), microbatches), None, loss_grad)
+    grad_fn = accumulate(value_and_grad(objective, has_aux=True), microbatches)
+    return Placed(params, grad_fn, None, loss_grad, _eval.forward_loss(objective, microbatches))
 
 
 def make_step(cfg: JobConfig, model: Model, model_cfg: Any, grad_fn: Any, norm_across: Any) -> tuple[Any, Any]:
     """``(optimizer, train_step)`` as the config says (weight decay masked by the params' specs)."""
     specs = model_specs(model.params(model_cfg))
-    optimizer = build_optimizer(cfg.optimizer, cfg.training.steps, decay_mask=optim.decay_mask_from_specs(specs))
+    optimizer = build_optimizer(
+        cfg.optimizer,
+        cfg.training.steps,
+        decay_mask=optim.decay_mask_from_specs(specs),
+        muon_labels=optim.muon_labels_from_specs(specs),  # optimizer.name=muon: the hidden matrices
+    )
     return optimizer, make_train_step(
         grad_fn,
         optimizer,
@@ -292,8 +304,12 @@ def _loop(
     ckpt: Any,
     run_dir: Path,
     device: torch.device,
+    evaluate: Any = None,
 ) -> dict[str, Any]:
     """Step until ``training.steps``, or until SIGTERM/SIGINT: then checkpoint at this step boundary and stop.
+
+    ``evaluate(params) -> metrics`` (``[eval]``) runs every ``eval.every`` steps and at the last one, on the
+    params that step produced; its metrics join that step's record, which is written whatever ``log_every``.
 
     A save copies the state into its staging buffers in the background (on CUDA: pinned buffers, the copy
     engine) while the next step computes its gradients; that step's in-place update waits for the copy first
@@ -304,7 +320,7 @@ def _loop(
     """
     steps = cfg.training.steps
     lr_at = learning_rate_schedule(cfg.optimizer, steps)
-    sinks = M.make_sinks(run_dir, steps, rank=dist.get_rank())
+    sinks = M.make_sinks(run_dir, steps, rank=dist.get_rank(), metrics=cfg.metrics, config=cfg)
     batch_seqs = loader.batch_size * loader.dp_size  # global: constant over world sizes (elastic)
     start = state.step  # 0, or the step a checkpoint resumed at; elastic.live: a peer may heal us further on
     first_loss = last_loss = float("nan")
@@ -312,7 +328,10 @@ def _loop(
     window_sum, window_n = 0.0, 0  # the losses since the last write: its loss_avg (a tensor stays unsynced)
     failed = True  # closing the sinks and the saver must not replace the error that stopped the loop
     try:
-        with Preemption() as preemption:
+        with (
+            Preemption() as preemption,
+            M.Profiler(cfg.profile, run_dir, rank=dist.get_rank(), device=device, start=state.step) as profiler,
+        ):
             M.reset_peak_memory(device)
             while state.step < steps and not stop:
                 t0 = time.perf_counter()
@@ -340,11 +359,17 @@ def _loop(
                 last_loss = out["loss"]
                 window_sum, window_n = window_sum + out["loss"], window_n + 1
                 stop = preemption.agreed(device)  # every rank stops at the same boundary
-                if state.step % cfg.metrics.log_every == 0 or state.step in (1, steps) or stop:
+                evaluated = (
+                    evaluate(state.params)
+                    if evaluate is not None and (state.step % cfg.eval.every == 0 or state.step == steps)
+                    else {}
+                )
+                if state.step % cfg.metrics.log_every == 0 or state.step in (1, steps) or stop or evaluated:
                     sinks.write(
                         state.step,
                         {
                             **out,
+                            **evaluated,
                             "loss_avg": float(window_sum) / window_n,
                             "lr": lr_at(state.step - 1),
                             **meter.flush(),
@@ -357,6 +382,7 @@ def _loop(
                     window_sum, window_n = 0.0, 0
                 if ckpt is not None:
                     ckpt.maybe_save(state, force=state.step == steps or bool(stop), defer_staging=True)
+                profiler.step(state.step)  # [profile]: a trace is one turn of this loop, its records and save in
         failed = False
     finally:
         _close(ckpt, sinks, failed=failed)

@@ -19,6 +19,7 @@ HELP = {
     "rendezvous": ["rendezvous", "--help"],
     "data": ["data", "prepare", "--help"],
     "plan": ["plan", "--help"],
+    "generate": ["generate", "--help"],
 }
 
 
@@ -104,6 +105,7 @@ BAD_VALUE = {
     "export": (["export", "hf", "/nonexistent/ck", "/nonexistent/out"], "/nonexistent/ck"),
     "import": (["import", "hf", "/nonexistent/hf", "/nonexistent/out"], "/nonexistent/hf"),
     "data": (["data", "prepare", "/nonexistent/c.txt", "--out", "/nonexistent/s"], "/nonexistent/c.txt"),
+    "generate": (["generate", "--checkpoint", "/nonexistent/ck", "--prompt", "x"], "/nonexistent/ck"),
 }
 
 
@@ -129,6 +131,7 @@ ABBREVIATION = {  # the command as typed, and the prefix its one line names
     "data": (["data", "prepare", "/nonexistent/c.txt", "--out", "/nonexistent/s", "--work", "2"], "--work"),
     "export": (["export", "hf", "/nonexistent/ck", "/nonexistent/out", "--max-shard", "5"], "--max-shard"),
     "import": (["import", "hf", "/nonexistent/hf", "/nonexistent/out", "--dt", "bfloat16"], "--dt"),
+    "generate": (["generate", "--checkpoint", "/nonexistent/ck", "--prompt", "x", "--temp", "1"], "--temp"),
 }
 
 

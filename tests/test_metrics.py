@@ -354,13 +354,14 @@ def test_tensorboard_events_read_back(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     sink = TensorBoardSink(tmp_path / "tb")
-    sink.write(1, {"loss": 3.0, "mfu": None})
+    sink.write(1, {"loss": 3.0, "mfu": None, "eval/loss": 3.5, "mine": 1})
     sink.write(2, {"loss": 2.5, "mfu": 40.0})
     sink.close()
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 3.0), (2, 2.5)]
-    assert [(e.step, e.value) for e in acc.Scalars("mfu")] == [(2, 40.0)]  # None was skipped
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 3.0), (2, 2.5)]  # tagged by its group
+    assert [(e.step, e.value) for e in acc.Scalars("perf/mfu")] == [(2, 40.0)]  # None was skipped
+    assert sorted(acc.Tags()["scalars"]) == ["eval/loss", "mine", "perf/mfu", "train/loss"]  # eval/, unlisted: as is
 
 
 def test_make_sinks_gives_rank_zero_everything_and_others_nothing(tmp_path, capsys):

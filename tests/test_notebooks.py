@@ -63,6 +63,7 @@ CLAIMS: dict[str, dict[str, str]] = {
         "equal": "{'resumed at step 10': [resumed[s] for s in range(11, 21)]}",
         "reference": "[first[s] for s in range(11, 21)]",
         "identical": "[len(same), len(single)]",
+        "generated": "[ours, theirs]",
     },
 }
 _MARK = "FUNCTITAN-CLAIMS "
@@ -93,6 +94,9 @@ def _check_claims(name: str, cell) -> None:
     if "identical" in got:
         same, total = got["identical"]
         assert same == total > 0, f"{name}: {same} of {total} parameters identical"
+    if "generated" in got:  # functitan generate and transformers' generate, token for token
+        ours, theirs = got["generated"]
+        assert ours == theirs and len(ours) > 0, f"{name}: functitan generated {ours}, transformers {theirs}"
 
 
 def test_there_are_notebooks():

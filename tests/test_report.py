@@ -17,12 +17,14 @@ PIL = pytest.importorskip("PIL.Image")
 pytest.importorskip("matplotlib")
 
 
-def _write_run(run_dir, *, steps: int, lr: float, config: dict | None = None) -> None:
+def _write_run(run_dir, *, steps: int, lr: float, config: dict | None = None, eval_every: int = 0) -> None:
     sink = JsonlSink(run_dir / "metrics.jsonl")
     for step in range(2, steps + 1, 2):
+        evaluated = {"eval/loss": 6.0 - step / 10, "eval/perplexity": math.exp(6.0 - step / 10)}
         sink.write(
             step,
             {
+                **(evaluated if eval_every and step % eval_every == 0 else {}),
                 "loss": 5.5 * math.exp(-step * lr * 30) + 0.1 * (step % 3),
                 "grad_norm": 1 + 1 / step,
                 "lr": lr,
@@ -82,6 +84,16 @@ def test_one_run_report_lands_in_the_run_dir_and_summary_is_right(tmp_path):
     assert row["median MFU %"] == 40.0
     assert row["peak memory GiB"] == pytest.approx(0.6)
     assert row["final loss"] == pytest.approx(5.5 * math.exp(-10 * 3e-3 * 30) + 0.1)
+    assert row["final eval loss"] is None  # no [eval]: n/a in the table
+
+
+def test_a_run_with_eval_reports_its_last_eval_loss_and_draws_it(tmp_path):
+    """[eval] records (eval/loss every 4 steps) give the summary's final eval loss, in the HTML table too."""
+    _write_run(tmp_path, steps=10, lr=3e-3, eval_every=4)
+    assert summarize(load_run(tmp_path))["final eval loss"] == pytest.approx(6.0 - 8 / 10)
+    assert cli_main(["report", str(tmp_path)]) == 0
+    text = (tmp_path / "report.html").read_text()
+    assert "<th>final eval loss</th>" in text and "<td>5.2</td>" in text
 
 
 def test_smooth_is_debiased_ema():

@@ -66,6 +66,23 @@ def _writable_dir(path: str, *, must_be_new: bool = False) -> None:
         ) from None
 
 
+def _export_tokenizer(checkpoint: str, choice: str) -> tuple[object | None, str]:
+    """``(the tokenizer export hf writes, what the closing line says of it)`` for ``--tokenizer``."""
+    from ..data import load_tokenizer, run_tokenizer
+    from ._hf import recorded_run_config
+
+    if choice == "none":
+        return None, "no tokenizer: --tokenizer=none"
+    if choice != "run":
+        return load_tokenizer(Path(choice)), f"tokenizer {choice}"
+    run = recorded_run_config(checkpoint)
+    if run is None:
+        return None, "no tokenizer: this checkpoint has no run record; add one with --tokenizer=FILE"
+    data = run["data"]
+    which = data.get("tokenizer") or ("the shards' tokenizer" if data.get("path") else "the byte tokenizer")
+    return run_tokenizer(data), f"with the run's tokenizer, {which}, and generation_config.json"
+
+
 EXAMPLES = {
     "export": "examples:\n  functitan export hf runs/llama-20260101-120000/checkpoints/200 hf_out/\n"
     "  python -c \"import transformers as t; t.AutoModelForCausalLM.from_pretrained('hf_out')\"\n"
@@ -97,6 +114,11 @@ def _parser(command: str, fmt: str) -> CommandParser:
         if fmt == "hf":
             parser.add_argument("out", help="the Hugging Face directory to write")
             parser.add_argument("--max-shard-bytes", type=int, default=MAX_SHARD_BYTES)
+            parser.add_argument(
+                "--tokenizer",
+                default="run",
+                help="the tokenizer files to include: run (the one the run trained with), a tokenizer.json, or none",
+            )
         else:
             parser.add_argument(
                 "out", help="the DCP checkpoint directory to write (new; e.g. outputs/checkpoint/step-200)"
@@ -144,8 +166,14 @@ def _main(command: str, args: list[str]) -> int:
             check_checkpoint_path(ns.checkpoint)
             _writable_dir(ns.out)
             model, cfg = recorded_model(ns.checkpoint)
-            export_hf(ns.checkpoint, ns.out, model=model, cfg=cfg, max_shard_bytes=ns.max_shard_bytes)
-            print(f"functitan: wrote a Hugging Face {model.hf.architecture if model.hf else model.name} to {ns.out}")
+            tokenizer, note = _export_tokenizer(ns.checkpoint, ns.tokenizer)
+            export_hf(
+                ns.checkpoint, ns.out, model=model, cfg=cfg, tokenizer=tokenizer, max_shard_bytes=ns.max_shard_bytes
+            )
+            print(
+                f"functitan: wrote a Hugging Face {model.hf.architecture if model.hf else model.name} to {ns.out}"
+                f" ({note})"
+            )
         elif command == "export":
             from ._dcp import torchtitan_keys
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,28 @@ def export_hf(
     *,
     model: Model | None = None,
     cfg: Any = None,
+    tokenizer: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Convert a functitan checkpoint (a trainer's step directory, or ``import_hf``'s output) into an HF
-    directory. ``model`` and ``cfg`` default to the record beside the checkpoint; ``kwargs`` as ``save_hf``'s."""
+    directory. ``model`` and ``cfg`` default to the record beside the checkpoint; ``kwargs`` as ``save_hf``'s.
+
+    With ``tokenizer`` (``functitan.data.run_tokenizer`` gives the run's) the directory is complete: its
+    ``tokenizer.json`` and ``tokenizer_config.json``, and the BOS / EOS / pad ids in ``config.json`` and
+    ``generation_config.json``, so ``AutoTokenizer`` and ``generate`` stop on the token the run ended documents
+    with (without them transformers falls back to ids 1 and 2)."""
+    from functitan.data import save_hf_tokenizer
+
     model, cfg, params = saved_params(ckpt_dir, model, cfg)
-    save_hf(params, model, cfg, out_dir, **kwargs)
+    ids = {}
+    if tokenizer is not None:
+        ids = {"bos_token_id": int(tokenizer.bos_id), "eos_token_id": int(tokenizer.eos_id)}
+        ids["pad_token_id"] = ids["eos_token_id"]  # no pad token of its own: generate pads with EOS
+    save_hf(params, model, cfg, out_dir, extra_config={**ids, **kwargs.pop("extra_config", {})}, **kwargs)
+    if tokenizer is not None:
+        save_hf_tokenizer(tokenizer, out_dir, model_max_length=getattr(cfg, "max_seq_len", None))
+        generation = {**ids, "_from_model_config": False}
+        (Path(out_dir) / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return cfg
 
 

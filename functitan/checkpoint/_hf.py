@@ -47,6 +47,7 @@ __all__ = [
     "write_model_config",
     "recorded_model_config",
     "recorded_model",
+    "recorded_run_config",
 ]
 
 CONFIG_NAME = "config.json"
@@ -349,6 +350,18 @@ def recorded_model_config(ckpt_dir: str | os.PathLike) -> tuple[str, dict[str, A
                     f"written by an older functitan: rewrite it as {{'name': ..., 'config': {{...}}}}"
                 )
             return record["name"], record["config"]
+    return None
+
+
+def recorded_run_config(ckpt_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The config of the run that wrote ``ckpt_dir`` (its run directory's ``config.json``, the trainer's record
+    beside ``model_config.json``), or None (``import_hf``'s output, a checkpoint copied elsewhere)."""
+    start = Path(ckpt_dir).resolve()
+    for d in (start, *start.parents):
+        if (d / MODEL_CONFIG).is_file():
+            run = d / CONFIG_NAME
+            record = _read_json(run) if run.is_file() else None
+            return record if isinstance(record, dict) and isinstance(record.get("data"), dict) else None
     return None
 
 

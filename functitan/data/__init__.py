@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from functitan._lazy import lazy_exports
 from functitan.data._config import DataConfig
 from functitan.data._corpus import DEFAULT_CORPUS_BYTES, default_corpus, expand_paths, read_documents
+from functitan.data._hf_tokenizer import run_tokenizer, save_hf_tokenizer
 from functitan.data._prepare import DataError, prepare
 from functitan.data._shards import ShardSet
 from functitan.data._tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -28,6 +29,8 @@ __all__ = [
     "Tokenizer",
     "ByteTokenizer",
     "load_tokenizer",
+    "run_tokenizer",
+    "save_hf_tokenizer",
     "DEFAULT_CORPUS_BYTES",
     "default_corpus",
     "expand_paths",

@@ -17,8 +17,13 @@ The global stream (the same on every rank, whatever the data-parallel size):
 The iterator state ``{"epoch": e, "seq": n}`` says "n sequences of epoch e are consumed" in global units.
 It is identical on every rank and does not depend on ``dp_size`` or ``batch_size``, so a run saved with 8
 data-parallel ranks resumes with 4 (or 1, or a different per-rank batch size) at the same point of the
-global stream. It does depend on ``seq_len``, the files, the tokenizer, ``add_bos`` and ``seed``: change
-any of them and the same state points into a different stream.
+global stream. It does depend on ``seq_len``, the files, the tokenizer, ``add_bos``, ``seed`` and
+``holdout``: change any of them and the same state points into a different stream.
+
+A holdout splits the documents in two, once and for all: document ``d`` of a file is held out when a uniform
+draw keyed by the file's name and ``d`` falls below ``holdout``, whatever the epoch, the shuffle seed or the
+data-parallel size. The training loader (``held_out=False``) streams the others and the evaluation loader
+(``held_out=True``) these, so no evaluated token is ever trained on (``[eval] holdout``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import bisect
 import operator
 import os
+import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -49,6 +55,7 @@ __all__ = ["TokenLoader", "build_loader", "dp_coords"]
 
 _STATE_KEYS = ("epoch", "seq")
 _DOC_ORDERS_KEPT = 8  # per epoch: the files whose document order is kept between batches
+_HOLDOUT_SALT = 0x4F1D  # keys the holdout draw apart from the shuffle seeds
 
 
 class _FileTokens(NamedTuple):
@@ -95,6 +102,8 @@ class TokenLoader:
         text_key: the field holding the text in JSONL files.
         add_bos: also put BOS before each document (EOS always follows it).
         device: where the batch tensors go (default: stay on the CPU, for the trainer to move).
+        holdout: the share of each file's documents set aside for evaluation (see the module docstring).
+        held_out: stream the held-out documents instead of the others.
 
     >>> loader = TokenLoader(batch_size=2, seq_len=16)  # the stdlib as a corpus, byte tokens
     >>> batch, state = loader.next(loader.init_state())
@@ -116,7 +125,11 @@ class TokenLoader:
         text_key: str = "text",
         add_bos: bool = False,
         device: torch.device | str | None = None,
+        holdout: float = 0.0,
+        held_out: bool = False,
     ):
+        if not 0.0 <= holdout < 1.0 or (held_out and holdout == 0.0):
+            raise ValueError(f"TokenLoader: holdout must be in [0, 1) (and > 0 with held_out=True), got {holdout!r}")
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("dp_size", dp_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"TokenLoader: {name} must be a positive int, got {value!r}")
@@ -142,6 +155,8 @@ class TokenLoader:
         self.text_key, self.add_bos, self.device = text_key, add_bos, device
         self._dtype = np.uint16 if self.tokenizer.vocab_size <= 2**16 else np.uint32
         self._specials = 1 + int(add_bos)  # special tokens per document
+        self.holdout, self.held_out = holdout, held_out
+        self._kept: dict[int, np.ndarray] = {}  # file id -> the ids of the documents this loader streams
         self._cache: dict[int, _FileTokens] = {}
         self._epochs: dict[int, _Epoch] = {}
         self._total: int | None = None  # tokens per epoch, known once one epoch has been walked to its end
@@ -172,6 +187,10 @@ class TokenLoader:
         if self.device is not None:
             inputs, targets = inputs.to(self.device), targets.to(self.device)
         return {"inputs": inputs, "targets": targets}, {"epoch": e, "seq": j}
+
+    def holds(self, sequences: int) -> bool:
+        """Whether one epoch holds this many sequences (indexes only the files it takes to tell)."""
+        return self._reach(self._epoch(0), sequences * (self.seq_len + 1))
 
     @property
     def sequences_per_epoch(self) -> int:
@@ -248,8 +267,8 @@ class TokenLoader:
         """Tokens ``[lo, hi)`` of one file's block (its documents in this epoch's order) into ``out``."""
         ft = self._tokens(fid)
         if fid not in ep.docs:
-            n_docs = len(ft.starts) - 1
-            order = np.random.default_rng([self.seed, epoch, fid]).permutation(n_docs)
+            kept = self._documents(fid)
+            order = kept[np.random.default_rng([self.seed, epoch, fid]).permutation(len(kept))]
             ep.docs[fid] = (order, np.cumsum(np.diff(ft.starts)[order] + self._specials))
             if len(ep.docs) > _DOC_ORDERS_KEPT:
                 ep.docs.popitem(last=False)
@@ -272,11 +291,25 @@ class TokenLoader:
                 out[lo - i : hi - i] = src if src is not None else ft.tokens[s + lo - nb : s + hi - nb]
 
     def _size(self, fid: int) -> tuple[int, int]:
-        """``(tokens, documents)`` of one file (a shard's from its index, without reading it)."""
-        if self.shards is not None:
+        """``(tokens, documents)`` this loader streams of one file (a whole shard's from its index, unread)."""
+        if self.shards is not None and not self.holdout:
             return self.shards.size(fid)
-        ft = self._tokens(fid)
-        return len(ft.tokens), len(ft.starts) - 1
+        starts = self._tokens(fid).starts
+        if not self.holdout:
+            return int(starts[-1]), len(starts) - 1
+        kept = self._documents(fid)
+        return int((starts[kept + 1] - starts[kept]).sum()), len(kept)
+
+    def _documents(self, fid: int) -> np.ndarray:
+        """The ids of the documents of file ``fid`` this loader streams: all, or one side of the holdout."""
+        if fid not in self._kept:
+            n_docs = len(self._tokens(fid).starts) - 1
+            if not self.holdout:
+                return np.arange(n_docs)
+            name = self.shards.shards[fid]["name"] if self.shards is not None else os.fspath(self.files[fid])
+            draw = np.random.default_rng([_HOLDOUT_SALT, zlib.crc32(name.encode())]).random(n_docs)
+            self._kept[fid] = np.flatnonzero((draw < self.holdout) == self.held_out)
+        return self._kept[fid]
 
     def _tokens(self, fid: int) -> _FileTokens:
         if self.shards is not None:
@@ -322,8 +355,11 @@ def build_loader(
     dp_rank: int = 0,
     dp_size: int = 1,
     device: torch.device | str | None = None,
+    holdout: float = 0.0,
+    held_out: bool = False,
 ) -> TokenLoader:
-    """The TokenLoader that ``cfg`` describes, for one data-parallel rank."""
+    """The TokenLoader that ``cfg`` describes, for one data-parallel rank (``holdout``, ``held_out``: one side
+    of a split of its documents, see ``TokenLoader``)."""
     if cfg.path is not None:
         if cfg.paths:
             raise ValueError(f"data.path={cfg.path} and data.paths={list(cfg.paths)}: give one (path: prepared shards)")
@@ -353,4 +389,6 @@ def build_loader(
         text_key=cfg.text_key,
         add_bos=cfg.add_bos,
         device=device,
+        holdout=holdout,
+        held_out=held_out,
     )

@@ -1,8 +1,8 @@
 """A picture of one or more runs: ``functitan report RUN_DIR ...`` -> a PNG and a self-contained HTML page.
 
 Reads each run's ``metrics.jsonl`` (one record per log step, written by `JsonlSink`), draws eight panels
-(loss raw and smoothed, lr, grad norm, tokens/s, TFLOP/s, MFU, peak memory, data time per step) with every
-run overlaid, and a summary table (steps, final loss, median tokens/s, median MFU, peak memory). The HTML
+(loss raw and smoothed, and the eval loss of runs with [eval], lr, grad norm, tokens/s, TFLOP/s, MFU, peak memory, data time per step) with every
+run overlaid, and a summary table (steps, final loss, final eval loss, median tokens/s, median MFU, peak memory). The HTML
 page holds the same image inline (base64) plus the table and the config keys in which the runs differ: one
 file, no network, opens anywhere.
 
@@ -132,6 +132,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "run": run.name,
         "steps": run.records[-1]["step"],
         "final loss": losses[-1] if losses else None,
+        "final eval loss": evals[-1] if (evals := run.series("eval/loss")[1]) else None,
         "median tokens/s": _median(run, "tokens_per_s"),
         "median MFU %": _median(run, "mfu"),
         "peak memory GiB": max(mem) if mem else None,
@@ -163,11 +164,13 @@ def _figure(runs: Sequence[Run], smoothing: float):
         steps, loss = run.series("loss")
         axes[0].plot(steps, loss, color=color, alpha=0.3, linewidth=1)
         axes[0].plot(steps, smooth(loss, smoothing), color=color, linewidth=2, label=run.name)
+        if run.series("eval/loss")[0]:  # [eval]: the held-out loss at its steps
+            axes[0].plot(*run.series("eval/loss"), color=color, linestyle="--", marker="o", markersize=4)
         for ax, (_, _, key) in zip(axes[1:], PANELS):
             key = key or run.memory_key
             if key:
                 ax.plot(*run.series(key), color=color, linewidth=1.5, label=run.name)
-    axes[0].set_title(f"loss (faint: raw; bold: smoothed, weight {smoothing})")
+    axes[0].set_title(f"loss (faint: raw; bold: smoothed, weight {smoothing}; dashed: eval)")
     axes[0].set_ylabel("cross-entropy")
     for ax, (title, ylabel, _key) in zip(axes[1:], PANELS):
         ax.set_title(title)

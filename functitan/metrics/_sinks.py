@@ -1,11 +1,14 @@
-"""Where metrics go: a console progress line, a JSONL file, TensorBoard; one tiny interface for all.
+"""Where metrics go: a console progress line, a JSONL file, TensorBoard, W&B; one tiny interface for all.
 
 A sink is anything with ``write(step, metrics)`` and ``close()``; ``metrics`` maps a name to a number or
-None (absent, e.g. MFU on an unknown GPU). The trainer holds one ``MultiSink`` from ``make_sinks``.
+None (absent, e.g. MFU on an unknown GPU). The trainer holds one ``MultiSink`` from ``make_sinks``. The console
+and metrics.jsonl keep the plain keys (``loss``, ``mfu``); TensorBoard and W&B file them under a group
+(``train/loss``, ``perf/mfu``: ``GROUPS``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,9 +16,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol, TextIO
+from pathlib import Path
+from typing import Any, Protocol, TextIO
 
-__all__ = ["Sink", "ConsoleSink", "JsonlSink", "TensorBoardSink", "MultiSink", "make_sinks"]
+__all__ = ["Sink", "ConsoleSink", "JsonlSink", "TensorBoardSink", "WandbSink", "MultiSink", "make_sinks", "GROUPS"]
 
 Metrics = Mapping[str, "float | int | None"]
 
@@ -42,6 +46,57 @@ def _scalar(key: str, value) -> float | int | None:
     )
 
 
+# The group of each metric key in TensorBoard and W&B, whose tag is "<group>/<key>" (both draw a group's panels
+# together). A key with a "/" of its own (aux/<key>, eval/loss) is its own tag, and so is a key not listed here.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "train": ("loss", "loss_avg", "grad_norm", "lr", "skipped"),
+    "perf": (
+        "tokens_per_s",
+        "tokens_per_s_per_device",
+        "tflops",
+        "mfu",
+        "mfu_above_peak",
+        "step_time_s",
+        "data_time_s",
+        "checkpoint_wait_s",
+    ),
+    "memory": (
+        "mem_max_alloc_gib",
+        "mem_max_reserved_gib",
+        "mem_max_reserved_pct",
+        "mem_alloc_retries",
+        "mem_ooms",
+        "mem_max_rss_gib",
+        "mem_max_rss_since_start_gib",
+    ),
+    "data": ("data_epoch", "data_seq", "batch_tokens", "world_size"),
+    "elastic": ("replicas", "retries", "units"),  # elastic.live
+}
+_GROUP_OF = {key: group for group, keys in GROUPS.items() for key in keys}
+
+
+def _tag(key: str) -> str:
+    """``loss`` -> ``train/loss``, ``mfu`` -> ``perf/mfu``; ``eval/loss`` and an unlisted key as they are."""
+    group = _GROUP_OF.get(key)
+    return f"{group}/{key}" if group else key
+
+
+def _config_views(config: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """``(a JSON-ready dict, a TOML text)`` of a run's config (a dataclass such as ``JobConfig``, or a mapping)."""
+    if config is None:
+        return None, None
+    from ..config import to_dict, to_toml  # the metrics package imports no config at import time
+
+    if isinstance(config, Mapping):
+        as_dict = json.loads(json.dumps(dict(config), default=str))
+        return as_dict, json.dumps(as_dict, indent=2)
+    as_dict = json.loads(json.dumps(to_dict(config), default=str))
+    try:
+        return as_dict, to_toml(config, every_key_of=tuple(as_dict))
+    except TypeError:  # a value set from Python that TOML cannot spell (a model override's object): as JSON
+        return as_dict, json.dumps(as_dict, indent=2)
+
+
 # --- console -------------------------------------------------------------------------------------------
 
 
@@ -61,6 +116,7 @@ def _hms(seconds: float) -> str:
 _FIELDS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("loss", "loss", lambda v: f"{v:.4f}"),
     ("loss_avg", "avg", lambda v: f"{v:.4f}"),
+    ("eval/loss", "eval", lambda v: f"{v:.4f}"),
     ("grad_norm", "gnorm", lambda v: f"{v:.3f}"),
     ("lr", "lr", lambda v: f"{v:.2e}"),
     ("tokens_per_s", "tok/s", _si),
@@ -169,20 +225,26 @@ class JsonlSink:
 class TensorBoardSink:
     """Scalars to TensorBoard event files via ``torch.utils.tensorboard.SummaryWriter``.
 
+    Each key is a tag under its group (``train/loss``, ``perf/mfu``, ``memory/mem_max_rss_gib``: ``GROUPS``).
     None values are skipped (TensorBoard has no "absent"). Flushed every write: the log interval is
     already coarse, and a crashed run keeps its curves.
 
     Args:
       logdir: the event-file folder (created).
+      config: the run's config (a ``JobConfig``, any dataclass config, or a mapping): written once as the text
+        ``config`` (TOML, every key; TensorBoard's Text tab).
     """
 
-    def __init__(self, logdir: str | os.PathLike):
+    def __init__(self, logdir: str | os.PathLike, *, config: Any = None):
         from torch.utils.tensorboard import SummaryWriter  # imported here: tensorboard is slow to import
 
         self.logdir = os.fspath(logdir)
         self._writer = SummaryWriter(log_dir=self.logdir)
         self._previous_hook = threading.excepthook
         threading.excepthook = self._quiet_writer_thread
+        text = _config_views(config)[1]
+        if text is not None:  # indented: a code block in TensorBoard's markdown, the TOML as written
+            self._named(lambda: self._writer.add_text("config", "\n".join("    " + s for s in text.splitlines()), 0))
 
     def _quiet_writer_thread(self, args: threading.ExceptHookArgs) -> None:
         """The event writer's thread dies of an OSError (a full disk) with a traceback of its own; the error comes
@@ -201,7 +263,7 @@ class TensorBoardSink:
             for key, value in metrics.items():
                 value = _scalar(key, value)
                 if value is not None:
-                    self._writer.add_scalar(key, float(value), global_step=int(step))
+                    self._writer.add_scalar(_tag(key), float(value), global_step=int(step))
             self._writer.flush()
 
         self._named(add)
@@ -212,6 +274,69 @@ class TensorBoardSink:
         finally:
             if threading.excepthook == self._quiet_writer_thread:
                 threading.excepthook = self._previous_hook
+
+
+class WandbSink:
+    """Scalars to a Weights & Biases run, under TensorBoard's tags (``train/loss``, ``perf/mfu``: ``GROUPS``).
+
+    The W&B run is named after the run directory, its config is the job's, and its id is kept in
+    ``<run_dir>/wandb_id``: the same command resuming the run (its ``metrics.run_name``) continues the same W&B
+    run. W&B's own files go to ``<run_dir>/wandb/`` unless ``WANDB_DIR`` says otherwise. None values are skipped.
+
+    Args:
+      run_dir: the run directory (created).
+      project: the W&B project.
+      entity: the W&B team or user; None: the logged-in user's default.
+      mode: ``online``, ``offline`` (sync later with ``wandb sync``) or ``disabled``; None: W&B's own choice
+        (``WANDB_MODE``, else ``wandb offline`` / ``wandb online`` in that directory, else online).
+      config: the run's config (a ``JobConfig``, any dataclass config, or a mapping): the W&B run's config.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        project: str = "functitan",
+        entity: str | None = None,
+        mode: str | None = None,
+        config: Any = None,
+    ):
+        try:
+            import wandb  # imported here: an optional extra, slow to import
+        except ImportError:
+            raise ImportError("metrics.wandb=true needs wandb: pip install 'functitan[wandb]'") from None
+        from ..errors import UserError
+
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        id_file = run_dir / "wandb_id"
+        known = id_file.read_text().strip() if id_file.exists() else None
+        try:
+            self._run = wandb.init(
+                project=project,
+                entity=entity,
+                name=run_dir.name,
+                id=known,
+                resume="allow" if known else None,
+                mode=mode,  # type: ignore[arg-type]  # checked by MetricsConfig
+                config=_config_views(config)[0],
+                # read at each start: W&B reads its environment once per process
+                dir=os.environ.get("WANDB_DIR") or str(run_dir),
+            )
+        except wandb.errors.Error as e:  # no API key, a bad entity or project: the user's to fix
+            raise UserError(
+                f"metrics.wandb=true: W&B did not start: {' '.join(str(e).split())} (or train without it: "
+                "--metrics.wandb_mode=offline keeps the run here for `wandb sync`)"
+            ) from None
+        if known is None:
+            id_file.write_text(self._run.id + "\n")
+
+    def write(self, step: int, metrics: Metrics) -> None:
+        logged = {_tag(k): v for k, v in ((k, _scalar(k, v)) for k, v in metrics.items()) if v is not None}
+        self._run.log(logged, step=int(step))
+
+    def close(self) -> None:
+        self._run.finish()
 
 
 # --- composition ---------------------------------------------------------------------------------------
@@ -244,19 +369,44 @@ class MultiSink:
         self.close()
 
 
-def make_sinks(run_dir: str | os.PathLike, total_steps: int, *, rank: int) -> MultiSink:
-    """The sinks of one rank: rank 0 gets console, ``<run_dir>/metrics.jsonl`` and ``<run_dir>/tb``.
+def make_sinks(
+    run_dir: str | os.PathLike, total_steps: int, *, rank: int, metrics: Any = None, config: Any = None
+) -> MultiSink:
+    """The sinks of one rank: rank 0 gets console, ``<run_dir>/metrics.jsonl`` and ``<run_dir>/tb``, and W&B
+    when ``metrics.wandb`` says so.
 
     Other ranks get an empty ``MultiSink``: the metrics they would log are already reduced onto rank 0,
     and N processes writing one terminal or file only garbles it.
+
+    Args:
+      metrics: the ``[metrics]`` section (``functitan.job_config.MetricsConfig``); its ``wandb*`` keys add a
+        ``WandbSink``. None: no W&B.
+      config: the run's config (a ``JobConfig``): TensorBoard's ``config`` text and the W&B run's config.
     """
     if rank != 0:
         return MultiSink(())
     run_dir = os.fspath(run_dir)
-    return MultiSink(
-        (
-            ConsoleSink(total_steps),
-            JsonlSink(os.path.join(run_dir, "metrics.jsonl")),
-            TensorBoardSink(os.path.join(run_dir, "tb")),
+    makers: list[Callable[[], Sink]] = [
+        lambda: ConsoleSink(total_steps),
+        lambda: JsonlSink(os.path.join(run_dir, "metrics.jsonl")),
+        lambda: TensorBoardSink(os.path.join(run_dir, "tb"), config=config),
+    ]
+    if metrics is not None and metrics.wandb:
+        makers.append(
+            lambda: WandbSink(
+                run_dir,
+                project=metrics.wandb_project,
+                entity=metrics.wandb_entity,
+                mode=metrics.wandb_mode,
+                config=config,
+            )
         )
-    )
+    made: list[Sink] = []
+    try:
+        for make in makers:
+            made.append(make())
+    except BaseException:
+        with contextlib.suppress(Exception):  # the error that stopped the start is the one to see
+            MultiSink(made).close()  # a sink that fails to start leaves no writer thread of the others behind
+        raise
+    return MultiSink(made)

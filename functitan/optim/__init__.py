@@ -41,6 +41,17 @@ if TYPE_CHECKING:  # imported on first use (functitan._lazy): they import torch,
         multi_transform,
         param_ema,
     )
+    from functitan.optim._muon import (
+        MUON_STACK_AXES,
+        MUON_TABLE_AXES,
+        NS_COEFFICIENTS,
+        ScaleByMuonState,
+        default_muon_labels,
+        muon,
+        muon_labels_from_specs,
+        orthogonalize,
+        scale_by_muon,
+    )
     from functitan.optim._norm import global_norm
     from functitan.optim._transforms import (
         NO_DECAY_AXES,
@@ -87,6 +98,17 @@ __getattr__ = lazy_exports(
             "multi_steps",
             "multi_transform",
             "param_ema",
+        ),
+        "._muon": (
+            "MUON_STACK_AXES",
+            "MUON_TABLE_AXES",
+            "NS_COEFFICIENTS",
+            "ScaleByMuonState",
+            "default_muon_labels",
+            "muon",
+            "muon_labels_from_specs",
+            "orthogonalize",
+            "scale_by_muon",
         ),
         "._norm": ("global_norm",),
         "._transforms": (
@@ -158,4 +180,13 @@ __all__ = [
     "adafactor",
     "scale_by_factored_rms",
     "FactoredState",
+    "muon",
+    "scale_by_muon",
+    "ScaleByMuonState",
+    "orthogonalize",
+    "default_muon_labels",
+    "muon_labels_from_specs",
+    "MUON_TABLE_AXES",
+    "MUON_STACK_AXES",
+    "NS_COEFFICIENTS",
 ]
