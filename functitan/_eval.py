@@ -41,6 +41,7 @@ def eval_loader(cfg: JobConfig, train: TokenLoader, device: torch.device) -> Tok
     ev = cfg.eval
     if not ev.every:
         return None
+    ev.check_data()
 
     def shaped(data: Any, **holdout: Any) -> TokenLoader:
         return build_loader(

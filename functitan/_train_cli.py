@@ -42,10 +42,12 @@ def main(argv: Sequence[str] | None = None, *, worker: Callable[..., int] | None
             print(to_toml(parse_config(JobConfig, rest, epilog=EXAMPLE)), end="")
             return 0
         if spec is not None:
-            parse_config(JobConfig, rest, epilog=EXAMPLE)  # a bad value is reported once, before any process starts
+            # a bad value is reported once, before any process starts
+            parse_config(JobConfig, rest, epilog=EXAMPLE).eval.check_data()
             return launch(spec, rest + (["--debug"] if debug else []) + (["--dry-run"] if dry_run else []))
         watch_launcher()  # a worker of `--nproc`: dies with the launcher, even when SIGKILL leaves it no word
         cfg = parse_config(JobConfig, args, epilog=EXAMPLE)
+        cfg.eval.check_data()
         if worker is not None:
             return worker(cfg, stepper=_stepper(cfg), dry_run=dry_run)
         from .train import train_config

@@ -430,13 +430,15 @@ class EvalConfig:
                 getattr(self, given[0]),
                 f"give one source of evaluation data, not also eval.{given[1]}",
             )
-        check(
-            not self.every or bool(given),
-            "every",
-            self.every,
-            "evaluation needs tokens never trained on: add --eval.holdout=0.01 (1% of data's documents), "
-            "--eval.paths=FILES or --eval.path=SHARDS",
-        )
+
+    def check_data(self) -> None:
+        """``every`` with nothing to evaluate, refused where the built-in evaluation would run: ``functitan train``
+        checks it as it parses, ``run`` before step 1 (``run(evaluate=...)`` brings its own and needs no data)."""
+        if self.every and not (self.holdout or self.paths or self.path):
+            raise ConfigError(
+                f"eval.every={self.every}: evaluation needs tokens never trained on: add --eval.holdout=0.01 (1% of "
+                "data's documents), --eval.paths=FILES or --eval.path=SHARDS"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -65,7 +65,17 @@ __all__ = [
 EXIT_REJOIN = 3  # elastic: a peer left after a checkpoint; torchrun restarts this worker into the new group
 
 
-def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None, dry_run: bool = False) -> dict[str, Any]:
+def run(
+    cfg: JobConfig,
+    model: Model | None = None,
+    *,
+    stepper: Any = None,
+    dry_run: bool = False,
+    loader: Callable[..., Any] | None = None,
+    optimizer: optim.GradientTransformation | None = None,
+    evaluate: Callable[[Any], Mapping[str, float]] | None = None,
+    callbacks: Sequence[Callable[[int, TrainState, dict[str, Any]], Mapping[str, float] | None]] = (),
+) -> dict[str, Any]:
     """Train as ``cfg`` says; returns a summary (first/last loss, steps, run directory, final state).
 
     ``model``: the Model value to train (default: the one ``cfg.model.name`` resolves to). ``stepper``: what runs
@@ -75,6 +85,19 @@ def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None, dry_
     measures the trainer as a user runs it without patching it (benchmarks/first_step.py times each step).
     ``dry_run``: build everything (mesh, data, model, placed params, optimizer state), print the banner, and
     return before the run directory, the checkpoint or a step is touched.
+
+    The hooks replace one piece each and leave the rest of the loop (layouts, checkpoints, sinks) as it is:
+
+    - ``loader(cfg, *, batch_size, seq_len, dp_rank, dp_size, device)``: this rank's data instead of ``[data]``'s,
+      anything with ``init_state()``, ``next(state) -> (batch, state)`` (a functional iterator: the state goes
+      into checkpoints), ``batch_size``, ``dp_size`` and ``vocab_size`` (or a ``tokenizer`` that has it);
+      ``batch`` is what the model's loss takes.
+    - ``optimizer``: the transformation to step with instead of ``[optimizer]``'s (clipping by
+      ``optimizer.max_norm`` still happens in the step; the logged ``lr`` is then left out).
+    - ``evaluate(params) -> metrics``: runs instead of ``[eval]``'s loss every ``eval.every`` steps and at the
+      last one, on every rank with the placed params; no eval data is needed.
+    - ``callbacks``: each ``callback(step, state, metrics)`` runs after every step on every rank; what it
+      returns joins that step's record, which is then written whatever ``metrics.log_every``.
     """
     if stepper is None and cfg.elastic.live:
         raise ValueError(
@@ -82,6 +105,7 @@ def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None, dry_
             "`functitan train` command does)"
         )
     stepper = stepper or local_stepper
+    custom_optimizer = optimizer is not None
     _check_degrees_and_batch(cfg)
     _check_load_path(cfg)
     device = _init_process(cfg.training)
@@ -90,20 +114,17 @@ def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None, dry_
     mesh = make_mesh(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, device=device.type)
     layout, rules = make_layout(cfg, mesh)
     per_rank, microbatches = local_batch(cfg, layout.dp_size)
-    loader = build_loader(
-        cfg.data,
-        batch_size=per_rank,
-        seq_len=tcfg.seq_len,
-        dp_rank=layout.dp_rank,
-        dp_size=layout.dp_size,
-        device=device,
-        holdout=cfg.eval.holdout,  # the documents [eval] holds out are never trained on
-    )
-    eval_data = _eval.eval_loader(cfg, loader, device)  # None without [eval]; its errors come before step 1
+    shape = dict(batch_size=per_rank, seq_len=tcfg.seq_len, dp_rank=layout.dp_rank, dp_size=layout.dp_size)
+    if loader is None:  # the documents [eval] holds out are never trained on
+        data = build_loader(cfg.data, **shape, device=device, holdout=cfg.eval.holdout)  # type: ignore[arg-type]
+    else:
+        data = loader(cfg, **shape, device=device)
+    # None without [eval] (or with an evaluate hook); its errors come before step 1
+    eval_data = _eval.eval_loader(cfg, data, device) if evaluate is None else None
 
     # 2. model and init: identical on every rank and mesh (or weights from load_path)
     rng = key(tcfg.seed)
-    name, model, model_cfg, full_params = init_model(cfg, model, rng, vocab=loader.tokenizer.vocab_size, device=device)
+    name, model, model_cfg, full_params = init_model(cfg, model, rng, vocab=_vocab_size(data), device=device)
     check_model(
         model, model_cfg, tp=par.tp, pp=par.pp, seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel
     )
@@ -113,9 +134,9 @@ def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None, dry_
     del full_params
 
     # 4. optimizer and step
-    optimizer, train_step = make_step(cfg, model, model_cfg, placed.grad_fn, placed.norm_across)
+    optimizer, train_step = make_step(cfg, model, model_cfg, placed.grad_fn, placed.norm_across, optimizer=optimizer)
     params = placed.params
-    state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=loader.init_state(), rng=rng)
+    state = TrainState(step=0, params=params, opt_state=optimizer.init(params), data_state=data.init_state(), rng=rng)
 
     run_dir = _run_dir(cfg, model.name)
     if dist.get_rank() == 0:
@@ -166,9 +187,12 @@ def run(cfg: JobConfig, model: Model | None = None, *, stepper: Any = None, dry_
         flops_per_token=model.flops_per_token(model_cfg, tcfg.seq_len),
         peak=M.peak_flops(device, layout.param_dtype or torch.float32),
     )
-    evaluate = _eval.make_evaluator(eval_data, placed.eval_loss, cfg.eval.batches) if eval_data else None
-    with lock, stepper(cfg, train_step, loader, device, loss_grad=placed.loss_grad, optimizer=optimizer) as advance:
-        return _loop(cfg, state, advance, loader, meter, ckpt, run_dir, device, evaluate)
+    if eval_data is not None:
+        evaluate = _eval.make_evaluator(eval_data, placed.eval_loss, cfg.eval.batches)
+    lr_at = None if custom_optimizer else learning_rate_schedule(cfg.optimizer, tcfg.steps)  # its own, unknown
+    hooks = _Hooks(evaluate=evaluate, callbacks=tuple(callbacks), lr_at=lr_at)
+    with lock, stepper(cfg, train_step, data, device, loss_grad=placed.loss_grad, optimizer=optimizer) as advance:
+        return _loop(cfg, state, advance, data, meter, ckpt, run_dir, device, hooks)
 
 
 def _record_run(cfg: JobConfig, name: str, model_cfg: Any, run_dir: Path) -> None:
@@ -247,10 +271,19 @@ def place_model(
     return Placed(params, grad_fn, None, loss_grad, _eval.forward_loss(objective, microbatches))
 
 
-def make_step(cfg: JobConfig, model: Model, model_cfg: Any, grad_fn: Any, norm_across: Any) -> tuple[Any, Any]:
-    """``(optimizer, train_step)`` as the config says (weight decay masked by the params' specs)."""
+def make_step(
+    cfg: JobConfig,
+    model: Model,
+    model_cfg: Any,
+    grad_fn: Any,
+    norm_across: Any,
+    *,
+    optimizer: optim.GradientTransformation | None = None,
+) -> tuple[Any, Any]:
+    """``(optimizer, train_step)`` as the config says (weight decay masked by the params' specs), or with the
+    ``optimizer`` given."""
     specs = model_specs(model.params(model_cfg))
-    optimizer = build_optimizer(
+    optimizer = optimizer or build_optimizer(
         cfg.optimizer,
         cfg.training.steps,
         decay_mask=optim.decay_mask_from_specs(specs),
@@ -264,6 +297,25 @@ def make_step(cfg: JobConfig, model: Model, model_cfg: Any, grad_fn: Any, norm_a
         on_nonfinite=cfg.training.on_nonfinite,
         donate=True,  # the loop never reads a state after stepping it: adamw updates in one fused pass
     )
+
+
+class _Hooks(NamedTuple):
+    """What ``run``'s hooks put into the loop."""
+
+    evaluate: Any  # (params) -> metrics, every eval.every steps and at the last; or None
+    callbacks: tuple[Any, ...]  # (step, state, metrics) -> metrics or None, after every step
+    lr_at: Any  # step -> lr, for the record; None with a custom optimizer (its schedule is its own)
+
+
+def _vocab_size(loader: Any) -> int:
+    """The vocabulary the model must cover: a custom loader's ``vocab_size``, or its tokenizer's."""
+    vocab = getattr(loader, "vocab_size", None) or getattr(getattr(loader, "tokenizer", None), "vocab_size", None)
+    if not isinstance(vocab, int):
+        raise TypeError(
+            f"run(loader=...) made a {type(loader).__name__} with neither vocab_size nor tokenizer.vocab_size; give "
+            "it one (the model's vocab_size must cover its ids)"
+        )
+    return vocab
 
 
 @contextlib.contextmanager
@@ -304,12 +356,13 @@ def _loop(
     ckpt: Any,
     run_dir: Path,
     device: torch.device,
-    evaluate: Any = None,
+    hooks: _Hooks = _Hooks(None, (), None),
 ) -> dict[str, Any]:
     """Step until ``training.steps``, or until SIGTERM/SIGINT: then checkpoint at this step boundary and stop.
 
-    ``evaluate(params) -> metrics`` (``[eval]``) runs every ``eval.every`` steps and at the last one, on the
-    params that step produced; its metrics join that step's record, which is written whatever ``log_every``.
+    ``hooks.evaluate(params) -> metrics`` (``[eval]``, or ``run``'s hook) runs every ``eval.every`` steps and at
+    the last one, on the params that step produced, and each of ``hooks.callbacks`` after every step; what they
+    return joins that step's record, which is then written whatever ``log_every``.
 
     A save copies the state into its staging buffers in the background (on CUDA: pinned buffers, the copy
     engine) while the next step computes its gradients; that step's in-place update waits for the copy first
@@ -319,7 +372,7 @@ def _loop(
     and CPU tests run the one GPU users take.
     """
     steps = cfg.training.steps
-    lr_at = learning_rate_schedule(cfg.optimizer, steps)
+    evaluate, every = hooks.evaluate, cfg.eval.every
     sinks = M.make_sinks(run_dir, steps, rank=dist.get_rank(), metrics=cfg.metrics, config=cfg)
     batch_seqs = loader.batch_size * loader.dp_size  # global: constant over world sizes (elastic)
     start = state.step  # 0, or the step a checkpoint resumed at; elastic.live: a peer may heal us further on
@@ -359,19 +412,21 @@ def _loop(
                 last_loss = out["loss"]
                 window_sum, window_n = window_sum + out["loss"], window_n + 1
                 stop = preemption.agreed(device)  # every rank stops at the same boundary
-                evaluated = (
-                    evaluate(state.params)
-                    if evaluate is not None and (state.step % cfg.eval.every == 0 or state.step == steps)
+                extra = (  # [eval] and the callbacks: they decide when the record is written too
+                    dict(evaluate(state.params))
+                    if evaluate is not None and every and (state.step % every == 0 or state.step == steps)
                     else {}
                 )
-                if state.step % cfg.metrics.log_every == 0 or state.step in (1, steps) or stop or evaluated:
+                for callback in hooks.callbacks:
+                    extra.update(callback(state.step, state, out) or {})
+                if state.step % cfg.metrics.log_every == 0 or state.step in (1, steps) or stop or extra:
                     sinks.write(
                         state.step,
                         {
                             **out,
-                            **evaluated,
+                            **extra,
                             "loss_avg": float(window_sum) / window_n,
-                            "lr": lr_at(state.step - 1),
+                            **({"lr": hooks.lr_at(state.step - 1)} if hooks.lr_at is not None else {}),
                             **meter.flush(),
                             **M.peak_memory(device),
                             **_position(position, batch_seqs, cfg, out.get("replicas", 1) * dist.get_world_size()),
@@ -417,13 +472,12 @@ def _close(ckpt: Any, sinks: Any, *, failed: bool) -> None:
 
 
 def _position(data_state: Any, batch_seqs: int, cfg: JobConfig, world: int) -> dict[str, int]:
-    """Where a step read the data stream and how much: the record that shows every step ran once, at its place."""
-    return {
-        "data_epoch": data_state["epoch"],
-        "data_seq": data_state["seq"],
-        "batch_tokens": batch_seqs * cfg.training.seq_len,
-        "world_size": world,
-    }
+    """Where a step read the data stream and how much: the record that shows every step ran once, at its place
+    (a custom loader's state other than a TokenLoader's is not reported)."""
+    where = {}
+    if isinstance(data_state, Mapping) and {"epoch", "seq"} <= set(data_state):
+        where = {"data_epoch": data_state["epoch"], "data_seq": data_state["seq"]}
+    return {**where, "batch_tokens": batch_seqs * cfg.training.seq_len, "world_size": world}
 
 
 def _resume_hint(cfg: JobConfig, ckpt: Any, run_dir: Path) -> str:

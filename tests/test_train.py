@@ -146,3 +146,97 @@ def test_a_live_config_without_its_stepper_is_refused_before_anything_starts():
 
     with pytest.raises(ValueError, match=r"elastic.live=true: pass stepper=functitan.elastic.live.live_stepper"):
         run(parse_config(JobConfig, live))
+
+
+class _FixedBatch:
+    """A loader of one's own (``run(loader=...)``): the same batch every step, a state of its own."""
+
+    vocab_size = 64
+
+    def __init__(self, cfg, *, batch_size, seq_len, dp_rank, dp_size, device):
+        rows = torch.randint(
+            0, self.vocab_size, (batch_size * dp_size, seq_len + 1), generator=torch.Generator().manual_seed(0)
+        )
+        self.rows = rows[dp_rank * batch_size : (dp_rank + 1) * batch_size].to(device)
+        self.batch_size, self.dp_size = batch_size, dp_size
+
+    def init_state(self):
+        return {"n": 0}
+
+    def next(self, state):
+        return {"inputs": self.rows[:, :-1], "targets": self.rows[:, 1:]}, {"n": state["n"] + 1}
+
+
+def _with_hooks(run_dir: str) -> dict:
+    """Three steps with every hook, and the same three steps by hand: SGD on the loss of the fixed batch."""
+    import optree
+
+    from functitan import optim
+    from functitan.model import load_model
+    from functitan.transforms import grad
+
+    cfg = apply_overrides(
+        JobConfig(),
+        {
+            **SMALL,
+            "training.steps": 3,
+            "optimizer.max_norm": 0.0,
+            "eval.every": 2,
+            "metrics.log_every": 10,
+            "metrics.run_dir": run_dir,
+            "metrics.run_name": "hooks",
+        },
+    )
+    seen = []
+
+    def callback(step, state, metrics):
+        seen.append((step, state.step, state.data_state["n"], metrics["loss"]))
+        return {"cb/first": 1.0} if step == 1 else None
+
+    def evaluate(params):  # an evaluation of one's own: the squared norm of the params
+        return {"eval/norm": float(sum(p.square().sum() for p in _full(params).values()))}
+
+    start = run(cfg, loader=_FixedBatch, evaluate=evaluate, dry_run=True)["state"].params  # the initial params
+    out = run(cfg, loader=_FixedBatch, optimizer=optim.sgd(0.5), evaluate=evaluate, callbacks=[callback])
+    model = load_model("llama")
+    mcfg = model.config("debug", vocab_size=64, **{k[6:]: v for k, v in SMALL.items() if k.startswith("model.")})
+    loader = _FixedBatch(cfg, batch_size=8, seq_len=32, dp_rank=0, dp_size=1, device="cpu")
+    batch, _ = loader.next(loader.init_state())
+    params = optree.tree_map(lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach(), start)
+    losses = []
+    for _ in range(3):
+        losses.append(float(model.loss(params, batch, mcfg)))
+        grads = grad(lambda q: model.loss(q, batch, mcfg))(params)
+        params = optree.tree_map(lambda p, g: p - 0.5 * g, params, grads)
+    records = [json.loads(line) for line in open(f"{out['run_dir']}/metrics.jsonl")]
+    return {
+        "seen": seen,
+        "records": records,
+        "data": out["state"].data_state,
+        "got": _full(out["state"].params),
+        "want": _full(params),
+        "losses": losses,
+    }
+
+
+def _full(params):
+    from functitan.tree import flatten_with_names
+
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in flatten_with_names(params)[0]}
+
+
+def test_run_takes_a_loader_an_optimizer_an_eval_and_callbacks_of_ones_own(gloo, tmp_path):
+    """``run(loader=, optimizer=, evaluate=, callbacks=)``: a fixed-batch loader with its own state, SGD at 0.5
+    (three steps equal to the same SGD by hand on the same batch), an evaluate hook every 2 steps that needs no
+    eval data, and a callback that sees every step's state and adds a metric; what the hooks return is written at
+    their steps, and no lr (the config's schedule is not the optimizer's) is logged."""
+    res = gloo.run(_with_hooks, 1, str(tmp_path))[0]
+    for name, p in res["got"].items():
+        torch.testing.assert_close(p, res["want"][name], atol=1e-5, rtol=1e-5)
+    assert [(s, t, n) for s, t, n, _ in res["seen"]] == [(1, 1, 1), (2, 2, 2), (3, 3, 3)] and res["data"] == {"n": 3}
+    assert [r["loss"] for r in res["records"]] == pytest.approx(res["losses"], abs=1e-5)
+    assert [loss for *_, loss in res["seen"]] == pytest.approx(res["losses"], abs=1e-5)
+    steps = {r["step"]: r for r in res["records"]}
+    assert sorted(steps) == [1, 2, 3] and steps[1]["cb/first"] == 1.0 and "eval/norm" not in steps[1]
+    assert steps[2]["eval/norm"] > 0 and steps[3]["eval/norm"] != steps[2]["eval/norm"]
+    assert not any("lr" in r or "data_epoch" in r for r in res["records"])
