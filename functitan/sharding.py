@@ -190,6 +190,13 @@ class Layout:
         return self._seq.positions(seq_len, device)
 
     @property
+    def past_len(self) -> int:
+        """Positions before this forward's tokens: 0 in training; when generating with a KV cache
+        (``functitan.generate``), the tokens it holds. A model offsets its positions by it (RoPE tables, a position
+        table), so that a forward over the new tokens alone sees them where they are."""
+        return 0
+
+    @property
     def single_backward(self) -> bool:
         """True when a block may be backpropagated through only once (selective remat's checkpointing).
         Zero-bubble pipeline schedules (separate input- and weight-gradient passes) need False."""

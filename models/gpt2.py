@@ -210,11 +210,14 @@ def block(p: dict[str, Any], x: Tensor, cfg: GPT2Config, layout: Layout) -> Tens
 
 def embed(p: dict[str, Any], tokens: Tensor, cfg: GPT2Config, layout: Layout) -> Tensor:
     """Token plus position embeddings ``(batch, seq, embed)`` (this rank's sequence piece under SP)."""
-    s = tokens.shape[1]
-    if s > cfg.max_seq_len:
-        raise ValueError(f"sequence length {s} exceeds model.max_seq_len={cfg.max_seq_len}; shorten training.seq_len")
+    s, past = tokens.shape[1], layout.past_len  # past: the tokens a KV cache holds when generating, else 0
+    if past + s > cfg.max_seq_len:
+        raise ValueError(
+            f"sequence length {past + s} exceeds model.max_seq_len={cfg.max_seq_len}; shorten training.seq_len"
+        )
     x = layout.embed(tokens, p["wte"]["weight"], cfg.vocab_size)
-    positions = torch.arange(s, device=tokens.device).unsqueeze(0)  # (1, seq): the Layout picks this rank's piece
+    # (1, seq): the Layout picks this rank's piece
+    positions = torch.arange(past, past + s, device=tokens.device).unsqueeze(0)
     return x + layout.embed(positions, p["wpe"]["weight"], cfg.max_seq_len)
 
 

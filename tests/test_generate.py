@@ -12,7 +12,7 @@ from support import SMALL, cli
 
 from functitan.checkpoint import save_hf
 from functitan.data import ByteTokenizer, save_hf_tokenizer
-from functitan.generate import SamplingConfig, filter_logits, sample_next
+from functitan.generate import SamplingConfig, filter_logits, generate, sample_next
 from functitan.model import init, load_model
 
 transformers = pytest.importorskip("transformers")
@@ -152,3 +152,55 @@ def test_an_imported_checkpoint_exports_no_tokenizer_unless_named_and_a_tiktoken
 
     with pytest.raises(ValueError, match=r"the run's tokenizer \(Ranks\) has no Hugging Face form in functitan yet"):
         save_hf_tokenizer(Ranks(), tmp_path / "c")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_the_kv_cache_gives_the_tokens_of_a_whole_forward_per_token(family):
+    """Greedy and sampled: the prompt once, then one token per forward through ``KVCache``, equal to a whole
+    forward over the context per token (the first cached step is the only one checked against one)."""
+    model = load_model(family)
+    cfg = model.config("debug", vocab_size=258)
+    torch.manual_seed(0)
+    params = optree.tree_map(lambda x: torch.randn_like(x) * 0.3, init(model.params(cfg), 0))
+    for sampling in (SamplingConfig(max_new_tokens=40), SamplingConfig(max_new_tokens=40, temperature=0.9, top_k=50)):
+        cached, whole = {}, {}
+        fast = generate(model, cfg, params, [10, 20, 30, 40], sampling, kv_cache=True, stats=cached)
+        slow = generate(model, cfg, params, [10, 20, 30, 40], sampling, kv_cache=False, stats=whole)
+        assert fast == slow and len(set(fast)) >= 2, (fast, slow)
+        assert cached == {"cached": 40, "full": 1} and whole == {"cached": 0, "full": 40}
+
+
+def test_a_model_with_attention_or_positions_of_its_own_generates_without_the_cache():
+    """tests/assets/tiny_gpt.py calls F.scaled_dot_product_attention itself and counts positions from 0: the
+    cache stays empty, so every token is a whole forward, and the tokens are right."""
+    from pathlib import Path
+
+    model = load_model(str(Path(__file__).parent / "assets" / "tiny_gpt.py"))
+    cfg = model.config("debug")
+    params = init(model.params(cfg), 1)
+    stats = {}
+    fast = generate(model, cfg, params, [1, 2, 3], SamplingConfig(max_new_tokens=12), stats=stats)
+    assert fast == generate(model, cfg, params, [1, 2, 3], SamplingConfig(max_new_tokens=12), kv_cache=False)
+    assert stats == {"cached": 0, "full": 12}
+
+
+def test_a_model_whose_positions_ignore_the_cache_is_caught_at_the_first_cached_step(monkeypatch):
+    """A KV cache whose past_len a model does not read (as a model counting its own positions would): the first
+    cached step differs from the whole forward, so generation goes on without the cache, with the right tokens."""
+    import functitan.generate._sample as sample
+    from functitan.generate import KVCache
+
+    class Unread(KVCache):
+        @property
+        def past_len(self) -> int:
+            return 0
+
+    model = load_model("llama")
+    cfg = model.config("debug", vocab_size=258)
+    torch.manual_seed(0)
+    params = optree.tree_map(lambda x: torch.randn_like(x) * 0.3, init(model.params(cfg), 0))
+    want = generate(model, cfg, params, [10, 20, 30], SamplingConfig(max_new_tokens=20), kv_cache=False)
+    monkeypatch.setattr(sample, "KVCache", Unread)
+    stats = {}
+    assert generate(model, cfg, params, [10, 20, 30], SamplingConfig(max_new_tokens=20), stats=stats) == want
+    assert stats == {"cached": 1, "full": 19}  # token 1 from the prompt through the cache; the check on, whole

@@ -4,6 +4,7 @@ model, cfg, params = functitan.checkpoint.saved_params("runs/<run>/checkpoints/2
 new_ids = generate(model, cfg, params, tokenizer.encode("def main"), SamplingConfig(max_new_tokens=32))
 """
 
+from ._cache import KVCache
 from ._sample import SamplingConfig, filter_logits, generate, sample_next, stream
 
-__all__ = ["SamplingConfig", "filter_logits", "generate", "sample_next", "stream"]
+__all__ = ["SamplingConfig", "filter_logits", "generate", "sample_next", "stream", "KVCache"]

@@ -1,9 +1,12 @@
 """Sampling from any model's ``apply``: greedy, temperature, top-k and top-p (nucleus), reproducible by seed.
 
-Each new token runs the model's own forward (``Model.apply``) over the whole context, so every model that
-trains generates, with the logits the loss sees: no second implementation of attention or positions to keep in
-step with the first. The cost is a forward over the context per token (no KV cache); a context longer than the
-model's ``max_seq_len`` keeps its last ``max_seq_len`` tokens.
+Every token comes from the model's own forward (``Model.apply``), so every model that trains generates, with the
+logits the loss sees: no second implementation of attention or positions to keep in step with the first. With
+the KV cache (``functitan.generate.KVCache``, a Layout) the prompt runs once and each new token is a forward
+over that token alone; the first cached step is checked against a whole forward, and a model whose logits
+differ through the cache (its own attention or positions, not the Layout's) generates without it, a forward
+over the context per token. A context that outgrows the model's ``max_seq_len`` keeps its last
+``max_seq_len`` tokens (without the cache: positions shift).
 
 Filtering follows transformers' ``TopKLogitsWarper`` then ``TopPLogitsWarper`` after the temperature, so with
 the same logits both keep the same tokens; greedy (``temperature=0``) is the argmax, which
@@ -19,6 +22,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from ..sharding import Layout
+from ._cache import KVCache
 
 __all__ = ["SamplingConfig", "filter_logits", "sample_next", "generate", "stream"]
 
@@ -86,11 +92,13 @@ def stream(
     cfg: SamplingConfig,
     *,
     stop_ids: Sequence[int] = (),
-    layout: Any = None,
+    kv_cache: bool = True,
+    stats: dict[str, Any] | None = None,
 ) -> Iterator[int]:
     """Yield the new tokens after ``prompt`` one at a time, up to ``cfg.max_new_tokens`` or a ``stop_ids`` token
     (which is yielded last). ``params`` are whole tensors on one device (``functitan.checkpoint.saved_params``,
-    ``load_hf``); ``layout`` defaults to one device's."""
+    ``load_hf``). ``kv_cache=False`` runs a whole forward per token. ``stats``, when given, gets
+    ``{"cached": tokens computed through the cache, "full": tokens computed by a whole forward}``."""
     if not prompt:
         raise ValueError("the prompt has no tokens; give a prompt (with data.add_bos, BOS alone is one)")
     device = next(p.device for p in _leaves(params))
@@ -98,10 +106,33 @@ def stream(
     window = getattr(model_cfg, "max_seq_len", None)
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)  # (1, seq)
     stops = {int(i) for i in stop_ids}
+    counts = stats if stats is not None else {}
+    counts.update(cached=0, full=0)
+    cache: KVCache | None = KVCache() if kv_cache else None
+    checked = False  # the first step through the cache is compared with a whole forward
+
+    def whole() -> Tensor:  # (1, vocab): the last position's logits of a forward over the context
+        counts["full"] += 1
+        context = ids if window is None else ids[:, -window:]
+        return model.apply(params, context, model_cfg, Layout())[:, -1, :]
+
     with torch.no_grad():
-        for _ in range(cfg.max_new_tokens):
-            context = ids if window is None else ids[:, -window:]
-            logits = model.apply(params, context, model_cfg, layout)[:, -1, :]  # (1, vocab)
+        for n in range(cfg.max_new_tokens):
+            if cache is not None and window is not None and ids.shape[1] > window:
+                cache = None  # past the model's positions: the window slides, positions shift
+            if cache is None:
+                logits = whole()
+            else:
+                new = ids if n == 0 else ids[:, -1:]  # the prompt once, then the last token
+                logits = model.apply(params, new, model_cfg, cache.forward())[:, -1, :]
+                if n == 0 and cache.layers == 0:  # no layout.attention call: nothing to cache
+                    cache, counts["full"] = None, counts["full"] + 1  # that forward was a whole one
+                elif n == 1 and not checked:
+                    checked, full = True, whole()
+                    if not torch.allclose(logits, full, rtol=1e-4, atol=1e-4):
+                        cache, logits = None, full  # the model's positions or attention are its own
+                if cache is not None:
+                    counts["cached"] += 1
             nxt = sample_next(logits.float(), cfg, generator)  # (1,)
             ids = torch.cat([ids, nxt[:, None]], dim=1)
             token = int(nxt.item())
@@ -118,10 +149,11 @@ def generate(
     cfg: SamplingConfig = SamplingConfig(),
     *,
     stop_ids: Sequence[int] = (),
-    layout: Any = None,
+    kv_cache: bool = True,
+    stats: dict[str, Any] | None = None,
 ) -> list[int]:
     """The new tokens after ``prompt`` (see ``stream``), as a list."""
-    return list(stream(model, model_cfg, params, prompt, cfg, stop_ids=stop_ids, layout=layout))
+    return list(stream(model, model_cfg, params, prompt, cfg, stop_ids=stop_ids, kv_cache=kv_cache, stats=stats))
 
 
 def _leaves(tree: Any) -> Iterator[Tensor]:
