@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from . import _eval, _loss, optim, pipeline
 from . import metrics as M
-from ._banner import banner
+from ._banner import banner, planned_peak
 from ._batch import split_batch
 from ._model_setup import check_model, check_resumed_model, init_model
 from ._preempt import Preemption
@@ -84,7 +84,8 @@ def run(
     stepper that wraps ``local_stepper`` with its own ``train_step`` sees every step's call, so a benchmark
     measures the trainer as a user runs it without patching it (benchmarks/first_step.py times each step).
     ``dry_run``: build everything (mesh, data, model, placed params, optimizer state), print the banner, and
-    return before the run directory, the checkpoint or a step is touched.
+    return before the run directory, the checkpoint or a step is touched (``functitan train --dry-run`` then
+    prints the planner's trace of rank 0's step: ``train_config``).
 
     The hooks replace one piece each and leave the rest of the loop (layouts, checkpoints, sinks) as it is:
 
@@ -154,7 +155,9 @@ def run(
         )
         print("\n".join(lines), flush=True)
     if dry_run:
-        return {"steps": 0, "dry_run": True, "run_dir": None, "state": state}
+        world = dist.get_world_size()
+        return {"steps": 0, "dry_run": True, "run_dir": None, "state": state, "rank": dist.get_rank(), "world": world,
+                "model": (model, model_cfg)}  # fmt: skip
 
     # 5. checkpoint: resume from the newest complete checkpoint of this run, else a weights-only load_path
     lock = lock_run(run_dir, wait_s=30.0 if "FUNCTITAN_ELASTIC_RUN" in os.environ else 0.0)  # one job per run
@@ -576,11 +579,13 @@ def train_config(cfg: JobConfig, *, stepper: Any = None, dry_run: bool = False) 
     elastic worker that must rejoin."""
     try:
         summary = run(cfg, stepper=stepper, dry_run=dry_run)
-        if dry_run:
-            return 0
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if dry_run:
+        if summary["rank"] == 0:  # the planner's fake world needs the real process group gone
+            print(planned_peak(cfg, *summary["model"], world=summary["world"]), flush=True)
+        return 0
     code = EXIT_REJOIN if summary["rejoin"] else 0
     if cfg.elastic.live and summary["stopped_by"]:
         _exit_now(code)

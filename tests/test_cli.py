@@ -290,7 +290,7 @@ def test_print_config_is_toml_that_config_reads_back_to_the_same_run(tmp_path, c
     assert '[optimizer]\nname = "lion"' in text and "[elastic]" not in text  # only what differs from defaults
 
 
-def test_dry_run_builds_the_run_prints_the_banner_and_writes_nothing(tmp_path, capsys):
+def test_dry_run_builds_the_run_prints_the_banner_and_the_planners_peak_and_writes_nothing(tmp_path, capsys):
     from functitan.config import parse_config
     from functitan.job_config import JobConfig
     from functitan.model import count
@@ -304,7 +304,15 @@ def test_dry_run_builds_the_run_prints_the_banner_and_writes_nothing(tmp_path, c
     assert out[1].startswith("functitan: layout one process on 1 process; 2 sequences x 16 tokens per step")
     kib = f"{4 * n / 2**10:.3g} KiB"  # fp32
     assert out[2].startswith(f"functitan: rank 0 holds {kib} params + {kib} grads + "), out[2]
-    assert out[3] == "functitan: nothing is written (--dry-run)" and len(out) == 4
+    assert out[3] == "functitan: nothing is written (--dry-run)" and len(out) == 5
+    # the planner's trace of the step: the state and the activations, more than the state alone
+    assert out[4].startswith("functitan: planner: rank 0 peaks at ") and out[4].endswith(
+        "(params, grads, optimizer state and activations; the step traced under fake tensors at 1 process)"
+    ), out[4]
+    state = out[2].split(" = ")[1].split(" before")[0]
+    peak = out[4].split("peaks at ")[1].split(" in a step")[0]
+    in_kib = {"KiB": 1, "MiB": 2**10}
+    assert float(peak.split()[0]) * in_kib[peak.split()[1]] > float(state.split()[0]) * in_kib[state.split()[1]]
 
 
 def _dry_banner(overrides: dict) -> str:
