@@ -27,6 +27,18 @@ TINY_LLAMA = llama.LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_k
 # the planner's tests: llama debug overridden to 4 layers x 64 wide, traced at world 4
 PLAN_TINY = {"dim": 64, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 128}
 
+# the trainer on one process as small as it gets, as `functitan train` flags (in-process: `functitan.cli.main`)
+TINY_FLAGS = (
+    "--model.n_layers=1",
+    "--model.dim=32",
+    "--model.n_heads=2",
+    "--model.n_kv_heads=1",
+    "--model.ffn_dim=64",
+    "--training.batch_size=2",
+    "--training.seq_len=16",
+    "--data.max_corpus_bytes=100000",
+)
+
 SMALL = {
     "model.n_layers": 2,
     "model.dim": 64,

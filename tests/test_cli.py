@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from support import TINY_FLAGS
 
 from functitan.cli import COMMANDS, main
 
@@ -234,17 +235,7 @@ def test_every_error_class_a_user_fixes_is_a_user_error():
     assert [name for name, ok in found.items() if not ok] == []
 
 
-# the trainer on one process, as small as it gets (in-process: `main` is the command as typed)
-_TINY = [
-    "--model.n_layers=1",
-    "--model.dim=32",
-    "--model.n_heads=2",
-    "--model.n_kv_heads=1",
-    "--model.ffn_dim=64",
-    "--training.batch_size=2",
-    "--training.seq_len=16",
-    "--data.max_corpus_bytes=100000",
-]
+_TINY = list(TINY_FLAGS)
 
 
 def _losses(run_dir) -> dict[int, dict]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import cli
+from support import TINY_FLAGS, cli
 
 from functitan.cli import main
 from functitan.config import parse_config
@@ -25,19 +25,7 @@ from functitan.metrics import GROUPS, Profiler
 
 wandb = pytest.importorskip("wandb")  # the wandb extra (`make test` installs it)
 
-# the trainer on one process, as small as it gets
-TINY = [
-    "--model.n_layers=1",
-    "--model.dim=32",
-    "--model.n_heads=2",
-    "--model.n_kv_heads=1",
-    "--model.ffn_dim=64",
-    "--training.batch_size=2",
-    "--training.seq_len=16",
-    "--training.steps=3",
-    "--metrics.log_every=1",
-    "--data.max_corpus_bytes=100000",
-]
+TINY = [*TINY_FLAGS, "--training.steps=3", "--metrics.log_every=1"]
 
 
 @pytest.fixture(scope="module")
