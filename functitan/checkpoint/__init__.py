@@ -12,15 +12,17 @@ See docs/checkpoints.md for the on-disk layout, the commit protocol and the Orba
 """
 
 from ._dcp import DcpFormat, is_dcp_dir, read_dcp
-from ._export import export_dcp, export_hf
+from ._export import export_dcp, export_hf, saved_params
 from ._format import Format
 from ._hf import (
     from_hf_state_dict,
+    hf_model,
     import_hf,
     is_hf_dir,
     load_hf,
     recorded_model,
     recorded_model_config,
+    recorded_run_config,
     save_hf,
     to_hf_state_dict,
     write_model_config,
@@ -49,12 +51,15 @@ __all__ = [
     "restore_params",
     "check_checkpoint_path",
     "export_hf",
+    "saved_params",
     "import_hf",
     "save_hf",
     "load_hf",
     "is_hf_dir",
     "recorded_model_config",
     "recorded_model",
+    "recorded_run_config",
+    "hf_model",
     "to_hf_state_dict",
     "from_hf_state_dict",
     "write_model_config",

@@ -18,21 +18,6 @@ from ._hf import MAX_SHARD_BYTES
 from ._manager import check_checkpoint_path
 
 
-def _model_of(hf_dir: str, name: str | None):
-    from ..model import load_model, model_for_architecture
-    from ._hf import CONFIG_NAME, _read_json
-
-    if name is not None:
-        return name, load_model(name)
-    config = Path(hf_dir) / CONFIG_NAME
-    if not config.is_file():
-        raise ValueError(f"{config} not found; import hf takes a local Hugging Face model directory")
-    archs = _read_json(config).get("architectures") or []
-    if not archs:
-        raise ValueError(f"{config} names no architectures; pass --model NAME")
-    return model_for_architecture(archs[0])
-
-
 def _hf_in(path: str) -> None:
     from ._hf import is_hf_dir
 
@@ -157,7 +142,7 @@ def _main(command: str, args: list[str]) -> int:
         import torch
 
         from ._export import export_dcp, export_hf
-        from ._hf import import_hf, recorded_model
+        from ._hf import hf_model, import_hf, recorded_model
 
         dtype = getattr(torch, ns.dtype) if getattr(ns, "dtype", None) else None
         if command == "export" and fmt == "hf":
@@ -189,7 +174,7 @@ def _main(command: str, args: list[str]) -> int:
         else:
             _hf_in(ns.hf_dir)
             _writable_dir(ns.out, must_be_new=True)
-            name, model = _model_of(ns.hf_dir, ns.model)
+            name, model = hf_model(ns.hf_dir, ns.model)
             import_hf(ns.hf_dir, ns.out, model, name=name, dtype=dtype)
             print(
                 f"functitan: wrote a functitan checkpoint of {ns.hf_dir} to {ns.out}; train from it with "

@@ -48,6 +48,7 @@ __all__ = [
     "recorded_model_config",
     "recorded_model",
     "recorded_run_config",
+    "hf_model",
 ]
 
 CONFIG_NAME = "config.json"
@@ -321,6 +322,22 @@ def load_hf(
 # ----------------------------------------------------------------------------------------------- run records
 
 MODEL_CONFIG = "model_config.json"  # {"name": --model.name, "config": the model config}, beside checkpoints
+
+
+def hf_model(hf_dir: str | os.PathLike, name: str | None = None) -> tuple[str, Model]:
+    """``(how --model.name spells it, the Model)`` of an HF directory: ``name``'s, else the installed model of
+    its ``config.json``'s architecture."""
+    from functitan.model import model_for_architecture
+
+    if name is not None:
+        return name, load_model(name)
+    config = Path(hf_dir) / CONFIG_NAME
+    if not config.is_file():
+        raise ValueError(f"{config} not found; a local Hugging Face model directory has one")
+    archs = _read_json(config).get("architectures") or []
+    if not archs:
+        raise ValueError(f"{config} names no architectures; pass --model NAME")
+    return model_for_architecture(archs[0])
 
 
 def is_hf_dir(path: str | os.PathLike) -> bool:

@@ -44,7 +44,7 @@ def _parser() -> CommandParser:
             flag, type=type(f.default), default=f.default, help=f"{helps[f.name]} (default {f.default})"
         )
     parser.add_argument("--ids", action="store_true", help="print the prompt's and the new token ids as JSON")
-    parser.add_argument("--device", default="cpu", help="where to run: cpu or cuda (default cpu)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where to run (default cpu)")
     return parser
 
 
@@ -72,16 +72,12 @@ def load(checkpoint: str, tokenizer_file: str | None, *, device: str = "cpu") ->
     on ``device`` (a bf16 export is widened: sampling compares logits)."""
     import torch
 
-    from ..checkpoint import check_checkpoint_path, is_hf_dir, load_hf
-    from ..checkpoint._export import saved_params
-    from ..checkpoint._hf import recorded_run_config
+    from ..checkpoint import check_checkpoint_path, hf_model, is_hf_dir, load_hf, recorded_run_config, saved_params
     from ..data import load_tokenizer, run_tokenizer
 
     path = Path(checkpoint)
     if is_hf_dir(path):
-        from ..checkpoint._cli import _model_of
-
-        _, model = _model_of(str(path), None)
+        _, model = hf_model(path)
         model_cfg, params = load_hf(path, model, dtype=torch.float32, device=device)
         tokenizer = load_tokenizer(Path(tokenizer_file)) if tokenizer_file else _hf_tokenizer(path)
         return model, model_cfg, params, tokenizer, False
