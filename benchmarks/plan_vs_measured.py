@@ -104,7 +104,7 @@ def _predict(dims):
     fpt = model.flops_per_token(mcfg, SEQ)
     predicted = []
     for c in LAYOUTS:
-        p = predict(_base(dims), model, mcfg, shape, c, batch_size=BATCH, seq_len=SEQ)
+        p = predict(_base(dims), model, mcfg, shape, c, batch_size=BATCH, seq_len=SEQ, backend="gloo")
         t = step_time(c, cluster, p.comm, flops_per_token=fpt, tokens=BATCH * SEQ, n_blocks=p.blocks, ops=p.ops)
         predicted.append(t.total)
     return predicted, dev.source

@@ -31,6 +31,10 @@ from torch import Tensor
 # these ops in backward instead of saving the gathered params, so a checkpointed block also reshards after
 # forward. (Without remat, reshard-after-forward uses saved-tensor hooks instead: _fsdp._Regather.)
 GATHERING: contextvars.ContextVar[bool] = contextvars.ContextVar("functitan_gathering", default=False)
+# The backend whose buffers a traced step allocates (functitan.plan on the fake process group): "gloo" makes the
+# reduce-scatter take its point-to-point path's memory (the receive buffer) without sending anything; None: the
+# group's own backend.
+TRACED_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("functitan_traced_backend", default=None)
 
 __all__ = [
     "all_gather",
@@ -262,7 +266,8 @@ class PendingReduce:
             self.behind.wait()
             self.behind = None
         self.flat, self.out = flat, out
-        if dist.get_backend(group) == "gloo":
+        backend = dist.get_backend(group)
+        if backend == "gloo" or TRACED_BACKEND.get() == "gloo":
             n, me = dist.get_world_size(group), dist.get_rank(group)
             chunks = flat.view(n, -1)
             self.mine = chunks[me]
@@ -270,7 +275,7 @@ class PendingReduce:
             peers = [p for p in range(n) if p != me]
             ops = [dist.P2POp(dist.isend, chunks[p], group=group, group_peer=p) for p in peers]
             ops += [dist.P2POp(dist.irecv, r, group=group, group_peer=p) for p, r in zip(peers, self.recv)]
-            self.work = dist.batch_isend_irecv(ops)
+            self.work = dist.batch_isend_irecv(ops) if backend == "gloo" else []  # traced: the buffers, no messages
         else:
             self.work = [dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)]
         if not async_op:

@@ -319,7 +319,17 @@ def _young_heap() -> Iterator[None]:
 
 def _traced_row(job: _Job, c: Candidate, mem: dict, blocks: int) -> Row:
     """``c`` traced (ValueError: a validator the enumeration does not know refused it)."""
-    p = predict(job.base, job.model, job.model_cfg, job.shape, c, batch_size=job.batch_size, seq_len=job.seq_len)
+    backend = "gloo" if job.cluster.device.name == "cpu" else None  # CPU ranks run gloo; GPUs NCCL
+    p = predict(
+        job.base,
+        job.model,
+        job.model_cfg,
+        job.shape,
+        c,
+        batch_size=job.batch_size,
+        seq_len=job.seq_len,
+        backend=backend,
+    )
     tokens = job.batch_size * job.seq_len
     t = step_time(c, job.cluster, p.comm, flops_per_token=job.fpt, tokens=tokens, n_blocks=p.blocks, ops=p.ops)
     rest = p.peak - p.params - p.grads - p.opt_state

@@ -101,13 +101,23 @@ def _blocks_per_rank(stage_model: Any, pp: int, schedule: ScheduleName, v: int) 
 
 
 def predict(
-    base_cfg: Any, model: Any, model_cfg: Any, shape: ModelShape, cand: Candidate, *, batch_size: int, seq_len: int
+    base_cfg: Any,
+    model: Any,
+    model_cfg: Any,
+    shape: ModelShape,
+    cand: Candidate,
+    *,
+    batch_size: int,
+    seq_len: int,
+    backend: str | None = None,
 ) -> Prediction:
-    """Trace ``cand`` (one or two ranks, two block counts) and extrapolate to the model's real size."""
+    """Trace ``cand`` (one or two ranks, two block counts) and extrapolate to the model's real size.
+
+    ``backend``: the collectives' backend whose buffers count ("gloo" for CPU ranks; see ``trace_rank``)."""
     world, m = cand.world, cand.microbatches
     if shape.field is None:  # no block structure known: trace the whole model
         cfg = job_config(base_cfg, cand, batch_size=batch_size, seq_len=seq_len)
-        t = trace_rank(cfg, model, model_cfg, world=world, rank=0)
+        t = trace_rank(cfg, model, model_cfg, world=world, rank=0, backend=backend)
         return Prediction(t.peak, t.params, t.opt_state, t.grads, 0, t.comm, shape.n_blocks, t.ops)
     real = rank_blocks(shape, cand)
     if cand.pp == 1:
@@ -119,7 +129,13 @@ def predict(
         with rank_mesh(cfg.parallelism, world, 0) as mesh:
             t1, t2 = (
                 trace_rank(
-                    cfg, model, dataclasses.replace(model_cfg, **{shape.field: n}), world=world, rank=0, mesh=mesh
+                    cfg,
+                    model,
+                    dataclasses.replace(model_cfg, **{shape.field: n}),
+                    world=world,
+                    rank=0,
+                    mesh=mesh,
+                    backend=backend,
                 )
                 for n in (a, a + 1)
             )
@@ -128,7 +144,9 @@ def predict(
     worst, most_ops = None, 0.0
     for pp_rank in sorted({0, cand.pp - 1}):
         rank = pp_rank * (world // cand.pp)
-        grid = _pp_grid(base_cfg, model, model_cfg, shape, cand, batch_size=batch_size, seq_len=seq_len, rank=rank)
+        grid = _pp_grid(
+            base_cfg, model, model_cfg, shape, cand, batch_size=batch_size, seq_len=seq_len, rank=rank, backend=backend
+        )
         # in-flight microbatches on this rank with 1 and 2 microbatches, and in the real schedule
         i1, i2 = (pipe_in_flight(cand.pp, cand.schedule, cand.stages_per_rank, mt)[pp_rank] for mt in (1, 2))
         # from two microbatches on, each more in flight adds what the second added (zero-bubble schedules also
@@ -148,7 +166,16 @@ def predict(
 
 
 def _pp_grid(
-    base_cfg, model, model_cfg, shape: ModelShape, cand: Candidate, *, batch_size: int, seq_len: int, rank: int
+    base_cfg,
+    model,
+    model_cfg,
+    shape: ModelShape,
+    cand: Candidate,
+    *,
+    batch_size: int,
+    seq_len: int,
+    rank: int,
+    backend: str | None,
 ) -> dict:
     """``{(blocks per stage, microbatches): trace}`` of one pipeline rank at 1 and 2 of each, in one mesh."""
     stages, m, field = cand.pp * cand.stages_per_rank, cand.microbatches, str(shape.field)
@@ -162,7 +189,7 @@ def _pp_grid(
                 layers = tuple(range(s * per_stage, (s + 1) * per_stage) for s in range(stages))
                 mcfg = dataclasses.replace(model_cfg, **{field: stages * per_stage})
                 grid[per_stage, mt] = trace_rank(
-                    cfg, model, mcfg, world=cand.world, rank=rank, stage_layers=layers, mesh=mesh
+                    cfg, model, mcfg, world=cand.world, rank=rank, stage_layers=layers, mesh=mesh, backend=backend
                 )
     return grid
 

@@ -252,15 +252,32 @@ def rank_mesh(par: Any, world: int, rank: int) -> Iterator[Any]:
         yield make_mesh(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, device="cpu")
 
 
-def trace_rank(cfg, model, model_cfg, *, world: int, rank: int, stage_layers=None, mesh=None) -> RankTrace:
+def trace_rank(
+    cfg, model, model_cfg, *, world: int, rank: int, stage_layers=None, mesh=None, backend: str | None = None
+) -> RankTrace:
     """Trace rank ``rank`` of ``world`` running ``cfg``'s step under FakeTensorMode (see the module docstring);
-    ``mesh``: one from ``rank_mesh`` of the same degrees, world and rank (else it is built here)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    ``mesh``: one from ``rank_mesh`` of the same degrees, world and rank (else it is built here). ``backend``:
+    "gloo" (CPU ranks) counts the buffers functitan's collectives allocate on gloo (the reduce-scatter's receive
+    buffer, (world - 1) / world of a bucket); None: NCCL's, which allocate none the trace does not see."""
+    from .._collectives import TRACED_BACKEND
 
     par = cfg.parallelism
     if mesh is None:
         with rank_mesh(par, world, rank) as own:
-            return trace_rank(cfg, model, model_cfg, world=world, rank=rank, stage_layers=stage_layers, mesh=own)
+            return trace_rank(
+                cfg, model, model_cfg, world=world, rank=rank, stage_layers=stage_layers, mesh=own, backend=backend
+            )
+    token = TRACED_BACKEND.set(backend)
+    try:
+        return _trace_rank(cfg, model, model_cfg, stage_layers=stage_layers, mesh=mesh)
+    finally:
+        TRACED_BACKEND.reset(token)
+
+
+def _trace_rank(cfg, model, model_cfg, *, stage_layers, mesh) -> RankTrace:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    par = cfg.parallelism
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         counter = _CommCounter(mesh)
