@@ -40,8 +40,9 @@ def _no_process_group():
         dist.destroy_process_group()
 
 
-# the other families, each on six layouts at world 4 (full remat under FSDP, HSDP, FSDP x TP + SP and PP
-# included): the issue found full remat under-predicted by 2-4% and GPT-2's fsdp2 x tp2+sp over by 5%
+# the other families at world 4, on the layouts the issue found wrong: full remat under FSDP and HSDP (2-4%
+# under), FSDP x TP + SP (GPT-2 5% over), plain FSDP (at 4 blocks, extrapolated: 6.9% under before the 3 -> 4
+# block traces); pipelining is the Llama test's (its predictions cost 5-7 s each)
 FAMILIES = {  # 4 blocks: traced at 3 and 4 and extrapolated (at 2 and 3 GPT-2 was 6.9% under with fsdp4)
     "gpt2": {"n_layers": 4, "tie_embeddings": False},
     "qwen3": {"n_layers": 4, "tie_embeddings": False},
@@ -52,8 +53,6 @@ FAMILY_LAYOUTS = [
     Candidate(dp_shard=4, remat="full", param_dtype="float32"),
     Candidate(dp_replicate=2, dp_shard=2, remat="full", param_dtype="float32"),
     Candidate(dp_shard=2, tp=2, remat="none", param_dtype="float32"),
-    Candidate(dp_shard=2, tp=2, remat="full", param_dtype="float32"),
-    Candidate(dp_shard=2, pp=2, schedule="1f1b", microbatches=2, remat="full", param_dtype="float32"),
 ]
 
 
@@ -115,8 +114,9 @@ def test_predicted_peak_matches_real_runs(gloo):
 
 
 def test_predicted_peaks_of_three_families_hold_the_bounds(gloo):
-    """GPT-2, Qwen3 and the issue's odd Llama (3 layers, dim 96, 6 / 2 heads) on six layouts each: within 3%,
-    never more than 1% under the worst rank (full remat was 2-4% under, GPT-2's fsdp2 x tp2+sp 5% over)."""
+    """GPT-2 and Qwen3 at 4 blocks and the issue's odd Llama (3 layers, dim 96, 6 / 2 heads) on four layouts each:
+    within 3%, never more than 1% under the worst rank (full remat was 2-9% under, GPT-2's fsdp2 x tp2+sp 5%
+    over)."""
     rows = _errors(gloo, [(name, ov, c) for name, ov in FAMILIES.items() for c in FAMILY_LAYOUTS])
     assert all(-0.01 <= err <= 0.03 for *_, err in rows), rows
 
