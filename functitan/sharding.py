@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from . import _attention, _collectives, _loss, _remat
+from . import _attention, _collectives, _loss, _remat, rope
 from ._fsdp import FSDP, FSDPPolicy
 from ._loss import IGNORE_INDEX, TokenLoss
 from ._names import NameTable
@@ -188,6 +188,24 @@ class Layout:
     def positions(self, seq_len: int, device: torch.device | str = "cpu") -> Tensor:
         """This rank's position ids ``(local_seq,)`` (see ``seq_range``)."""
         return self._seq.positions(seq_len, device)
+
+    def rotary(
+        self,
+        head_dim: int,
+        theta: float,
+        seq_len: int,
+        *,
+        scaling: Any = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> tuple[Tensor, Tensor]:
+        """RoPE's ``cos, sin (seq_len, head_dim)`` for the ``seq_len`` tokens attention sees here, at their
+        positions: after ``past_len`` kept tokens (a KV cache). One cache for every model (``functitan.rope``)."""
+        past = self.past_len
+        cos, sin = rope.cached_tables(
+            head_dim, theta, past + seq_len, scaling=scaling, device=torch.device(device), dtype=dtype
+        )
+        return cos[past:], sin[past:]
 
     @property
     def past_len(self) -> int:

@@ -292,11 +292,8 @@ def attention(p: dict[str, Tensor], x: Tensor, cfg: LlamaConfig, layout: Layout)
     )
     # q, k, v hold the whole sequence; head counts come from the (possibly tensor-parallel) local shapes
     b, s = q.shape[:2]
-    past = layout.past_len  # 0 in training; the tokens a KV cache holds when generating
-    cos, sin = rope.cached_tables(
-        cfg.head_dim, cfg.rope_theta, past + s, scaling=cfg.rope_scaling, device=q.device, dtype=q.dtype
-    )
-    cos, sin = cos[past:], sin[past:]  # (seq, head_dim): these tokens' positions
+    # (seq, head_dim): these tokens' positions (after a KV cache's, this rank's chunks under context parallel)
+    cos, sin = layout.rotary(cfg.head_dim, cfg.rope_theta, s, scaling=cfg.rope_scaling, device=q.device, dtype=q.dtype)
     q = q.view(b, s, -1, hd).transpose(1, 2)  # (batch, local_heads, seq, head_dim)
     k = k.view(b, s, -1, hd).transpose(1, 2)  # (batch, local_kv_heads, seq, head_dim)
     v = v.view(b, s, -1, hd).transpose(1, 2)

@@ -200,9 +200,8 @@ def attention(p: dict[str, Any], x: Tensor, cfg: Qwen3Config, layout: Layout) ->
     q = head_norm(q.view(b, s, -1, hd), p["q_norm"]["weight"], eps, "heads", layout).transpose(1, 2)
     k = head_norm(k.view(b, s, -1, hd), p["k_norm"]["weight"], eps, "kv_heads", layout).transpose(1, 2)
     v = v.view(b, s, -1, hd).transpose(1, 2)  # (batch, local kv heads, seq, head_dim)
-    past = layout.past_len  # 0 in training; the tokens a KV cache holds when generating
-    cos, sin = rope.cached_tables(cfg.head_dim, cfg.rope_theta, past + s, device=q.device, dtype=q.dtype)
-    cos, sin = cos[past:], sin[past:]  # (seq, head_dim): these tokens' positions
+    # (seq, head_dim): these tokens' positions (after a KV cache's, this rank's chunks under context parallel)
+    cos, sin = layout.rotary(cfg.head_dim, cfg.rope_theta, s, device=q.device, dtype=q.dtype)
     o = layout.attention(
         rope.apply(q, cos, sin), rope.apply(k, cos, sin), v
     )  # causal; grouped-query when fewer kv heads
