@@ -16,6 +16,7 @@ LAYOUTS = {
     "HSDP 2x2": dict(dp_replicate=2, dp_shard=2),
     "FSDP 2 x TP 2": dict(dp_shard=2, tp=2),
     "TP 4 + SP": dict(dp_shard=1, tp=4),
+    "CP 2 x TP 2": dict(dp_shard=1, cp=2, tp=2),
 }
 PARAMS = ("embed.weight", "layers.0.attn.wq", "layers.0.attn.wo", "layers.0.mlp.w_gate", "layers.0.attn_norm.weight")
 
@@ -41,7 +42,7 @@ def _every_layout() -> dict[str, dict[str, str]]:
 
 
 def main() -> None:
-    print("mesh axes: (pp, dp_replicate, dp_shard, tp)")
+    print("mesh axes: (pp, dp_replicate, dp_shard, cp, tp)")
     for name, placements in run_distributed(_every_layout, 4)[0].items():
         print(f"\n{name}  {LAYOUTS[name]}")
         for param, pl in placements.items():

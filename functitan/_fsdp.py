@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _collectives, _remat
 from . import _dtensor as _dt
-from .mesh import DP_AXES
+from .mesh import REPLICA_AXES
 
 __all__ = ["FSDP", "FSDPPolicy"]
 
@@ -155,7 +155,7 @@ class FSDP:
             local = self.tp_grad_sum(local, p, reduce_dtype)
         shards = []
         for mi, pl in enumerate(p.placements):
-            if names[mi] not in DP_AXES or mesh.size(mi) == 1:
+            if names[mi] not in REPLICA_AXES or mesh.size(mi) == 1:
                 continue
             if isinstance(pl, Replicate):  # before the gathers: its backward then runs after the reduce-scatter
                 local = _collectives.grad_all_reduce(local, mesh.get_group(mi), reduce_dtype=reduce_dtype)
@@ -333,7 +333,7 @@ def _check_only_dp_on_dim(p: DTensor, dim: int) -> None:
     other = [
         names[i]
         for i, pl in enumerate(p.placements)
-        if isinstance(pl, Shard) and pl.dim == dim and names[i] not in DP_AXES and p.device_mesh.size(i) > 1
+        if isinstance(pl, Shard) and pl.dim == dim and names[i] not in REPLICA_AXES and p.device_mesh.size(i) > 1
     ]
     if other:
         raise ValueError(

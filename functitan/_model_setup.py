@@ -134,15 +134,24 @@ def _no_conflict(flagged: Any, recorded: Any, what: str) -> None:
         )
 
 
-def check_model(model: Model, model_cfg: Any, *, tp: int, pp: int, seq_len: int, sequence_parallel: bool) -> None:
+def check_model(
+    model: Model, model_cfg: Any, *, tp: int, pp: int, seq_len: int, sequence_parallel: bool, cp: int = 1
+) -> None:
     """Before any collective: the model can take this layout, and its contractions name params as declared."""
+    pieces = 2 * cp * (tp if sequence_parallel else 1)
+    if cp > 1 and seq_len % pieces:
+        both = f" x tp={tp} (sequence parallel)" if sequence_parallel and tp > 1 else ""
+        raise ValueError(
+            f"training.seq_len={seq_len}: context parallelism cuts the sequence into 2 x cp={cp}{both} = {pieces} "
+            f"equal chunks; make training.seq_len a multiple of {pieces}"
+        )
     if pp > 1 and model.stages is None:
         raise ValueError(
             f"parallelism.pp={pp}: model {model.name!r} declares no pipeline stages (Model.stages); use pp=1"
         )
     if model.check_layout is not None:
         model.check_layout(model_cfg, tp=tp, seq_len=seq_len, sequence_parallel=sequence_parallel)
-    check_names(model, model_cfg, tp=tp, sequence_parallel=sequence_parallel)
+    check_names(model, model_cfg, tp=tp, sequence_parallel=sequence_parallel, cp=cp)
 
 
 def check_resumed_model(run_dir: Path, name: str, model_cfg: Any) -> None:

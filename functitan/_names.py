@@ -47,11 +47,12 @@ class NameTable:
         *,
         tp: int = 1,
         rules: Rules | None = None,
+        cp: int = 1,
     ):
         self._entries = {i: Use(path, tuple(n), tuple(s), tuple(n), path) for i, (path, n, s) in entries.items()}
         self._views: dict[int, tuple[Use, Tensor]] = {}
         self._acts: dict[int, tuple[tuple[str, ...], Tensor]] = {}
-        self.tp = tp
+        self.tp, self.cp = tp, cp
         self.rules = rules if rules is not None else default_rules()
         self.sequence_parallel = tp > 1 and any(n == "seq" and _has_tp(a) for n, a in self.rules)
         self.seen: set[str] = set()  # key paths of the params some contraction used (for the report)

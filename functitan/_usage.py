@@ -65,6 +65,12 @@ class Tracker(TorchFunctionMode):
             return func(*args, **kwargs)
         owner = getattr(func, "__self__", None)
         name = str((_PROPERTIES.get(owner) if isinstance(owner, _GETSET) else None) or getattr(func, "__name__", ""))
+        if name == "scaled_dot_product_attention" and self.table.cp > 1:
+            raise ValueError(
+                f"parallelism.cp={self.table.cp}: {site(frame)} calls F.scaled_dot_product_attention itself, which "
+                f"under context parallelism sees only this rank's chunks of the sequence; call "
+                f"layout.attention(q, k, v) instead (or set parallelism.cp=1)"
+            )
         uses = [(i, u) for i, a in enumerate(args) if (u := self.table.lookup(a)) is not None]
         if not uses:
             return self._activation(name, func, args, kwargs)

@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args
 
 from . import optim
 from ._choices import NonFinitePolicy, RematName
+from ._cp import CPAttention
 from .config import ConfigError, check, parse_config
 from .data import DataConfig
 from .pipeline._generators import ScheduleName
@@ -238,6 +239,9 @@ class ParallelismConfig:
         dp_shard: FSDP ranks that shard params, gradients and optimizer state; -1: the remaining ranks.
         tp: tensor-parallel ranks (the model's logical axes decide the collectives).
         pp: pipeline ranks.
+        cp: context-parallel ranks: each holds two balanced chunks of every sequence (docs/parallelism.md).
+        cp_attention: with cp > 1, how attention reaches the other chunks' keys: allgather (takes packed
+            documents), ring (K/V passed around the cp ranks, sends overlapped) or ulysses (all-to-all to heads).
         sequence_parallel: with tp > 1: shard norms and the residual stream along the sequence.
         reshard_after_forward: FSDP: free gathered params after each block's forward (regather in backward).
         pipeline_schedule: the pipeline schedule, with pp > 1.
@@ -248,13 +252,15 @@ class ParallelismConfig:
     dp_shard: int = -1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    cp_attention: CPAttention = "allgather"
     sequence_parallel: bool = True
     reshard_after_forward: bool = True
     pipeline_schedule: ScheduleName = "1f1b"
     stages_per_rank: int = 2
 
     def __post_init__(self) -> None:
-        _at_least(self, ("dp_replicate", "tp", "pp", "stages_per_rank"), 1)
+        _at_least(self, ("dp_replicate", "tp", "pp", "cp", "stages_per_rank"), 1)
         check(
             self.dp_shard == -1 or self.dp_shard >= 1,
             "dp_shard",

@@ -1,7 +1,8 @@
 """The named device mesh: one DeviceMesh whose axes are named after the parallelism they carry.
 
-Axis order is fixed, outermost first: ``pp, dp_replicate, dp_shard, tp`` (tensor parallel innermost, so its
-ranks are neighbours and its collectives stay on the fastest links; pipeline outermost, it only sends P2P).
+Axis order is fixed, outermost first: ``pp, dp_replicate, dp_shard, cp, tp`` (tensor parallel innermost, so its
+ranks are neighbours and its collectives stay on the fastest links; context parallel next to it, for its K/V
+traffic; pipeline outermost, it only sends P2P), as torchtitan orders them.
 Every axis is always present, possibly of size 1, so code can name any axis without checking whether it
 exists; a size-1 axis means "replicated" everywhere.
 """
@@ -14,10 +15,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["AXES", "DP_AXES", "make_mesh", "resolve_degrees", "default_device_type"]
+__all__ = ["AXES", "DP_AXES", "REPLICA_AXES", "make_mesh", "resolve_degrees", "default_device_type"]
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
-DP_AXES = ("dp_replicate", "dp_shard")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DP_AXES = ("dp_replicate", "dp_shard")  # each rank its own batch slice
+# the ranks that hold the same parameters and average their gradients: the data-parallel axes, and cp, whose
+# ranks hold the same batch's different chunks of the sequence and the same (whole-sequence) loss
+REPLICA_AXES = ("dp_replicate", "dp_shard", "cp")
 
 
 def default_device_type() -> str:
@@ -29,7 +33,7 @@ def resolve_degrees(world_size: int, **degrees: int) -> dict[str, int]:
     """Fill the one ``-1`` degree with the remaining ranks and check that the product equals ``world_size``.
 
     >>> resolve_degrees(8, pp=1, dp_replicate=2, dp_shard=-1, tp=2)
-    {'pp': 1, 'dp_replicate': 2, 'dp_shard': 2, 'tp': 2}
+    {'pp': 1, 'dp_replicate': 2, 'dp_shard': 2, 'cp': 1, 'tp': 2}
     """
     unknown = set(degrees) - set(AXES)
     if unknown:
@@ -60,21 +64,22 @@ def resolve_degrees(world_size: int, **degrees: int) -> dict[str, int]:
 
 
 def make_mesh(
-    dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1, *, device: str | None = None
+    dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1, cp: int = 1, *, device: str | None = None
 ) -> DeviceMesh:
-    """A DeviceMesh with axes ``("pp", "dp_replicate", "dp_shard", "tp")`` over the current process group.
+    """A DeviceMesh with axes ``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` over the current process group.
 
     Args:
         dp_replicate: data-parallel replicas (DDP; with dp_shard > 1, HSDP).
         dp_shard: data-parallel shards (FSDP). -1 takes the remaining ranks.
         tp: tensor-parallel degree.
         pp: pipeline-parallel degree.
+        cp: context-parallel degree (the sequence split over cp ranks).
         device: ``"cpu"`` or ``"cuda"``; defaults to cuda when available.
 
     Without an initialised process group the mesh has one rank (world size 1).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    degrees = resolve_degrees(world, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+    degrees = resolve_degrees(world, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
     device = device or default_device_type()
     if not dist.is_initialized():
         _init_single_process(device)

@@ -13,6 +13,7 @@ runs on plain tensors: eager DTensor dispatch costs 15-60 us per op, which domin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from . import _attention, _collectives, _loss, _remat, rope
+from ._cp import CPContext
 from ._fsdp import FSDP, FSDPPolicy
 from ._loss import IGNORE_INDEX, TokenLoss
 from ._names import NameTable
@@ -133,6 +135,8 @@ class Layout:
             always reshard.
         names: check mode (``functitan.model.check_names``): the declared names of each parameter tensor; every
             contraction compares its pattern with them and raises on a mismatch.
+        cp_attention: with ``cp > 1`` on the mesh, how attention spans the sequence chunks: "allgather",
+            "ring" or "ulysses" (``functitan._cp``).
     """
 
     mesh: DeviceMesh | None = None
@@ -143,10 +147,12 @@ class Layout:
     compile: bool = False
     reshard_after_forward: bool = True
     names: NameTable | None = None
+    cp_attention: str = "allgather"
     # derived in __post_init__ from the (immutable) mesh and rules: not arguments, not compared, not state
     _tp: TPContext | None = field(default=None, init=False, repr=False, compare=False)
     _fsdp: FSDP = field(default=FSDP(), init=False, repr=False, compare=False)
     _seq: SequenceSplit = field(default=WHOLE, init=False, repr=False, compare=False)
+    _cp: CPContext | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _remat.as_policy(self.remat)  # an unknown spelling fails here
@@ -156,14 +162,18 @@ class Layout:
         tp = TPContext(mesh, self.rules) if on("tp") and mesh is not None else None
         policy = FSDPPolicy(self.param_dtype, self.reduce_dtype, self.reshard_after_forward)
         fsdp = FSDP(policy, on("dp_shard"), tp.grad_sum if tp is not None and tp.sequence_parallel else None)
+        cp = CPContext(mesh, self.cp_attention) if on("cp") and mesh is not None else None
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_fsdp", fsdp)
-        if tp is not None and tp.sequence_parallel:
+        object.__setattr__(self, "_cp", cp)
+        seq = cp.split if cp is not None else WHOLE
+        if tp is not None and tp.sequence_parallel:  # SP cuts what cp leaves
             by, fix = (
                 f"sequence parallelism over tp={tp.size}",
                 "change training.seq_len or set parallelism.sequence_parallel=false",
             )
-            object.__setattr__(self, "_seq", SequenceSplit(tp.size, tp.rank, by, fix))
+            seq = SequenceSplit(tp.size, tp.rank, by, fix, outer=cp.split if cp is not None else None)
+        object.__setattr__(self, "_seq", seq)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -171,22 +181,28 @@ class Layout:
 
     @property
     def seq(self) -> SequenceSplit:
-        """How the residual stream is split along the sequence (``functitan._seq``): over tp under sequence
-        parallelism, else not at all."""
+        """How the residual stream is split along the sequence (``functitan._seq``): over cp (two balanced chunks
+        per rank) under context parallelism, then over tp under sequence parallelism, else not at all."""
         return self._seq
 
     @property
     def seq_shards(self) -> int:
-        """Into how many pieces the residual stream is split along the sequence (``seq.shards``)."""
-        return self._seq.shards
+        """Into how many pieces the residual stream is split along the sequence (``cp x tp`` under both)."""
+        return self._seq.total
+
+    @property
+    def cp_size(self) -> int:
+        """The context-parallel degree: into how many ranks' chunks attention's sequence is split."""
+        return self._cp.size if self._cp is not None else 1
 
     def seq_range(self, seq_len: int) -> tuple[int, int]:
         """``(start, stop)`` of this rank's positions in a sequence of ``seq_len``: its piece of the residual
-        stream (``seq.range``). Learned position tables index with it."""
+        stream (``seq.range``), when that is one range (not under context parallelism: use ``positions``)."""
         return self._seq.range(seq_len)
 
     def positions(self, seq_len: int, device: torch.device | str = "cpu") -> Tensor:
-        """This rank's position ids ``(local_seq,)`` (see ``seq_range``)."""
+        """This rank's position ids ``(local_seq,)`` in a sequence of ``seq_len``: its piece of the residual
+        stream."""
         return self._seq.positions(seq_len, device)
 
     def rotary(
@@ -200,12 +216,16 @@ class Layout:
         dtype: torch.dtype = torch.float32,
     ) -> tuple[Tensor, Tensor]:
         """RoPE's ``cos, sin (seq_len, head_dim)`` for the ``seq_len`` tokens attention sees here, at their
-        positions: after ``past_len`` kept tokens (a KV cache). One cache for every model (``functitan.rope``)."""
-        past = self.past_len
-        cos, sin = rope.cached_tables(
-            head_dim, theta, past + seq_len, scaling=scaling, device=torch.device(device), dtype=dtype
-        )
-        return cos[past:], sin[past:]
+        positions: after ``past_len`` kept tokens (a KV cache), and under context parallelism this rank's
+        chunks of the whole sequence. One cache for every model (``functitan.rope``)."""
+        past, cp, device = self.past_len, self._cp, torch.device(device)
+        if cp is None:
+            cos, sin = rope.cached_tables(head_dim, theta, past + seq_len, scaling=scaling, device=device, dtype=dtype)
+            return cos[past:], sin[past:]
+        whole = seq_len * cp.size
+        cos, sin = rope.cached_tables(head_dim, theta, whole, scaling=scaling, device=device, dtype=dtype)
+        at = cp.split.positions(whole, cos.device)
+        return cos[at], sin[at]
 
     @property
     def past_len(self) -> int:
@@ -317,7 +337,11 @@ class Layout:
         """Attention of this rank's heads over the whole sequence: ``q (batch, heads, seq, head_dim)``,
         ``k``/``v (batch, kv_heads, seq, head_dim)`` (grouped-query when fewer). ``segment_ids (batch, seq)``:
         packed documents attend only within themselves. The one entry every model uses, so that a parallelism
-        that splits the sequence changes how attention runs, not the model (``functitan._attention``)."""
+        that splits the sequence changes how attention runs, not the model (``functitan._attention``). Under
+        context parallelism the sequence dim is this rank's chunks, ``segment_ids`` the whole sequence's, and
+        the keys of every chunk are reached as ``cp_attention`` says (``functitan._cp``)."""
+        if self._cp is not None:
+            return self._cp.attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
         return _attention.attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
 
     def embed(self, tokens: Tensor, table: Tensor, num_rows: int) -> Tensor:
@@ -325,8 +349,11 @@ class Layout:
 
         Token embeddings and learned position tables alike: a table whose local rows are fewer than
         ``num_rows`` is vocab-parallel (sharded over tp), any other is replicated; the result is in the
-        residual layout (this rank's sequence piece under sequence parallelism).
+        residual layout (this rank's sequence piece under sequence and context parallelism: ``tokens`` are the
+        whole sequence, each rank looks up its piece).
         """
+        if self._cp is not None:
+            tokens = self._cp.split.cut(tokens)
         if self.names is not None:
             self.names.check_rows(table, num_rows, sys._getframe(1))
             out = F.embedding(tokens, table)
@@ -361,7 +388,10 @@ class Layout:
         varies by row, where a mean of per-rank means is not.
         """
         _loss.check_options(reduction, label_smoothing, z_loss)
-        if self._tp is None and reduction == "mean" and not z_loss:
+        cp = self._cp
+        if cp is not None:  # this rank's chunks; the sums below are summed over cp
+            targets = cp.split.cut(targets)
+        if self._tp is None and cp is None and reduction == "mean" and not z_loss:
             z = logits.flatten(0, 1).float()
             return F.cross_entropy(z, targets.flatten(), ignore_index=ignore_index, label_smoothing=label_smoothing)
         opts: dict[str, Any] = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
@@ -369,6 +399,8 @@ class Layout:
             total, count = self._tp.cross_entropy(logits, targets, vocab_size, **opts)
         else:
             total, count = _loss.dense_cross_entropy(logits, targets, **opts)
+        if cp is not None:
+            total, count = cp.whole(total), cp.whole(count.detach())
         return TokenLoss(total, count) if reduction == "tokens" else total / count
 
     def token_sum(self, values: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -383,8 +415,10 @@ class Layout:
         ``mask (batch, seq)``: bool or 0/1 per token, over the whole sequence as the batch holds it.
         """
         v = values.float()
-        seq = self._seq
-        if seq.shards > 1:
+        if mask is not None and self._cp is not None:  # the cp chunks: what this rank's values cover at most
+            mask = self._cp.split.cut(mask)
+        seq = dataclasses.replace(self._seq, outer=None) if self._cp is not None else self._seq  # SP's part
+        if seq.shards > 1 and not seq.balanced:
             if mask is not None and mask.shape[1] == v.shape[1] * seq.shards:
                 mask = mask[:, seq.index * v.shape[1] : (seq.index + 1) * v.shape[1]]
             elif mask is not None and mask.shape[1] == v.shape[1]:  # whole-sequence values on every rank
@@ -395,6 +429,8 @@ class Layout:
         total = v.sum((0, 1))
         if self._tp is not None and self._tp.sequence_parallel:  # the pieces are tp's: summed over tp
             total = _collectives.all_reduce(total, self._tp.group)
+        if self._cp is not None:  # the chunks are cp's: summed over cp (backward: the gradient all-reduced)
+            total = self._cp.whole(total)
         return total
 
     def token_mean(self, values: Tensor, mask: Tensor | None = None) -> TokenLoss:

@@ -112,7 +112,9 @@ def run(
     device = _init_process(cfg.training)
     par, tcfg = cfg.parallelism, cfg.training
     # 1. mesh: every layout is a choice of degrees; pipeline stages compute on the mesh without pp
-    mesh = make_mesh(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, device=device.type)
+    mesh = make_mesh(
+        dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, cp=par.cp, device=device.type
+    )
     layout, rules = make_layout(cfg, mesh)
     per_rank, microbatches = local_batch(cfg, layout.dp_size)
     shape = dict(batch_size=per_rank, seq_len=tcfg.seq_len, dp_rank=layout.dp_rank, dp_size=layout.dp_size)
@@ -127,7 +129,13 @@ def run(
     rng = key(tcfg.seed)
     name, model, model_cfg, full_params = init_model(cfg, model, rng, vocab=_vocab_size(data), device=device)
     check_model(
-        model, model_cfg, tp=par.tp, pp=par.pp, seq_len=tcfg.seq_len, sequence_parallel=layout.sequence_parallel
+        model,
+        model_cfg,
+        tp=par.tp,
+        pp=par.pp,
+        cp=par.cp,
+        seq_len=tcfg.seq_len,
+        sequence_parallel=layout.sequence_parallel,
     )
 
     # 3. place: each rank keeps its shards (and only its pipeline stages); the grad_fn follows the layout
@@ -223,6 +231,7 @@ def make_layout(cfg: JobConfig, mesh: Any) -> tuple[Layout, Any]:
         reshard_after_forward=par.reshard_after_forward,
         param_dtype=getattr(torch, tcfg.param_dtype),
         reduce_dtype=getattr(torch, tcfg.reduce_dtype),
+        cp_attention=par.cp_attention,
     )
     return layout, rules
 
@@ -539,7 +548,9 @@ def _check_degrees_and_batch(cfg: JobConfig) -> None:
     after joining would take the store down under peers still rendezvousing (they would print tracebacks)."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     par = cfg.parallelism
-    degrees = resolve_degrees(world, pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp)
+    degrees = resolve_degrees(
+        world, pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp, tp=par.tp
+    )
     local_batch(cfg, degrees["dp_replicate"] * degrees["dp_shard"])
 
 
@@ -558,7 +569,7 @@ def local_batch(cfg: JobConfig, dp_size: int) -> tuple[int, int]:
         dp_size,
         microbatches=cfg.training.microbatches,
         microbatch_size=cfg.elastic.microbatch_size if par.pp == 1 else 0,
-        fixed=par.tp * par.pp,
+        fixed=par.tp * par.pp * par.cp,
     )
 
 

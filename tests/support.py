@@ -80,6 +80,7 @@ LAYOUTS = {
     "hsdp2x2": {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 2},
     "fsdp2_tp2": {"parallelism.dp_shard": 2, "parallelism.tp": 2, "parallelism.sequence_parallel": False},
     "tp4_sp": {"parallelism.dp_shard": 1, "parallelism.tp": 4, "parallelism.sequence_parallel": True},
+    "cp2_fsdp2": {"parallelism.cp": 2, "parallelism.dp_shard": 2},
 }
 
 

@@ -118,10 +118,10 @@ def _refs():
 
 
 def _fsdp(mesh, refs):
-    """FSDP storage on make_mesh()'s 4-D mesh: Shard(0) on dp_shard, "rep" replicated."""
+    """FSDP storage on make_mesh()'s 5-D mesh: Shard(0) on dp_shard, "rep" replicated."""
     out = {}
     for k, v in refs.items():
-        pl = [Replicate(), Replicate(), Replicate() if k == "rep" else Shard(0), Replicate()]
+        pl = [Replicate(), Replicate(), Replicate() if k == "rep" else Shard(0), Replicate(), Replicate()]
         out[k] = distribute_tensor(v, mesh, pl, src_data_rank=None)
     return out
 

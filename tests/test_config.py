@@ -113,6 +113,8 @@ def test_cli_surface_is_frozen():
         "parallelism.dp_shard",
         "parallelism.tp",
         "parallelism.pp",
+        "parallelism.cp",
+        "parallelism.cp_attention",
         "parallelism.sequence_parallel",
         "parallelism.reshard_after_forward",
         "parallelism.pipeline_schedule",

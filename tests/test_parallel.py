@@ -246,6 +246,14 @@ MODEL_LAYOUTS = {
     "fsdp4": {"parallelism.dp_shard": 4},
     "hsdp2x2": {"parallelism.dp_replicate": 2, "parallelism.dp_shard": 2},
     "fsdp2_tp2_sp": {"parallelism.dp_shard": 2, "parallelism.tp": 2, "parallelism.sequence_parallel": True},
+    "cp2_tp2_sp": {"parallelism.cp": 2, "parallelism.tp": 2, "parallelism.dp_shard": 1},
+    "pp2_cp2_ring": {
+        "parallelism.pp": 2,
+        "parallelism.cp": 2,
+        "parallelism.dp_shard": 1,
+        "parallelism.cp_attention": "ring",
+        "training.microbatches": 2,
+    },
     "pp2_fsdp2": {
         "parallelism.pp": 2,
         "parallelism.dp_shard": 2,

@@ -31,13 +31,19 @@ def test_precedence_earlier_rule_wins_as_in_flax():
 
 
 def test_degrees_fill_and_errors():
-    assert resolve_degrees(8, dp_replicate=2, dp_shard=-1, tp=2) == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    assert resolve_degrees(8, dp_replicate=2, dp_shard=-1, tp=2) == {
+        "pp": 1,
+        "dp_replicate": 2,
+        "dp_shard": 2,
+        "cp": 1,
+        "tp": 2,
+    }
     with pytest.raises(
         ValueError,
         match=r"parallelism.dp_shard=-1: the other degrees multiply to 3, which does not divide the world size 4",
     ):
         resolve_degrees(4, dp_shard=-1, tp=3)
-    with pytest.raises(ValueError, match=r"dp_shard=3 x tp=1 = 3 ranks, but the world size is 2"):
+    with pytest.raises(ValueError, match=r"dp_shard=3 x cp=1 x tp=1 = 3 ranks, but the world size is 2"):
         resolve_degrees(2, dp_shard=3)
     with pytest.raises(ValueError, match="only one degree may be -1"):
         resolve_degrees(4, dp_shard=-1, tp=-1)
@@ -60,12 +66,12 @@ def _placements_on_2x2():
 def test_rules_to_placements_on_a_real_mesh(gloo):
     got = gloo.run(_placements_on_2x2, 4)[0]
     R = Replicate()
-    # mesh axes are (pp, dp_replicate, dp_shard, tp)
-    assert got["wq"] == (R, R, Shard(1), Shard(0))  # FSDP on embed, TP column-parallel on heads
-    assert got["wo"] == (R, R, Shard(0), Shard(1))  # TP row-parallel
-    assert got["norm"] == (R, R, Shard(0), R)
-    assert got["doc"] == (R, R, Shard(0), Shard(1))  # the documented precedence example
-    assert got["wq_tp1"] == (R, R, Shard(1), R)  # size-1 axes mean Replicate
+    # mesh axes are (pp, dp_replicate, dp_shard, cp, tp)
+    assert got["wq"] == (R, R, Shard(1), R, Shard(0))  # FSDP on embed, TP column-parallel on heads
+    assert got["wo"] == (R, R, Shard(0), R, Shard(1))  # TP row-parallel
+    assert got["norm"] == (R, R, Shard(0), R, R)
+    assert got["doc"] == (R, R, Shard(0), R, Shard(1))  # the documented precedence example
+    assert got["wq_tp1"] == (R, R, Shard(1), R, R)  # size-1 axes mean Replicate
 
 
 def test_spec_errors_name_the_key_path():
@@ -132,10 +138,10 @@ def _constrain_activation():
 def test_constrain_lays_out_activations_by_name(gloo):
     R = Replicate()
     for rank, (pl, local, whole_pl, whole, by_embed) in enumerate(gloo.run(_constrain_activation, 2)):
-        assert pl == (R, R, Shard(0), R)  # batch -> (dp_replicate, dp_shard); dp_replicate has size 1
+        assert pl == (R, R, Shard(0), R, R)  # batch -> (dp_replicate, dp_shard); dp_replicate has size 1
         assert local == torch.arange(8.0).reshape(4, 2)[2 * rank : 2 * rank + 2].tolist()
-        assert whole_pl == (R, R, R, R) and whole == torch.arange(8.0).reshape(4, 2).tolist()
-        assert by_embed == (R, R, Shard(1), R)
+        assert whole_pl == (R, R, R, R, R) and whole == torch.arange(8.0).reshape(4, 2).tolist()
+        assert by_embed == (R, R, Shard(1), R, R)
 
 
 def _constrain_grads():

@@ -36,6 +36,8 @@ GRADCHECK_LAYOUTS: dict[str, tuple[dict[str, int], bool]] = {
     "fsdp_tp_sp": ({"dp_shard": 2, "tp": 2}, True),
     "pp_1f1b": ({"pp": 2, "dp_shard": 1}, False),
     "pp_zb_v": ({"pp": 2, "dp_shard": 1}, False),
+    "cp": ({"cp": 2, "dp_shard": 1}, False),
+    "cp_tp_sp": ({"cp": 2, "tp": 2, "dp_shard": 1}, True),
 }
 # the pipeline layouts: (schedule, microbatches); the model's own Model.stages split it (zb_v: 2 stages a rank)
 _PIPELINES = {"pp_1f1b": ("1f1b", 2), "pp_zb_v": ("zb_v", 2)}
