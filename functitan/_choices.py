@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-__all__ = ["RematName", "REMAT_POLICIES", "NonFinitePolicy", "NONFINITE_POLICIES"]
+__all__ = ["RematName", "REMAT_POLICIES", "NonFinitePolicy", "NONFINITE_POLICIES", "CPAttention", "CP_ATTENTIONS"]
 
 RematName = Literal["none", "full", "selective", "offload"]  # functitan._remat: activation checkpointing
 REMAT_POLICIES: tuple[str, ...] = get_args(RematName)
 
 NonFinitePolicy = Literal["stop", "skip"]  # functitan.step: what a NaN or inf loss does
 NONFINITE_POLICIES: tuple[str, ...] = get_args(NonFinitePolicy)
+
+CPAttention = Literal["allgather", "ring", "ulysses"]  # functitan._cp: how attention spans the cp chunks
+CP_ATTENTIONS: tuple[str, ...] = get_args(CPAttention)

@@ -24,7 +24,7 @@ data-parallel reduction, which cp joins) is the gradient of that loss.
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,12 +33,12 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _collectives
+from ._choices import CP_ATTENTIONS
 from ._seq import SequenceSplit
 
-__all__ = ["ALGORITHMS", "CPAttention", "CPContext"]
+__all__ = ["ALGORITHMS", "CPContext"]
 
-CPAttention = Literal["allgather", "ring", "ulysses"]
-ALGORITHMS: tuple[str, ...] = get_args(CPAttention)  # one spelling for the config and the code
+ALGORITHMS = CP_ATTENTIONS  # spelled once, in functitan._choices (the config checks against it without torch)
 
 
 class CPContext:

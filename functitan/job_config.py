@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from . import optim
-from ._choices import NonFinitePolicy, RematName
-from ._cp import CPAttention
+from ._choices import CPAttention, NonFinitePolicy, RematName
 from .config import ConfigError, check, parse_config
 from .data import DataConfig
 from .pipeline._generators import ScheduleName

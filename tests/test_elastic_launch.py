@@ -169,7 +169,7 @@ def test_an_error_under_nproc_is_exactly_one_line(tmp_path):
     out = subprocess.run([*cmd, f"--metrics.run_dir={tmp_path}"], capture_output=True, text=True, timeout=180)
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.splitlines() == [
-        "functitan: error: parallelism: pp=1 x dp_replicate=1 x dp_shard=3 x tp=1 = 3 ranks, but the world size is "
+        "functitan: error: parallelism: pp=1 x dp_replicate=1 x dp_shard=3 x cp=1 x tp=1 = 3 ranks, but the world size is "
         "2; make the product 2 (for example set dp_shard=-1 to take the remaining ranks)"
     ]
 
