@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _collectives, _remat
 from . import _dtensor as _dt
-from .mesh import REPLICA_AXES
+from .mesh import FSDP_AXES, REPLICA_AXES
 
 __all__ = ["FSDP", "FSDPPolicy"]
 
@@ -41,13 +41,14 @@ class FSDPPolicy:
 
 @dataclass(frozen=True)
 class FSDP:
-    """The data-parallel part of a Layout. ``sharded``: the mesh has ``dp_shard > 1`` (prefetch and regather only
-    then); ``tp_grad_sum(local, p, reduce_dtype)``: the tensor-parallel part's gradient sum of a parameter
+    """The data-parallel part of a Layout. ``sharded``: the mesh has ``dp_shard > 1`` or ``cp > 1`` (prefetch and
+    regather only then); ``tp_grad_sum(local, p, reduce_dtype)``: the tensor-parallel part's gradient sum of a parameter
     replicated over tp under sequence parallelism (None: no such sum)."""
 
     policy: FSDPPolicy = FSDPPolicy()
     sharded: bool = False
     tp_grad_sum: Callable[[Tensor, DTensor, torch.dtype | None], Tensor] | None = None
+    flat_group: Any = None  # dp_shard x cp flattened (functitan.mesh.fsdp_group), when both are > 1
 
     # -- parameters
     def param(self, p: Tensor) -> Tensor:
@@ -153,20 +154,36 @@ class FSDP:
         reduce_dtype = self.policy.reduce_dtype if cast else None
         if self.tp_grad_sum is not None:  # before the gathers: the shard's gradient is summed, not the whole's
             local = self.tp_grad_sum(local, p, reduce_dtype)
-        shards = []
+        levels: list[tuple[int, int, int]] = []  # (mesh dim, tensor dim, that dim's size before this split)
+        sizes = list(p.shape)
         for mi, pl in enumerate(p.placements):
+            if isinstance(pl, Shard):  # DTensor splits in mesh-dim order: track what each split sees
+                full = sizes[pl.dim]
+                sizes[pl.dim] = _collectives.chunk(full, mesh.size(mi), mesh.get_local_rank(mi))[1]
             if names[mi] not in REPLICA_AXES or mesh.size(mi) == 1:
                 continue
             if isinstance(pl, Replicate):  # before the gathers: its backward then runs after the reduce-scatter
                 local = _collectives.grad_all_reduce(local, mesh.get_group(mi), reduce_dtype=reduce_dtype)
             elif isinstance(pl, Shard):
                 _check_only_dp_on_dim(p, pl.dim)
-                shards.append((mesh.get_group(mi), pl.dim, p.shape[pl.dim]))
+                levels.append((mi, pl.dim, full))
             else:
                 raise ValueError(
                     f"parameter placement {pl} on mesh axis {names[mi]!r} is not supported; use Shard or Replicate"
                 )
-        return local, shards, cast
+        return local, self._gathers(mesh, levels), cast
+
+    def _gathers(self, mesh: Any, levels: list[tuple[int, int, int]]) -> list[tuple[Any, int, int]]:
+        """``[(group, dim, full)]`` in gather order: innermost split first. A dim split by dp_shard then cp into
+        equal pieces is one gather over the flattened group (bucketed and prefetched like plain FSDP); unequal
+        pieces (DTensor chunks each split in turn) are gathered one axis at a time."""
+        names = mesh.mesh_dim_names
+        if self.flat_group is not None and len(levels) >= 2:
+            (mo, do, fo), (mi, di, _) = levels[-2], levels[-1]
+            n = mesh.size(mo) * mesh.size(mi)
+            if (names[mo], names[mi]) == FSDP_AXES and do == di and fo % n == 0:
+                return [(self.flat_group, do, fo), *[(mesh.get_group(m), d, f) for m, d, f in reversed(levels[:-2])]]
+        return [(mesh.get_group(m), d, f) for m, d, f in reversed(levels)]
 
     # -- blocks: the gathers inside remat regions, prefetch and reshard-after-forward
     def blocks(

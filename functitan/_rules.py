@@ -24,6 +24,7 @@ rules shard nothing, and FSDP, HSDP, TP and their products are chosen by the mes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from torch.distributed.device_mesh import DeviceMesh
@@ -46,7 +47,8 @@ def default_rules(*, sequence_parallel: bool = False) -> Rules:
     """The rules table for transformer models (Llama and friends).
 
     Params: vocab, heads, kv_heads and mlp go to ``tp`` (Megatron: column-parallel q/k/v/gate/up and the
-    vocab-parallel embedding and head, row-parallel o/down); the ``embed`` dim goes to ``dp_shard`` (FSDP);
+    vocab-parallel embedding and head, row-parallel o/down); the ``embed`` dim goes to ``dp_shard`` and ``cp``
+    (FSDP over both, torchtitan's ``fsdp = dp_shard * cp``: a cp rank keeps no extra copy of the params);
     ``layers`` goes to ``pp``. Activations: ``batch`` goes to both data-parallel axes, and with sequence
     parallelism the residual stream's ``seq`` goes to ``tp``.
     """
@@ -56,7 +58,7 @@ def default_rules(*, sequence_parallel: bool = False) -> Rules:
         ("heads", "tp"),
         ("kv_heads", "tp"),
         ("mlp", "tp"),
-        ("embed", "dp_shard"),
+        ("embed", ("dp_shard", "cp")),
         ("layers", "pp"),
     ]
     if sequence_parallel:
@@ -113,13 +115,22 @@ def logical_to_mesh_axes(
 
 
 def spec_placements(
-    spec: Spec, rules: Rules, mesh: DeviceMesh, *, name: str = "tensor", ndim: int | None = None
+    spec: Spec,
+    rules: Rules,
+    mesh: DeviceMesh,
+    *,
+    name: str = "tensor",
+    ndim: int | None = None,
+    shape: Sequence[int] | None = None,
 ) -> tuple[Placement, ...]:
     """The storage placements (one per mesh dim) of a tensor with logical ``spec`` on ``mesh``.
 
     Args:
         name: the dotted key path, used in errors.
         ndim: the tensor's rank; a spec of another length is an error naming ``name``.
+        shape: the tensor's shape. A dim the rules split over several mesh axes (``embed`` over dp_shard and
+            cp) is split over the first of them only when its size does not divide by their product: DTensor
+            reassembles (``full_tensor``, ``redistribute``) unequal pieces of a dim split twice out of order.
     """
     if not is_spec(spec):
         raise TypeError(f"{name}: a spec is a tuple of logical names (str or None), got {spec!r}")
@@ -130,6 +141,9 @@ def spec_placements(
         )
     mesh_names = tuple(mesh.mesh_dim_names or ())
     dims_axes = logical_to_mesh_axes(spec, rules, mesh_axes=mesh_names)
+    if shape is not None:
+        sizes = {a: mesh.size(mi) for mi, a in enumerate(mesh_names)}
+        dims_axes = tuple(_dividing(axes, size, sizes) for axes, size in zip(dims_axes, shape, strict=True))
     placements: list[Placement] = []
     for mi, axis in enumerate(mesh_names):
         tensor_dim = next((d for d, axes in enumerate(dims_axes) if axis in axes), None)
@@ -138,3 +152,11 @@ def spec_placements(
         else:
             placements.append(Shard(tensor_dim))
     return tuple(placements)
+
+
+def _dividing(axes: tuple[str, ...], size: int, sizes: dict[str, int]) -> tuple[str, ...]:
+    """``axes`` (of size > 1), or its first one alone when ``size`` does not divide by their product."""
+    split = tuple(a for a in axes if sizes.get(a, 1) > 1)
+    if len(split) > 1 and size % math.prod(sizes[a] for a in split):
+        return split[:1]
+    return axes

@@ -15,13 +15,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["AXES", "DP_AXES", "REPLICA_AXES", "make_mesh", "resolve_degrees", "default_device_type"]
+__all__ = [
+    "AXES",
+    "DP_AXES",
+    "FSDP_AXES",
+    "REPLICA_AXES",
+    "make_mesh",
+    "fsdp_group",
+    "resolve_degrees",
+    "default_device_type",
+]
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DP_AXES = ("dp_replicate", "dp_shard")  # each rank its own batch slice
 # the ranks that hold the same parameters and average their gradients: the data-parallel axes, and cp, whose
 # ranks hold the same batch's different chunks of the sequence and the same (whole-sequence) loss
 REPLICA_AXES = ("dp_replicate", "dp_shard", "cp")
+# the axes FSDP shards parameters over (torchtitan's ``fsdp = dp_shard * cp``): a cp rank holds no extra
+# parameter memory. Both shard the same dim, dp_shard outer, so one all-gather over the flattened group
+# (``fsdp_group``) gathers what the two axes split.
+FSDP_AXES = ("dp_shard", "cp")
+FSDP_FLAT = "dp_shard_cp"
 
 
 def default_device_type() -> str:
@@ -83,7 +97,21 @@ def make_mesh(
     device = device or default_device_type()
     if not dist.is_initialized():
         _init_single_process(device)
-    return init_device_mesh(device, tuple(degrees[a] for a in AXES), mesh_dim_names=AXES)
+    mesh = init_device_mesh(device, tuple(degrees[a] for a in AXES), mesh_dim_names=AXES)
+    fsdp_group(mesh)  # its process groups are made now, on every rank at once (a collective)
+    return mesh
+
+
+def fsdp_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The process group of ``dp_shard x cp`` flattened (rank ``i * cp + j`` for dp_shard ``i``, cp ``j``: the
+    order DTensor chunks a dim sharded on both), or None unless both axes have more than one rank.
+
+    ``make_mesh`` creates it on every rank; later calls (on the mesh or any submesh holding both axes, such as a
+    pipeline stage's) find the same group in torch's cache without a collective."""
+    names = mesh.mesh_dim_names or ()
+    if not all(a in names and mesh[a].size() > 1 for a in FSDP_AXES):
+        return None
+    return mesh[FSDP_AXES]._flatten(FSDP_FLAT).get_group()
 
 
 def _init_single_process(device: str) -> None:

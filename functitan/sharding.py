@@ -34,7 +34,7 @@ from ._names import NameTable
 from ._rules import Rules, Spec, default_rules, is_spec, logical_to_mesh_axes, spec_placements
 from ._seq import WHOLE, SequenceSplit
 from ._tp import TPContext, parse_einsum
-from .mesh import DP_AXES
+from .mesh import DP_AXES, fsdp_group
 from .tree import map_with_names, tree_map
 
 __all__ = [
@@ -62,7 +62,7 @@ def place(params: Any, specs: Any, rules: Rules, mesh: DeviceMesh, *, requires_g
     def one(name: str, x: Any, spec: Spec) -> Any:
         if not isinstance(x, Tensor):
             raise TypeError(f"{name}: place() takes a tree of tensors, found {type(x).__name__}")
-        pl = spec_placements(spec, rules, mesh, name=name, ndim=x.ndim)
+        pl = spec_placements(spec, rules, mesh, name=name, ndim=x.ndim, shape=x.shape)
         full = x.detach()
         # distribute_tensor(src_data_rank=None) cuts every rank's chunk to keep one: 8192 fake tensors per
         # leaf at FSDP 8192, most of a planner trace's time. This rank's slice, cloned, is the same DTensor.
@@ -161,7 +161,12 @@ class Layout:
         on = lambda axis: mesh is not None and axis in names and mesh[axis].size() > 1  # noqa: E731
         tp = TPContext(mesh, self.rules) if on("tp") and mesh is not None else None
         policy = FSDPPolicy(self.param_dtype, self.reduce_dtype, self.reshard_after_forward)
-        fsdp = FSDP(policy, on("dp_shard"), tp.grad_sum if tp is not None and tp.sequence_parallel else None)
+        fsdp = FSDP(
+            policy,
+            on("dp_shard") or on("cp"),  # FSDP shards over dp_shard x cp (mesh.FSDP_AXES)
+            tp.grad_sum if tp is not None and tp.sequence_parallel else None,
+            fsdp_group(mesh) if mesh is not None else None,
+        )
         cp = CPContext(mesh, self.cp_attention) if on("cp") and mesh is not None else None
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_fsdp", fsdp)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ from functitan.mesh import make_mesh
 from functitan.model import check_names, gradcheck, init, load_model
 from functitan.model import specs as model_specs
 from functitan.random import key
-from functitan.sharding import Layout, default_rules, place
+from functitan.sharding import Layout, default_rules, is_spec, place
 from functitan.step import make_train_step
 from functitan.train_state import TrainState
 from functitan.transforms import value_and_grad
@@ -42,10 +43,14 @@ FAMILIES = {
     "qwen3": (qwen3, dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,
                           max_seq_len=64)),
 }  # fmt: skip
+# width 30 does not divide by dp_shard 2 x cp 2: it is split over dp_shard alone (DTensor reassembles a dim split
+# twice into unequal pieces out of order)
+ODD = {"llama_odd": (llama, dict(vocab_size=64, dim=30, n_layers=2, n_heads=5, n_kv_heads=1, ffn_dim=48,
+                                 max_seq_len=64))}  # fmt: skip
 
 
 def _model(family: str) -> tuple[Any, Any]:
-    mod, over = FAMILIES[family]
+    mod, over = {**FAMILIES, **ODD}[family]
     return mod.MODEL, mod.MODEL.config("debug", **over)
 
 
@@ -84,8 +89,8 @@ def _attention_reference(segments: bool) -> list[torch.Tensor]:
     return [o.detach(), q.grad, k.grad, v.grad]
 
 
-def _step(family: str, degrees: dict, sp: bool, algorithm: str) -> tuple[float, dict]:
-    """On every rank: one train step under this layout -> (loss, full gradients)."""
+def _step(family: str, degrees: dict, sp: bool, algorithm: str) -> tuple[float, dict, dict]:
+    """On every rank: one train step under this layout -> (loss, full gradients, local shapes of the params)."""
     model, c = _model(family)
     mesh = make_mesh(**degrees, device="cpu")
     rules = default_rules(sequence_parallel=sp)
@@ -98,7 +103,8 @@ def _step(family: str, degrees: dict, sp: bool, algorithm: str) -> tuple[float, 
     local = {k: v.chunk(layout.dp_size)[layout.dp_rank] for k, v in _batch().items()}
     new, metrics = step(state, local)
     before, after = flatten_with_names(state.params)[0], flatten_with_names(new.params)[0]
-    return metrics["loss"], {n: (p.full_tensor() - q.full_tensor()).detach() for (n, p), (_, q) in zip(before, after)}
+    grads = {n: (p.full_tensor() - q.full_tensor()).detach() for (n, p), (_, q) in zip(before, after)}
+    return metrics["loss"], grads, {n: tuple(p.to_local().shape) for n, p in before}
 
 
 def _reference(family: str) -> tuple[float, dict]:
@@ -120,6 +126,7 @@ CASES_4 = [(f"{f}_cp4_{a}", f, dict(cp=4), False, a) for f in FAMILIES for a in 
     ("gpt2_cp2_tp2_sp_ring", "gpt2", dict(cp=2, tp=2), True, "ring"),
     ("qwen3_cp2_fsdp2", "qwen3", dict(cp=2, dp_shard=2), False, "allgather"),
     ("llama_hsdp_cp2", "llama", dict(cp=2, dp_replicate=2, dp_shard=1), False, "ring"),
+    ("llama_odd_cp2_fsdp2", "llama_odd", dict(cp=2, dp_shard=2), False, "ring"),
 ]
 # attention alone, forward and backward (name, degrees, algorithm, packed documents)
 ATTENTION_2 = [(f"attention_cp2_{a}", dict(cp=2), a, False) for a in ("allgather", "ring", "ulysses")] + [
@@ -134,14 +141,21 @@ ATTENTION_4 = [
 
 def _check(results: list[dict], cases: list, attention: list) -> None:
     refs: dict[str, tuple] = {}
-    for name, family, *_ in cases:
+    for name, family, degrees, *_ in cases:
         ref_loss, ref_grads = refs.setdefault(family, _reference(family))
+        model, c = _model(family)
+        specs = dict(flatten_with_names(model_specs(model.params(c)), is_leaf=is_spec)[0])
+        split = [n for n in (degrees.get("dp_shard", 1), degrees["cp"]) if n > 1]
         for rank, got in enumerate(results):
-            loss, grads = got[name]
+            loss, grads, shapes = got[name]
             assert abs(loss - ref_loss) < 1e-6, (name, rank, loss, ref_loss)
             assert grads.keys() == ref_grads.keys()
             for k, g in grads.items():
                 torch.testing.assert_close(g, ref_grads[k], **TOL, msg=lambda m, k=k: f"{name} rank {rank} {k}: {m}")
+                if "embed" in specs[k]:  # FSDP shards over dp_shard x cp: a cp rank holds its share, no copy
+                    d = specs[k].index("embed")  # (a width that does not divide by both: over dp_shard alone)
+                    n = math.prod(split) if g.shape[d] % math.prod(split) == 0 else split[0]
+                    assert shapes[k][d] in (g.shape[d] // n, -(-g.shape[d] // n)), (name, rank, k, shapes[k])
     for name, degrees, _, segments in attention:
         ref = _attention_reference(segments)
         for rank, got in enumerate(results):

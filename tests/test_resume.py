@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from support import Crash, crashing_at_step, train_small
+from support import LAYOUTS, Crash, crashing_at_step, train_small
 
 CKPT = {"checkpoint.enable": True, "checkpoint.interval": 10, "checkpoint.keep_last": 2}
 
@@ -38,6 +38,43 @@ def test_resume_after_step_10_is_bit_exact(world, layout, tmp_path, gloo):
     for name, p in straight_params.items():
         assert torch.equal(resumed_params[name], p), name
     assert data_state["seq"] == 14 * 8
+
+
+CP_RESUME = {**CKPT, "checkpoint.interval": 3, "training.steps": 6}
+
+
+def _cp_then_another_layout(root: str):
+    """cp 2 x fsdp 2 straight for 6 steps; the same run cut after step 3 and resumed as fsdp 4 (and its last
+    checkpoint restored on one process, below)."""
+    cp = {**LAYOUTS["cp2_fsdp2"], **CP_RESUME, "metrics.run_dir": root}
+    straight = train_small({**cp, "metrics.run_name": "straight"})
+    with crashing_at_step(3), contextlib.suppress(Crash):
+        train_small({**cp, "metrics.run_name": "moved"})
+    moved = train_small({**LAYOUTS["fsdp4"], **CP_RESUME, "metrics.run_dir": root, "metrics.run_name": "moved"})
+    return straight[1], moved[1]
+
+
+def test_a_cp_checkpoint_resumes_under_fsdp_and_on_one_process_with_the_same_files(tmp_path, gloo):
+    """cp does not change what is on disk: a cp 2 x fsdp 2 run's step 3 resumes as fsdp 4 (steps 4-6 within fp32
+    rounding of the uninterrupted cp run; the layouts sum in other orders), writes the same files at step 6, and
+    that checkpoint resumes on one process."""
+    straight_params, moved_params = gloo.run(_cp_then_another_layout, 4, str(tmp_path))[0]
+    straight, moved = _losses(tmp_path / "straight"), _losses(tmp_path / "moved")
+    assert [s for s in moved if s > 3] == [4, 5, 6]  # the fsdp 4 run started after the cp run's step 3
+    for step in (4, 5, 6):
+        assert moved[step] == pytest.approx(straight[step], rel=1e-5), step
+    for name, p in straight_params.items():
+        torch.testing.assert_close(moved_params[name], p, atol=1e-5, rtol=1e-4)
+
+    def files(run: str) -> dict[str, bytes]:  # every file of step 6; the array metadata (zarr.json) by content
+        d = tmp_path / run / "checkpoints" / "6"
+        return {str(f.relative_to(d)): f.read_bytes() if f.name == "zarr.json" else b"" for f in d.rglob("*")}
+
+    assert files("straight") == files("moved") and len(files("moved")) > 300
+    # the cp run's step 6 on one process: training.steps=6 restores it and trains no step
+    one = train_small({**CP_RESUME, "metrics.run_dir": str(tmp_path), "metrics.run_name": "straight"})
+    for name, p in straight_params.items():
+        assert torch.equal(one[1][name], p), name
 
 
 # ------------------------------------------------------------------------------------------- crash leftovers, damage
