@@ -135,7 +135,15 @@ def _no_conflict(flagged: Any, recorded: Any, what: str) -> None:
 
 
 def check_model(
-    model: Model, model_cfg: Any, *, tp: int, pp: int, seq_len: int, sequence_parallel: bool, cp: int = 1
+    model: Model,
+    model_cfg: Any,
+    *,
+    tp: int,
+    pp: int,
+    seq_len: int,
+    sequence_parallel: bool,
+    cp: int = 1,
+    cp_attention: str = "allgather",
 ) -> None:
     """Before any collective: the model can take this layout, and its contractions name params as declared."""
     pieces = 2 * cp * (tp if sequence_parallel else 1)
@@ -151,7 +159,7 @@ def check_model(
         )
     if model.check_layout is not None:
         model.check_layout(model_cfg, tp=tp, seq_len=seq_len, sequence_parallel=sequence_parallel)
-    check_names(model, model_cfg, tp=tp, sequence_parallel=sequence_parallel, cp=cp)
+    check_names(model, model_cfg, tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_attention=cp_attention)
 
 
 def check_resumed_model(run_dir: Path, name: str, model_cfg: Any) -> None:

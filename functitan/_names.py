@@ -48,14 +48,27 @@ class NameTable:
         tp: int = 1,
         rules: Rules | None = None,
         cp: int = 1,
+        cp_attention: str = "allgather",
     ):
         self._entries = {i: Use(path, tuple(n), tuple(s), tuple(n), path) for i, (path, n, s) in entries.items()}
         self._views: dict[int, tuple[Use, Tensor]] = {}
         self._acts: dict[int, tuple[tuple[str, ...], Tensor]] = {}
-        self.tp, self.cp = tp, cp
+        self.tp, self.cp, self.cp_attention = tp, cp, cp_attention
         self.rules = rules if rules is not None else default_rules()
         self.sequence_parallel = tp > 1 and any(n == "seq" and _has_tp(a) for n, a in self.rules)
         self.seen: set[str] = set()  # key paths of the params some contraction used (for the report)
+
+    def attention(self, q: Tensor, k: Tensor) -> None:
+        """``layout.attention`` of ``q (batch, heads, seq, d)`` and ``k (batch, kv_heads, seq, d)``, whole heads:
+        Ulysses turns the sequence split into a head split over tp x cp, so both counts must divide by it."""
+        n = self.tp * self.cp
+        if self.cp > 1 and self.cp_attention == "ulysses" and (q.shape[1] % n or k.shape[1] % n):
+            tp = f"tp={self.tp} x " if self.tp > 1 else ""
+            raise ValueError(
+                f"parallelism.cp_attention=ulysses splits attention's heads over {tp}cp={self.cp} = {n} ranks, but "
+                f"the model has {q.shape[1]} heads and {k.shape[1]} kv heads; set parallelism.cp_attention=allgather "
+                f"or ring, or a cp whose product with tp divides both"
+            )
 
     # -- what the tracker records
     def lookup(self, t: Any) -> Use | None:

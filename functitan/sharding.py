@@ -347,6 +347,8 @@ class Layout:
         the keys of every chunk are reached as ``cp_attention`` says (``functitan._cp``)."""
         if self._cp is not None:
             return self._cp.attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
+        if self.names is not None:  # the check before step 1 (functitan.model.check_names)
+            self.names.attention(q, k)
         return _attention.attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
 
     def embed(self, tokens: Tensor, table: Tensor, num_rows: int) -> Tensor:

@@ -134,6 +134,7 @@ def run(
         tp=par.tp,
         pp=par.pp,
         cp=par.cp,
+        cp_attention=par.cp_attention,
         seq_len=tcfg.seq_len,
         sequence_parallel=layout.sequence_parallel,
     )

@@ -212,6 +212,12 @@ def test_a_model_calling_sdpa_itself_is_refused_by_name_under_cp_before_step_1()
         ValueError, match="training.seq_len=12: context parallelism cuts the sequence into 2 x cp=2 x tp=2"
     ):
         check_model(model, cfg, tp=2, pp=1, cp=2, seq_len=12, sequence_parallel=True)
+    # Ulysses splits heads over tp x cp: llama's 2 kv heads take cp 2, not tp 2 x cp 2, refused before step 1
+    lm, lc = _model("llama")
+    check_model(lm, lc, tp=1, pp=1, cp=2, seq_len=16, sequence_parallel=False, cp_attention="ulysses")
+    with pytest.raises(ValueError, match=r"ulysses splits attention's heads over tp=2 x cp=2 = 4 ranks, but the mo"):
+        check_model(lm, lc, tp=2, pp=1, cp=2, seq_len=16, sequence_parallel=True, cp_attention="ulysses")
+    check_model(lm, lc, tp=2, pp=1, cp=2, seq_len=16, sequence_parallel=True, cp_attention="ring")
 
 
 CLI_RUN = {"training.steps": 3, "training.seq_len": 32, "model.n_layers": 2, "model.dim": 32, "model.n_heads": 4,

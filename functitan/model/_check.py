@@ -30,6 +30,7 @@ def check_names(
     sequence_parallel: bool = False,
     rules: Rules | None = None,
     cp: int = 1,
+    cp_attention: str = "allgather",
 ) -> set[str]:
     """Raise ValueError at the first use of a param that its declaration contradicts, for a layout of ``tp``.
 
@@ -38,7 +39,7 @@ def check_names(
     param, a slice or index of it, a transpose) against the declared names, and with ``tp > 1`` a raw
     contraction or a slice of a tp-sharded dim, and under sequence parallelism a column-parallel contraction
     of an input without ``seq``, and with ``cp > 1`` attention computed by the model itself rather than
-    ``layout.attention``; a param added to an activation must name the dims it broadcasts over as the
+    ``layout.attention`` (and under Ulysses, heads that do not divide by tp x cp); a param added to an activation must name the dims it broadcasts over as the
     activation does. The error names the param's key path, its names, the call site and the fix. A loss with a
     data-dependent op (``torch.nonzero``, a boolean mask index, ``.item()``), which meta tensors cannot run, is
     checked once more on real CPU tensors (a model of up to ``REAL_CHECK_MAX_PARAMS`` params; a larger one is
@@ -49,7 +50,7 @@ def check_names(
     decl = model.params(cfg)
     rules = rules if rules is not None else default_rules(sequence_parallel=sequence_parallel and tp > 1)
     try:
-        return _check_on(model, cfg, decl, seq_len, "meta", tp, rules, cp)
+        return _check_on(model, cfg, decl, seq_len, "meta", tp, rules, cp, cp_attention)
     except (NotImplementedError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and "meta" not in str(e):
             raise
@@ -62,10 +63,12 @@ def check_names(
                 f"make the op data-independent (e.g. torch.where instead of a boolean index) or check a smaller "
                 f"flavor"
             ) from None
-    return _check_on(model, cfg, decl, seq_len, "cpu", tp, rules, cp)
+    return _check_on(model, cfg, decl, seq_len, "cpu", tp, rules, cp, cp_attention)
 
 
-def _check_on(model: Model, cfg: Any, decl: Any, seq_len: int, device: str, tp: int, rules: Rules, cp: int) -> set[str]:
+def _check_on(
+    model: Model, cfg: Any, decl: Any, seq_len: int, device: str, tp: int, rules: Rules, cp: int, cp_attention: str
+) -> set[str]:
     params = init(decl, 0, device=device)
     named_decl, _ = flatten_with_names(decl, is_leaf=is_param)
     named_params, _ = flatten_with_names(params)
@@ -74,6 +77,7 @@ def _check_on(model: Model, cfg: Any, decl: Any, seq_len: int, device: str, tp: 
         tp=tp,
         rules=rules,
         cp=cp,
+        cp_attention=cp_attention,
     )
     tokens = torch.zeros((1, seq_len), dtype=torch.long, device=device)
     with torch.no_grad(), Tracker(table):
