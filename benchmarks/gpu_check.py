@@ -16,6 +16,8 @@ whole train step fits one GPU), in bf16 compute with fp32 master weights and fp3
   step's fence, steps until the commit, against a synchronous save);
 - CUDA memory metrics per side: peak allocated / reserved, allocation retries, OOMs
   (``torch.cuda.memory_stats``);
+- long-sequence attention on one device (``attention_check``: 8K-64K tokens, Llama 3 8B's heads, causal and
+  with packed documents): the SDPA kernel chosen, time and peak memory, what each context-parallel rank runs;
 - the trainer end to end (``functitan train --config configs/debug.toml`` on this device, a checkpoint half
   way, a second run resumed from it): tokens/s, MFU and how far the resumed losses are from the full run's.
 
@@ -325,6 +327,63 @@ def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
 
 
+# long-sequence attention on one device (Llama 3 8B's heads: 32 query, 8 kv, head_dim 128), causal and with
+# packed documents: the kernel SDPA picks and the memory each takes (what a cp rank runs on its chunks)
+ATTENTION_SEQS, ATTENTION_DRY_SEQS = (8192, 32768, 65536), (64, 128)
+KERNELS = ("flash", "efficient", "cudnn", "math")  # substrings of the SDPA kernels' operator names
+
+
+def attention_check(device: torch.device, *, dry: bool, repeats: int = 3) -> dict[str, Any]:
+    """``functitan._attention.attention`` (what ``Layout.attention`` runs on one device) forward + backward in
+    bf16 at long sequences: the kernel chosen (from the profiler's operator names), the median time and the peak
+    memory, causal and with ``segment_ids`` (8 packed documents: an explicit mask, so not the flash kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from functitan._attention import attention
+
+    heads, kv, hd = (4, 2, 16) if dry else (32, 8, 128)
+    out: dict[str, Any] = {"heads": heads, "kv_heads": kv, "head_dim": hd, "seqs": {}}
+    for seq in ATTENTION_DRY_SEQS if dry else ATTENTION_SEQS:
+        row: dict[str, Any] = {}
+        for case in ("causal", "documents"):
+            try:
+                g = torch.Generator(device=device).manual_seed(0)
+                q, k, v = (
+                    torch.randn(1, h, seq, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+                    for h in (heads, kv, kv)
+                )
+                segments = (torch.arange(seq, device=device) * 8 // seq)[None] if case == "documents" else None
+
+                def step() -> None:
+                    attention(q, k, v, segment_ids=segments).sum().backward()
+
+                step()  # warm-up (and the kernel's workspace)
+                _reset_memory(device)
+                times = []
+                for _ in range(repeats):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    step()
+                    _sync(device)
+                    times.append(time.perf_counter() - t0)
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                with profile(activities=acts) as prof:
+                    step()
+                    _sync(device)
+                ops = {e.key for e in prof.key_averages() if "attention" in e.key.lower()}
+                kernel = next((n for n in KERNELS if any(n in o.lower() for o in ops)), "unknown")
+                row[case] = {"kernel": kernel, "ops": sorted(ops), "median_s": statistics.median(times)}
+                row[case].update(_memory(device))
+            except torch.OutOfMemoryError as e:
+                row[case] = {"error": f"OutOfMemoryError: {str(e).splitlines()[0]}"}
+            finally:
+                q = k = v = None  # type: ignore[assignment]
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        out["seqs"][str(seq)] = row
+    return out
+
+
 def gemm_peak(device: torch.device, *, n: int, repeats: int = 10) -> dict[str, Any]:
     """Measured bf16 matmul rate (n x n x n, after warm-up): the ceiling MFU is also reported against."""
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -450,6 +509,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     path = a.out or str(RESULTS / ("gpu_check_dry_run.json" if dry else "gpu_check.json"))
     out["gemm_peak"] = _guarded(lambda: gemm_peak(device, n=256 if dry else 8192))
+    out["attention"] = _guarded(lambda: attention_check(device, dry=dry))
+    _common.write_json(path, out)
+    for seq, row in out["attention"].get("seqs", {}).items():
+        print(
+            f"attention at seq {seq}: "
+            + "; ".join(
+                f"{case} {r['kernel']} {r['median_s'] * 1e3:.1f} ms"
+                + (f", peak {r['peak_allocated_gib']:.2f} GiB" if "peak_allocated_gib" in r else "")
+                if "error" not in r
+                else f"{case} {r['error']}"
+                for case, r in row.items()
+            ),
+            flush=True,
+        )
     with tempfile.TemporaryDirectory(prefix="functitan_gpu_check_") as tmp:
         for name in a.shapes.split(","):
             if time.perf_counter() - t_start > a.budget_s:

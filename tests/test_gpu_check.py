@@ -22,6 +22,11 @@ def test_gpu_check_dry_run_measures_every_part(tmp_path):
     result = json.loads(out.read_text())
     assert result["dry_run"] and set(result["shapes"]) == {"1b", "8b"} and not result["skipped"]
     assert result["gemm_peak"]["median_flops"] > 0
+    attention = result["attention"]["seqs"]  # the kernel SDPA chose for each case, at each sequence length
+    assert set(attention) == {"64", "128"}, attention
+    for row in attention.values():
+        assert row["causal"]["kernel"] in ("flash", "efficient", "cudnn", "math") and row["causal"]["median_s"] > 0
+        assert "error" not in row["documents"] and row["documents"]["ops"], row
     for name, shape in result["shapes"].items():
         assert "error" not in shape and "error" not in shape["checkpoint"], name
         assert set(shape["median_step_s"]) == {"functitan", "torch", "torch_fused"}
