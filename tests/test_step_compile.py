@@ -87,8 +87,9 @@ def test_a_loss_with_aux_outputs_trains_and_reports_them_eager_donated_and_compi
         value_and_grad(llama.loss, has_aux=True)(llama.init(TINY_LLAMA, key(0)), _batch(0), TINY_LLAMA)
 
 
-# ------------------------------------------------------------------------------------ under FSDP and TP + SP
-# Two gloo processes, params sharded over dp_shard=2 (or tp=2 with sequence parallelism): the compiled step still
+# ------------------------------------------------------------------------------------ under FSDP, TP + SP and CP
+# Two gloo processes, params sharded over dp_shard=2 (or tp=2 with sequence parallelism, or cp=2 with the sequence
+# split over it): the compiled step still
 # traces as one graph (the FSDP all-gathers and reduce-scatters or the TP gathers and reduce-scatters, the gradient,
 # the norm all-reduce and the AdamW update on the shards), and it trains like the eager step on the same layout
 # and like one process on the whole batch. The workers record every warning: dynamo warns about what it traces
@@ -117,9 +118,11 @@ def _fsdp_run(layout_name):
 
     if layout_name == "fsdp":
         mesh, rules = make_mesh(dp_shard=2), default_rules()
+    elif layout_name.startswith("cp"):  # every rank sees the whole batch, its chunks of the sequence
+        mesh, rules = make_mesh(cp=2), default_rules()
     else:  # tp_sp: every rank sees the whole batch
         mesh, rules = make_mesh(tp=2), default_rules(sequence_parallel=True)
-    layout = Layout(mesh, rules)
+    layout = Layout(mesh, rules, cp_attention=layout_name[3:] if layout_name.startswith("cp") else "allgather")
     data_rank = dist.get_rank() if layout_name == "fsdp" else None
     opt = _fsdp_opt()
     grad_fn = value_and_grad(functools.partial(llama.loss, cfg=TINY_LLAMA, layout=layout))
@@ -147,7 +150,10 @@ def _fsdp_run(layout_name):
     )
 
 
-@pytest.mark.parametrize("layout_name", ["fsdp", "tp_sp"])
+# cp: params sharded over cp, K/V all-gathered (the default), one graph with the step. (Ulysses traced as one graph
+# too, 18 s more here. The ring's send/receive does not trace into a whole-step graph: dynamo fails rebuilding a
+# DTensor after it, torch 2.13; the trainer's per-block compile, training.compile, runs it.)
+@pytest.mark.parametrize("layout_name", ["fsdp", "tp_sp", "cp_allgather"])
 def test_compiled_sharded_step_has_no_graph_breaks_and_trains_like_eager_and_one_process(layout_name, gloo):
 
     opt = _fsdp_opt()
