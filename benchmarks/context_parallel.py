@@ -5,8 +5,8 @@ One Llama (``--dim`` 128, 2 layers, 8 heads / 4 kv heads, ffn 3 x dim, vocab 258
 ``--batch`` rows x ``--seq`` tokens (the same tokens at every cp: ``layout.embed`` cuts each rank's two
 balanced chunks, ``layout.cross_entropy`` its targets). cp 1 is ``Layout(make_mesh(dp_shard=1))`` on one
 process; cp N is ``Layout(make_mesh(cp=N), cp_attention=ALG)`` on N gloo processes (one thread each), params
-replicated (``place`` with ``default_rules``), the train step as the trainer builds it (``make_train_step(
-value_and_grad(partial(llama.loss, ...)), optim.adamw(...))``).
+sharded over cp by FSDP (``place`` with ``default_rules``), the train step as the trainer builds it
+(``make_train_step(value_and_grad(partial(llama.loss, ...)), optim.adamw(...))``).
 
 What is measured, per rank:
 

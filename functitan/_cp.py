@@ -11,8 +11,10 @@ bring (``parallelism.cp_attention``):
 - ``ring``: K and V travel around the ring, one chunk pair per step, and the partial results merge by their
   log-sum-exp (online softmax); the next step's send and receive are in flight while this step computes. Only
   q, k, v, the output and its log-sum-exp are kept for backward, which recomputes each block (as flash
-  attention does) while K/V and their gradient travel the ring again. Memory: two chunks of K/V in flight and
-  one block of scores at a time.
+  attention does) while K/V and their gradient travel the ring again. Each step computes one block per pair
+  of chunks (a query chunk over a key chunk); under causal attention half of the pairs are hidden whole and
+  skipped, and only a chunk over itself is masked. Memory: two chunks of K/V in flight and one chunk x chunk
+  block of scores at a time.
 - ``ulysses``: an all-to-all turns sequence shards into head shards (every rank attends the whole sequence for
   ``heads / cp`` of its heads) and a second turns them back. Needs the local head counts divisible by cp.
 
@@ -149,25 +151,50 @@ class CPContext:
 
     def _ring(self, q, k, v, causal, scale) -> Tensor:
         seq = q.shape[2] * self.size
-        qpos = self.split.positions(seq, q.device)
-        kpos = [s.positions(seq, q.device) for s in self._splits]
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return _Ring.apply(q, k, v, _RingPlan(self.group, self.rank, self.size, qpos, kpos, causal, scale))
+        tiles = [_tiles(s.ranges(seq)) for s in self._splits]
+        return _Ring.apply(q, k, v, _RingPlan(self.group, self.rank, self.size, tiles, causal, scale))
+
+
+Tile = tuple[int, int, int]  # (local start, length, global start): one chunk of a rank's sequence
+
+
+def _tiles(ranges: list[tuple[int, int]]) -> list[Tile]:
+    out, at = [], 0
+    for a, b in ranges:
+        out.append((at, b - a, a))
+        at += b - a
+    return out
 
 
 class _RingPlan:
-    """What ``_Ring`` needs besides q, k, v: the ring and each rank's positions (for the causal mask)."""
+    """What ``_Ring`` needs besides q, k, v: the ring and each rank's chunks (for the causal blocks)."""
 
-    def __init__(self, group: Any, rank: int, n: int, qpos: Tensor, kpos: list[Tensor], causal: bool, scale: float):
+    def __init__(self, group: Any, rank: int, n: int, tiles: list[list[Tile]], causal: bool, scale: float):
         self.group, self.rank, self.n = group, rank, n
-        self.qpos, self.kpos, self.causal, self.scale = qpos, kpos, causal, scale
+        self.tiles, self.causal, self.scale = tiles, causal, scale
 
-    def scores(self, q: Tensor, k: Tensor, src: int) -> Tensor:
-        """``(batch, heads, local_seq, local_seq)`` fp32 scores of this rank's queries over rank ``src``'s keys
-        (``k`` with the query's head count), -inf where causality hides a key."""
+    def blocks(self, src: int) -> list[tuple[Tile, Tile, bool]]:
+        """``(query chunk, key chunk, masked)`` of this rank's queries over rank ``src``'s keys, one per pair of
+        chunks that any query sees: under causal attention with the balanced split, half of the pairs are
+        hidden whole (an early chunk's queries never see a late chunk's keys) and are never computed, and only
+        a chunk over itself needs a mask. Blocks of one chunk each bound the fp32 scores to ``chunk^2``."""
+        out = []
+        for qt in self.tiles[self.rank]:
+            for kt in self.tiles[src]:
+                q0, q1, k0, k1 = qt[2], qt[2] + qt[1] - 1, kt[2], kt[2] + kt[1] - 1
+                if self.causal and k0 > q1:
+                    continue  # every key after every query
+                out.append((qt, kt, self.causal and k1 > q0))
+        return out
+
+    def scores(self, q: Tensor, k: Tensor, qt: Tile, kt: Tile, masked: bool) -> Tensor:
+        """``(batch, heads, q chunk, k chunk)`` fp32 scores of one block, -inf where causality hides a key."""
         s = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale
-        if self.causal:
-            s = s.masked_fill(~(self.qpos[:, None] >= self.kpos[src][None, :]), float("-inf"))
+        if masked:
+            qpos = torch.arange(qt[2], qt[2] + qt[1], device=q.device)
+            kpos = torch.arange(kt[2], kt[2] + kt[1], device=q.device)
+            s = s.masked_fill(~(qpos[:, None] >= kpos[None, :]), float("-inf"))
         return s
 
 
@@ -180,40 +207,47 @@ def _fold(g: Tensor, rep: int) -> Tensor:
     return g.unflatten(1, (-1, rep)).sum(2) if rep > 1 else g
 
 
+def _rows(x: Tensor, t: Tile) -> Tensor:
+    return x.narrow(-2, t[0], t[1])
+
+
 class _Ring(torch.autograd.Function):
     """Ring attention, forward and backward, keeping only q, k, v, the output and its log-sum-exp.
 
     Forward: step j attends this rank's queries over the chunks of rank ``rank - j`` while the next K/V pair is
-    in flight; partial outputs merge by their log-sum-exp. Backward recomputes each block's probabilities from
-    the saved log-sum-exp (as flash attention does) and passes K/V around the ring again together with their
-    gradient accumulator, which each rank adds its part to; one last send returns each accumulator to its owner.
+    in flight, one block per pair of chunks that causality does not hide (``_RingPlan.blocks``); partial outputs
+    merge by their log-sum-exp. Backward recomputes each block's probabilities from the saved log-sum-exp (as
+    flash attention does) and passes K/V around the ring again together with their gradient accumulator, which
+    each rank adds its part to; one last send returns each accumulator to its owner.
     """
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: _RingPlan) -> Tensor:  # type: ignore[override]
         n, rep = plan.n, q.shape[1] // k.shape[1]
         kv = torch.stack([k, v])  # (2, batch, kv_heads, local_seq, d): one message per step
-        out = lse = None
+        out = torch.zeros_like(q, dtype=torch.float32)
+        lse = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
         for step in range(n):
             box, nxt = _Shift(plan.group, plan.rank, n), None
             if step + 1 < n:
                 nxt = torch.empty_like(kv)
-                box.works = box.exchange(kv, nxt, forward=True)  # in flight during this block
-            s = plan.scores(q, _expand(kv[0], rep), (plan.rank - step) % n)
-            b_lse = torch.logsumexp(s, -1, keepdim=True)  # -inf where a query sees no key of the block
-            p = torch.exp(s - torch.where(torch.isinf(b_lse), torch.zeros_like(b_lse), b_lse))
-            o = torch.matmul(p, _expand(kv[1], rep).float())
-            if out is None or lse is None:  # step 0: this rank's own chunks, every query sees itself
-                out, lse = o, b_lse
-            else:  # the online softmax: both parts rescaled to the merged normaliser
-                new = torch.logaddexp(lse, b_lse)
-                out, lse = out * torch.exp(lse - new) + o * torch.exp(b_lse - new), new
+                box.works = box.exchange(kv, nxt, forward=True)  # in flight during this step's blocks
+            for qt, kt, masked in plan.blocks((plan.rank - step) % n):
+                s = plan.scores(_rows(q, qt), _expand(_rows(kv[0], kt), rep), qt, kt, masked)
+                b_lse = torch.logsumexp(s, -1, keepdim=True)  # -inf where a query sees no key of the block
+                p = torch.exp(s - torch.where(torch.isinf(b_lse), torch.zeros_like(b_lse), b_lse))
+                o = torch.matmul(p, _expand(_rows(kv[1], kt), rep).float())
+                o_t, l_t = _rows(out, qt), _rows(lse, qt)  # the online softmax: both parts to the merged normaliser
+                new = torch.logaddexp(l_t, b_lse)
+                keep = torch.where(torch.isinf(l_t), torch.zeros_like(l_t), torch.exp(l_t - new))
+                o_t.copy_(o_t * keep + o * torch.exp(b_lse - new).nan_to_num(0.0))
+                l_t.copy_(new)
             if nxt is not None:
                 box.wait()
                 kv = nxt
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, out, lse)
-        return out.to(q.dtype)  # type: ignore[union-attr]
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
@@ -229,14 +263,15 @@ class _Ring(torch.autograd.Function):
             box, nxt = _Shift(plan.group, plan.rank, n), None
             if step + 1 < n:
                 nxt = torch.empty_like(kv)
-                box.works = box.exchange(kv, nxt, forward=True)  # the next K/V in flight during this block
-            kk, vv = _expand(kv[0], rep).float(), _expand(kv[1], rep).float()
-            p = torch.exp(plan.scores(q, kk, (plan.rank - step) % n) - lse)  # the block's probabilities
-            dp = torch.matmul(g, vv.transpose(-1, -2))
-            ds = p * (dp - delta) * plan.scale
-            dq += torch.matmul(ds, kk)
-            dkv[0] += _fold(torch.matmul(ds.transpose(-1, -2), q.float()), rep)
-            dkv[1] += _fold(torch.matmul(p.transpose(-1, -2), g), rep)
+                box.works = box.exchange(kv, nxt, forward=True)  # the next K/V in flight during this step
+            for qt, kt, masked in plan.blocks((plan.rank - step) % n):
+                qq, gg = _rows(q, qt).float(), _rows(g, qt)
+                kk, vv = _expand(_rows(kv[0], kt), rep).float(), _expand(_rows(kv[1], kt), rep).float()
+                p = torch.exp(plan.scores(qq, kk, qt, kt, masked) - _rows(lse, qt))  # the block's probabilities
+                ds = p * (torch.matmul(gg, vv.transpose(-1, -2)) - _rows(delta, qt)) * plan.scale
+                _rows(dq, qt).add_(torch.matmul(ds, kk))
+                _rows(dkv[0], kt).add_(_fold(torch.matmul(ds.transpose(-1, -2), qq), rep))
+                _rows(dkv[1], kt).add_(_fold(torch.matmul(p.transpose(-1, -2), gg), rep))
             if nxt is not None:
                 box.wait()
             moved = torch.empty_like(dkv)  # the accumulator follows its chunks (the last send: home)
