@@ -190,6 +190,21 @@ def test_balanced_split_holds_chunks_i_and_2cp_minus_1_minus_i_and_composes_with
     assert dataclasses.replace(sp, outer=None).ranges(8) == [(4, 8)]
 
 
+def test_the_ring_computes_only_the_chunk_pairs_a_query_sees():
+    from functitan._cp import _RingPlan, _tiles
+
+    tiles = [_tiles(SequenceSplit(2, r, "cp", "", balanced=True).ranges(16)) for r in range(2)]
+    assert tiles == [[(0, 4, 0), (4, 4, 12)], [(0, 4, 4), (4, 4, 8)]]  # (local start, length, global start)
+    blocks = lambda rank, src, causal=True: [  # noqa: E731
+        (q[2], k[2], m) for q, k, m in _RingPlan(None, rank, 2, tiles, causal, 1.0).blocks(src)
+    ]
+    # its own chunks: each over itself masked, the late one over the early one whole, the early over the late never
+    assert blocks(0, 0) == [(0, 0, True), (12, 0, False), (12, 12, True)]
+    assert blocks(0, 1) == [(12, 4, False), (12, 8, False)]  # rank 1's chunks 4..8 and 8..12: half the pairs
+    assert blocks(1, 0) == [(4, 0, False), (8, 0, False)]
+    assert len(blocks(0, 1, causal=False)) == 4 and not any(m for *_, m in blocks(0, 0, causal=False))
+
+
 TINY_GPT = str(Path(__file__).parent / "assets" / "tiny_gpt.py")  # a user's model with its own attention
 
 
