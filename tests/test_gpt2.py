@@ -134,12 +134,11 @@ def test_column_parallel_biases_are_sharded_and_row_parallel_bias_replicated():
         n: logical_to_mesh_axes(p.names, rules)
         for n, p in flatten_with_names(decl, is_leaf=lambda x: hasattr(x, "names"))[0]
     }
-    assert axes["attn.c_attn.weight"] == ((), ("tp",), ("dp_shard",))  # q, k, v of this rank's heads
+    fsdp = ("dp_shard", "cp")  # FSDP shards the embed dim over dp_shard x cp
+    assert axes["attn.c_attn.weight"] == ((), ("tp",), fsdp)  # q, k, v of this rank's heads
     assert axes["attn.c_attn.bias"] == ((), ("tp",))  # the column-parallel bias: sliced like its output
     assert axes["mlp.c_fc.bias"] == (("tp",),)
-    assert (
-        axes["attn.c_proj.bias"] == axes["mlp.c_proj.bias"] == (("dp_shard",),)
-    )  # row parallel: whole on every tp rank
+    assert axes["attn.c_proj.bias"] == axes["mlp.c_proj.bias"] == (fsdp,)  # row parallel: whole on every tp rank
 
 
 def test_check_names_and_layout_errors():
