@@ -57,6 +57,7 @@ class CPContext:
         self.split = SequenceSplit(self.size, self.rank, f"context parallelism over cp={self.size}", fix, True)
         self._splits = [SequenceSplit(self.size, r, self.split.by, fix, True) for r in range(self.size)]
         self._masks: dict[tuple, Tensor] = {}  # (seq, device, dtype) -> the causal mask: a constant per shape
+        self._masks_mode: Any = None  # the FakeTensorMode the cached masks belong to (None: real tensors)
 
     def whole(self, x: Tensor) -> Tensor:
         """The sum of ``x`` over cp (each rank's part of a per-token sum); backward all-reduces the gradient."""
@@ -107,15 +108,17 @@ class CPContext:
         return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
 
     def _causal(self, seq: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+        if torch.compiler.is_compiling():  # a traced graph makes its own constant
+            return _causal_mask(self.split.positions(seq, device), seq, dtype)
+        # a fake mask is valid only in its own FakeTensorMode (the planner traces each step in a fresh one): the
+        # cache is dropped when the mode changes, so the layers of one traced step share a mask as a real step does
+        mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+        if mode is not self._masks_mode:
+            self._masks, self._masks_mode = {}, mode
         key = (seq, device, dtype)
-        mask = self._masks.get(key)
-        if mask is None:
-            qpos = self.split.positions(seq, device)
-            seen = qpos[:, None] >= torch.arange(seq, device=device)[None, :]
-            mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))[None, None]
-            if _memoizable():  # a fake or compiled tensor is not kept for later steps
-                self._masks[key] = mask
-        return mask
+        if key not in self._masks:
+            self._masks[key] = _causal_mask(self.split.positions(seq, device), seq, dtype)
+        return self._masks[key]
 
     def _allgather(self, q, k, v, causal, segment_ids, scale) -> Tensor:
         seq = q.shape[2] * self.size
@@ -284,11 +287,10 @@ class _Ring(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
-def _memoizable() -> bool:
-    """False while compiling or under a FakeTensorMode (the planner's traces), whose tensors must not be kept."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
+def _causal_mask(qpos: Tensor, seq: int, dtype: torch.dtype) -> Tensor:
+    """``(1, 1, local_seq, seq)`` additive causal mask of the queries at ``qpos`` over the whole sequence."""
+    seen = qpos[:, None] >= torch.arange(seq, device=qpos.device)[None, :]
+    return torch.zeros(seen.shape, dtype=dtype, device=qpos.device).masked_fill_(~seen, float("-inf"))[None, None]
 
 
 class _SumOverRanks(torch.autograd.Function):

@@ -3,15 +3,20 @@
 Memory per rank (bytes), for the screen that picks which candidates to trace and for the column printed
 beside every traced peak:
 
-    params + grads + optimizer state   (4 + 4 + 8) * P_rank            ZeRO-3 over dp_shard (Rajbhandari 2020)
+    params + grads + optimizer state   (4 + 4 + 8) * P_rank            ZeRO-3 over dp_shard x cp (Rajbhandari
+                                                                       2020; torchtitan's fsdp = dp_shard x cp)
     gathered params                    c * (top + 2 blocks) / tp       FSDP: this block + the prefetched one
     activations per block, per token   c * (6h + 4kv + 4f) / tp        all saved (SwiGLU, GQA, flash attention:
                                        c * (4h + 2kv + 2f) / tp        selective: matmul/attention outputs
                                        c * h / tp (+ one block)        full: the block input
     logits                             tokens * V / tp * (c + 8)       compute-dtype logits, fp32 loss + grad
+    cp all-gather, per block           c * 2kv * seq / tp              the whole sequence's K and V, saved by
+                                                                       attention (remat: one block's)
+    cp all-gather's mask               c * seq / cp * seq              one additive causal mask, every layer's
 
 with ``c`` the compute bytes, ``h, kv, f`` the model, kv and MLP widths, ``/tp`` with sequence parallelism
-(Korthikanti et al.'s ``34 sbh / t`` without dropout, for a SwiGLU MLP and flash attention). Pipelines
+(Korthikanti et al.'s ``34 sbh / t`` without dropout, for a SwiGLU MLP and flash attention), and ``tokens`` a
+rank's: a microbatch's rows x ``seq / cp`` (context parallelism holds ``1/cp`` of every sequence). Pipelines
 multiply block activations by the microbatches their schedule keeps in flight (the simulator's count).
 
 Time per step: compute = model FLOPs of the rank / (peak x achievable fraction), stretched by the pipeline
@@ -19,12 +24,18 @@ bubble of functitan's own schedule simulator; each collective costs ``alpha * (n
 (an all-reduce twice that) on the link level its group spans (NVLink inside a node, InfiniBand across). The
 FSDP all-gather of the next block is prefetched (forward and backward), so it hides behind compute, and so does
 a block's reduce-scatter, with or without activation checkpointing (it runs under the previous block's
-backward); tensor-parallel, DDP and pipeline transfers are synchronous in functitan and add up. Host time
-is the ops the trace dispatches on the rank times the device's seconds per op (Python, dispatcher, autograd,
-launch): on a GPU the host queues kernels ahead, so compute and host time overlap (the larger counts); on a CPU
-the host is the device, so they add (tiny models on CPU are mostly host time). Where local processes outnumber the cores (a calibrated CPU,
-``share`` ranks per core), rates are measured with all ranks busy and a rank idle in the pipeline bubble lends
-its core to the others: the bubble stretches the step only by ``max(1, 1 / (share * (1 - bubble)))``.
+backward); FSDP's group is ``dp_shard x cp``. Tensor-parallel, DDP, pipeline and context-parallel transfers are
+synchronous in functitan and add up: cp's all-gather of every layer's K and V (``(cp-1)/cp`` of the whole
+sequence's K/V bytes) in forward, the reduce-scatter of their gradients in backward, the all-gather again in the
+recompute of remat (selective recomputes every all-gather); Ulysses' all-to-alls; ring's sends (overlapped in
+forward, not in backward: counted whole). FLOPs split by the world, cp included: each cp rank holds ``1/cp`` of
+the tokens and attends ``1/cp`` of the queries (the all-gather's masked attention computes every score of its
+rows: the model's FLOP count, which does not halve causal attention, is what it runs). Host time is the ops the
+trace dispatches on the rank times the device's seconds per op (Python, dispatcher, autograd, launch): on a GPU
+the host queues kernels ahead, so compute and host time overlap (the larger counts); on a CPU the host is the
+device, so they add (tiny models on CPU are mostly host time). Where local processes outnumber the cores (a
+calibrated CPU, ``share`` ranks per core), rates are measured with all ranks busy and a rank idle in the pipeline
+bubble lends its core to the others: the bubble stretches the step only by ``max(1, 1 / (share * (1 - bubble)))``.
 """
 
 from __future__ import annotations
@@ -56,7 +67,11 @@ __all__ = [
 TIME_TOLERANCE = 0.05
 
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+FSDP_AXES = frozenset(("dp_shard", "cp"))  # mesh.FSDP_AXES: FSDP's all-gathers and reduce-scatters, prefetched
+# the traced step's context-parallel attention traffic (``_trace``: a K/V tensor, not a flat parameter bucket),
+# and the collective each costs as
+CP_KINDS = {"cp_all_gather": "all_gather", "cp_reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all"}
 
 
 class Time(NamedTuple):
@@ -73,14 +88,14 @@ class Time(NamedTuple):
 
 
 def axis_degree(c: Candidate, axes: tuple[str, ...]) -> int:
-    d = {"pp": c.pp, "dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "tp": c.tp}
+    d = {"pp": c.pp, "dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "cp": c.cp, "tp": c.tp}
     return math.prod(d[a] for a in axes)
 
 
 def spans_nodes(c: Candidate, axes: tuple[str, ...], per_node: int) -> bool:
     """Does the group of rank 0 over ``axes`` reach beyond the first node? (axis order pp, dp_replicate, dp_shard,
-    tp with tp innermost: a rank's stride on an axis is the product of the inner degrees)."""
-    d = {"pp": c.pp, "dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "tp": c.tp}
+    cp, tp with tp innermost: a rank's stride on an axis is the product of the inner degrees)."""
+    d = {"pp": c.pp, "dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "cp": c.cp, "tp": c.tp}
     stride, top = 1, 0
     for a in reversed(_ORDER):
         if a in axes:
@@ -133,6 +148,7 @@ def in_flight(c: Candidate) -> int:
 def _collective_s(kind: str, nbytes: float, count: float, n: int, bw: float, alpha: float) -> float:
     if kind == "p2p":
         return count * alpha + nbytes / bw
+    kind = CP_KINDS.get(kind, kind)  # all_to_all: bytes are what a rank holds, (n-1)/n of it sent
     factor = 2.0 if kind == "all_reduce" else 1.0
     return factor * (count * alpha * (n - 1) + nbytes * (n - 1) / n / bw)
 
@@ -154,7 +170,7 @@ def step_time(
         for kind, (nbytes, count) in kinds.items():
             t = _collective_s(kind, nbytes, count, n, bw, alpha)
             by_axis[axes] = by_axis.get(axes, 0.0) + t
-            if axes == ("dp_shard",) and kind in ("all_gather", "reduce_scatter"):
+            if FSDP_AXES.issuperset(axes) and kind in ("all_gather", "reduce_scatter"):
                 hidden += t
             else:
                 exposed += t
@@ -199,9 +215,9 @@ def analytic_memory(
     """Bytes per rank by formula (module docstring); ``blocks`` on this rank."""
     cb = _BYTES[c.param_dtype]
     tops = (0.5 if first else 0) + (0.5 if last else 0)
-    p_rank = (blocks * d.block_params + tops * d.top_params) / (c.tp * c.dp_shard)
+    p_rank = (blocks * d.block_params + tops * d.top_params) / (c.tp * c.fsdp)
     mbs = batch_size // c.dp // c.microbatches
-    tok = mbs * seq_len
+    tok = mbs * seq_len // c.cp  # this rank's tokens of a microbatch
     sp = c.tp
     per_block = (
         {
@@ -212,12 +228,22 @@ def analytic_memory(
         * tok
         / sp
     )
+    kv_all = 0.0  # the all-gather's whole-sequence K and V, per block, and its mask (one, shared)
+    if c.cp > 1 and c.cp_attention == "allgather":
+        kv_all = cb * 2 * d.kv * mbs * seq_len / c.tp
+        # kept by attention for backward without remat; remat re-gathers them (selective recomputes every
+        # all-gather, as it does FSDP's: ``_collectives.GATHERING``)
+        per_block += kv_all if c.remat == "none" else 0.0
     stage_blocks = blocks / max(c.stages_per_rank, 1) if c.pp > 1 else blocks
     acts = per_block * (blocks if c.pp == 1 else stage_blocks * in_flight(c))
+    if c.remat != "none":  # the block in recompute holds its gathered K/V
+        acts += kv_all
     if c.remat == "full":
         acts += cb * (6 * d.h + 4 * d.kv + 4 * d.f) * tok / sp
+    if kv_all:
+        acts += cb * (seq_len // c.cp) * seq_len
     logits = tok * d.vocab / c.tp * (cb + 8) if last else 0.0
-    if c.dp_shard > 1:
+    if c.fsdp > 1:
         held = 2 if (c.reshard_after_forward or c.remat != "none") else blocks
         gathered = cb * (held * d.block_params + tops * d.top_params) / c.tp
     else:
@@ -233,28 +259,47 @@ def analytic_memory(
     return out
 
 
+def _fsdp_axes(c: Candidate) -> tuple[str, ...]:
+    """The mesh axes of FSDP's group (``mesh.fsdp_group``: dp_shard x cp flattened where both are > 1)."""
+    return tuple(a for a, n in (("dp_shard", c.dp_shard), ("cp", c.cp)) if n > 1)
+
+
 def analytic_comm(c: Candidate, d: ModelDims, *, seq_len: int, batch_size: int, blocks: int) -> dict:
     """Collective bytes per step on each axis group by formula, in the trace's format (the screen's input)."""
     cb, m = _BYTES[c.param_dtype], c.microbatches
     mbs = batch_size // c.dp // m
     p_stage = (blocks * d.block_params + d.top_params / max(c.pp, 1)) / c.tp
+    tok = mbs * seq_len // c.cp  # a rank's tokens of a microbatch
     out: dict = {}
-    if c.dp_shard > 1:
+    if c.fsdp > 1:
         regather = 2 if (c.reshard_after_forward or c.remat != "none") else 1
-        out[("dp_shard",)] = {
+        out[_fsdp_axes(c)] = {
             "all_gather": [regather * p_stage * cb * m, regather * (blocks + 1) * m],
             "reduce_scatter": [4 * p_stage * m, (blocks + 1) * m],
         }
     if c.dp_replicate > 1:
-        out[("dp_replicate",)] = {"all_reduce": [4 * p_stage / c.dp_shard * m, 9 * (blocks + 1) * m]}
+        out[("dp_replicate",)] = {"all_reduce": [4 * p_stage / c.fsdp * m, 9 * (blocks + 1) * m]}
     if c.tp > 1:
-        act = mbs * seq_len * d.h * cb
+        act = tok * d.h * cb
         per = 4 + (2 if c.remat == "full" else 0)
         out[("tp",)] = {
             "all_gather": [per * act * blocks * m, per * blocks * m],
             "reduce_scatter": [per * act * blocks * m, per * blocks * m],
         }
+    if c.cp > 1:
+        again = 1 if c.remat == "none" else 2  # remat gathers K/V again in the recompute
+        cp: dict = out.setdefault(("cp",), {})
+        if c.cp_attention == "ulysses":  # q, k, v to heads and the output back, forward and backward
+            local = tok * (2 * d.h + 2 * d.kv) * cb / c.tp
+            cp["all_to_all"] = [(1 + again) * local * blocks * m, (1 + again) * 4 * blocks * m]
+        elif c.cp_attention == "ring":  # K/V around the ring, their gradient accumulators in backward (fp32)
+            kv = tok * 2 * d.kv / c.tp
+            cp["p2p"] = [(again * cb + cb + 4) * kv * (c.cp - 1) * blocks * m, (again + 2) * c.cp * blocks * m]
+        else:  # the whole sequence's K and V gathered (the payload: what the gather returns), dK, dV scattered
+            kv = mbs * seq_len * d.kv * cb / c.tp
+            cp["cp_all_gather"] = [again * 2 * kv * blocks * m, again * 2 * blocks * m]
+            cp["cp_reduce_scatter"] = [2 * kv * blocks * m, 2 * blocks * m]
     if c.pp > 1:
-        act = mbs * seq_len * d.h * cb / c.tp
+        act = tok * d.h * cb / c.tp
         out[("pp",)] = {"p2p": [4 * act * m * c.stages_per_rank, 4 * m * c.stages_per_rank]}
     return out

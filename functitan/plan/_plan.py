@@ -15,7 +15,7 @@ from ..errors import UserError
 from ..job_config import DEFAULT_FLAVOR, DEFAULT_MODEL, JobConfig, ModelConfig
 from ..model import Param, count, load_model
 from ..tree import flatten_with_names
-from ._candidates import Candidate, enumerate_candidates, job_config
+from ._candidates import MIN_CP_TOKENS, Candidate, enumerate_candidates, job_config
 from ._cost import TIME_TOLERANCE, ModelDims, Time, analytic_comm, analytic_memory, step_time
 from ._devices import Cluster
 from ._predict import ModelShape, model_shape, predict, rank_blocks
@@ -98,11 +98,13 @@ def plan(
     param_dtypes: tuple[str, ...] | None = None,
     margin: float = MARGIN,
     tolerance: float = TIME_TOLERANCE,
+    min_cp_tokens: int = MIN_CP_TOKENS,
     log=print,
 ) -> Plan:
     """Plan ``cluster`` for the model (module docstring). A layout fits when its traced peak leaves ``margin`` of
     the usable memory free; of fitting layouts whose step times are within ``tolerance`` of the fastest, the
-    one with the most headroom, counted up to twice the margin, is recommended (``rank``)."""
+    one with the most headroom, counted up to twice the margin, is recommended (``rank``). Context parallelism is
+    offered while each cp rank keeps ``min_cp_tokens`` of a sequence (``enumerate_candidates``)."""
     t0, c0 = time.perf_counter(), time.process_time()
     if top < 1:
         raise PlanError(f"--top={top}: show at least one candidate, e.g. --top {MIN_TRACED}")
@@ -122,6 +124,7 @@ def plan(
     dev = cluster.device
     limit = dev.usable * (1 - margin)  # the most a recommended layout may need
     dtypes = param_dtypes or (("float32",) if dev.name == "cpu" else ("bfloat16",))
+    checked: dict = {}  # the trainer's cp verdicts, shared by every enumeration of this model
     cands, pruned = enumerate_candidates(
         model,
         model_cfg,
@@ -131,10 +134,12 @@ def plan(
         seq_len=seq_len,
         n_blocks=shape.n_blocks,
         param_dtypes=dtypes,
+        min_cp_tokens=min_cp_tokens,
+        checked=checked,
     )
     if not cands:
         why = "; ".join(r for r, _ in pruned.most_common(3))
-        ok = _nearest_world(model, model_cfg, cluster, batch_size, seq_len, shape, dtypes)
+        ok = _nearest_world(model, model_cfg, cluster, batch_size, seq_len, shape, dtypes, min_cp_tokens, checked)
         raise PlanError(
             f"no layout uses all {cluster.world} devices ({cluster.nodes} x {cluster.per_node}): {why}"
             + (f"; a world size that works: {ok}" if ok else "")
@@ -191,6 +196,14 @@ def plan(
         "remat=full recomputes the forward (4/3 of the FLOPs); selective recomputes elementwise ops (no FLOPs)",
         "middle pipeline ranks hold no more than the first (only the first and last are traced)",
         *([seq_note] if seq_note else []),
+        *(
+            [
+                f"cp > 1 (offered with >= {min_cp_tokens} tokens of a sequence per cp rank): all-gather attention, "
+                "K/V of every layer gathered over cp (synchronous), dK/dV reduce-scattered; FSDP over dp_shard x cp"
+            ]
+            if any(c.cp > 1 for c in cands)
+            else []
+        ),
     ]
     return Plan(
         rows=rows,
@@ -270,12 +283,12 @@ def _trace_best(job: _Job, fitting: list, traced: int, pruned: Counter, log) -> 
     for c, mem, _, blocks in fitting:
         if sum(r.fits for r in rows) >= traced or len(rows) >= 2 * traced:
             break
-        kind = (c.remat, c.pp > 1)
+        kind = (c.remat, c.pp > 1, c.cp > 1)
         states = mem["params"] + mem["grads"] + mem["opt_state"]
         scaled = states + ratios.get(kind, 0.0) * (mem["total"] - states)
         if kind in ratios and scaled > job.limit * 1.05:
-            pruned[f"remat={c.remat}{' with pp' if c.pp > 1 else ''}: over memory by the formula scaled to the "
-                   "traced layouts of its kind (not traced)"] += 1  # fmt: skip
+            pruned[f"remat={c.remat}{' with pp' if c.pp > 1 else ''}{' with cp' if c.cp > 1 else ''}: over memory "
+                   "by the formula scaled to the traced layouts of its kind (not traced)"] += 1  # fmt: skip
             continue
         t0 = time.process_time()
         try:
@@ -344,7 +357,7 @@ def _traced_row(job: _Job, c: Candidate, mem: dict, blocks: int) -> Row:
     return Row(cand=c, peak=p.peak, parts=parts, analytic=mem, time=t, fits=p.peak <= job.limit)
 
 
-def _nearest_world(model, model_cfg, cluster, batch_size, seq_len, shape, dtypes) -> int | None:
+def _nearest_world(model, model_cfg, cluster, batch_size, seq_len, shape, dtypes, min_cp_tokens, checked) -> int | None:
     for w in sorted(range(max(cluster.world - 64, 1), cluster.world + 65), key=lambda w: (abs(w - cluster.world), w)):
         if w == cluster.world:
             continue
@@ -357,6 +370,8 @@ def _nearest_world(model, model_cfg, cluster, batch_size, seq_len, shape, dtypes
             seq_len=seq_len,
             n_blocks=shape.n_blocks,
             param_dtypes=dtypes,
+            min_cp_tokens=min_cp_tokens,
+            checked=checked,
         )
         if cands:
             return w
