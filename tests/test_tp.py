@@ -11,6 +11,7 @@ def _grads_and_collectives(sp: bool):
     """(full grads, {collective: calls} in forward, in backward) of llama.loss on TP 2 in fp64."""
     import torch.distributed as dist
 
+    from functitan import _collectives
     from functitan.mesh import make_mesh
     from functitan.random import key
     from functitan.sharding import Layout, default_rules, place
@@ -22,19 +23,28 @@ def _grads_and_collectives(sp: bool):
     params = place(llama.init(cfg, key(0), dtype=torch.float64), llama.specs(cfg), layout.rules, mesh)
     tokens = torch.arange(2 * 16).reshape(2, 16) % cfg.vocab_size
     calls: dict[str, int] = {}
-    # a reduce-scatter is reduce_scatter_single, or batch_isend_irecv on gloo (functitan._collectives.PendingReduce)
-    names = ("all_gather_single", "reduce_scatter_single", "batch_isend_irecv", "all_reduce")
+    # an all-gather is functitan._collectives.all_gather_now (point to point on gloo, not counted as the dist
+    # calls it makes); a reduce-scatter is reduce_scatter_single, or batch_isend_irecv on gloo (PendingReduce)
+    names = ("reduce_scatter_single", "batch_isend_irecv", "all_reduce")
     originals = {n: getattr(dist, n) for n in names}
+    gather_now = _collectives.all_gather_now
+    inside_gather = [False]
 
-    def counting(name):
+    def counting(name, f):
         def call(*args, **kwargs):
-            calls[name] = calls.get(name, 0) + 1
-            return originals[name](*args, **kwargs)
+            if not inside_gather[0]:
+                calls[name] = calls.get(name, 0) + 1
+            inside_gather[0] = inside_gather[0] or name == "all_gather_now"
+            try:
+                return f(*args, **kwargs)
+            finally:
+                inside_gather[0] = inside_gather[0] and name != "all_gather_now"
 
         return call
 
-    for n in originals:
-        setattr(dist, n, counting(n))
+    for n, f in originals.items():
+        setattr(dist, n, counting(n, f))
+    _collectives.all_gather_now = counting("all_gather_now", gather_now)
     try:
         loss = llama.loss(params, {"inputs": tokens, "targets": tokens.roll(-1, 1)}, cfg, layout)
         forward = dict(calls)
@@ -45,6 +55,7 @@ def _grads_and_collectives(sp: bool):
     finally:
         for n, f in originals.items():
             setattr(dist, n, f)
+        _collectives.all_gather_now = gather_now
     return [g.full_tensor() for g in grads], forward, backward
 
 
@@ -68,7 +79,7 @@ def test_shared_input_is_gathered_once_per_attention_and_mlp(sp, gloo):
     layers = CFG["n_layers"]
     if sp:
         # per block: one all-gather for q/k/v's input, one for gate/up's (was 3 + 2); one more for the head's
-        assert forward.get("all_gather_single") == 2 * layers + 1
+        assert forward.get("all_gather_now") == 2 * layers + 1
         # backward: one reduce-scatter per shared input (the dual), plus the head's
         assert backward.get("batch_isend_irecv", 0) + backward.get("reduce_scatter_single", 0) == 2 * layers + 1
     else:
