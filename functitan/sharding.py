@@ -195,11 +195,6 @@ class Layout:
         """Into how many pieces the residual stream is split along the sequence (``cp x tp`` under both)."""
         return self._seq.total
 
-    @property
-    def cp_size(self) -> int:
-        """The context-parallel degree: into how many ranks' chunks attention's sequence is split."""
-        return self._cp.size if self._cp is not None else 1
-
     def seq_range(self, seq_len: int) -> tuple[int, int]:
         """``(start, stop)`` of this rank's positions in a sequence of ``seq_len``: its piece of the residual
         stream (``seq.range``), when that is one range (not under context parallelism: use ``positions``)."""
@@ -239,12 +234,6 @@ class Layout:
         table), so that a forward over the new tokens alone sees them where they are."""
         return 0
 
-    @property
-    def single_backward(self) -> bool:
-        """True when a block may be backpropagated through only once (selective remat's checkpointing).
-        Zero-bubble pipeline schedules (separate input- and weight-gradient passes) need False."""
-        return _remat.as_policy(self.remat).single_backward
-
     # -- parameters and blocks: the data-parallel part (functitan/_fsdp.py)
     def param(self, p: Tensor) -> Tensor:
         """Storage -> compute: a differentiable local tensor, gathered over the data-parallel axes (FSDP's
@@ -274,22 +263,15 @@ class Layout:
         and each block's backward reduce-scatter runs under the previous block's backward. ``remat``: a policy
         per block (None entries: the layout's), e.g. ``["full"] * 4 + [None] * 12``.
         """
-        policies = [self._policy(remat[i] if remat is not None else None) for i in range(len(layers))]
-        return self._fsdp.blocks(self._compiled(fn), layers, x, args, policies)
+        policies = [_policy(self, remat[i] if remat is not None else None) for i in range(len(layers))]
+        return self._fsdp.blocks(_compiled(self, fn), layers, x, args, policies)
 
     def block(
         self, fn: Callable[..., Tensor], params: Any, *args: Any, remat: str | _remat.Policy | None = None
     ) -> Tensor:
         """``fn(compute_params, *args)`` with the params gathered inside the block's remat region; ``remat``:
         this block's policy instead of the layout's."""
-        return self._fsdp.block(self._compiled(fn), params, args, self._policy(remat))[0]
-
-    def _policy(self, remat: str | _remat.Policy | None) -> _remat.Policy:
-        return _remat.as_policy(self.remat if remat is None else remat)
-
-    def _compiled(self, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-        # dynamo's cache lives with fn's code: compiled once, whatever the wrapper
-        return torch.compile(fn) if self.compile else fn
+        return self._fsdp.block(_compiled(self, fn), params, args, _policy(self, remat))[0]
 
     # -- activations
     def einsum(self, pattern: str, *operands: Tensor) -> Tensor:
@@ -302,18 +284,10 @@ class Layout:
         """
         if self.names is not None:
             self.names.check_einsum(pattern, operands[-1], sys._getframe(1))
-            return self._named(pattern, *operands)
+            return _named(self.names, pattern, *operands)
         if self._tp is not None and len(operands) == 2:
             return self._tp.einsum(pattern, *operands)
         return parse_einsum(pattern, len(operands))[2](*operands)
-
-    def _named(self, pattern: str, *operands: Tensor) -> Tensor:
-        """Check mode's contraction: the plain op, its output's names recorded for the bias check."""
-        _, out_names, op = parse_einsum(pattern, len(operands))
-        out = op(*operands)
-        if self.names is not None:
-            self.names.name_activation(out, out_names)
-        return out
 
     def einsums(self, x: Tensor, pairs: list[tuple[str, Tensor]]) -> list[Tensor]:
         """``[einsum(pattern, x, w) for pattern, w in pairs]``: contractions that share their input ``x``
@@ -324,7 +298,7 @@ class Layout:
             caller = sys._getframe(1)
             for pattern, w in pairs:
                 self.names.check_einsum(pattern, w, caller)
-            return [self._named(pattern, x, w) for pattern, w in pairs]
+            return [_named(self.names, pattern, x, w) for pattern, w in pairs]
         if self._tp is not None:
             return self._tp.einsums(x, pairs)
         return [parse_einsum(pattern, 2)[2](x, w) for pattern, w in pairs]
@@ -472,3 +446,21 @@ class Layout:
                 i = names.index(a)
                 rank = rank * self.mesh.size(i) + self.mesh.get_local_rank(i)
         return rank
+
+
+def _policy(layout: Layout, remat: str | _remat.Policy | None) -> _remat.Policy:
+    """A block's remat policy: its own, else the layout's."""
+    return _remat.as_policy(layout.remat if remat is None else remat)
+
+
+def _compiled(layout: Layout, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    # dynamo's cache lives with fn's code: compiled once, whatever the wrapper
+    return torch.compile(fn) if layout.compile else fn
+
+
+def _named(names: NameTable, pattern: str, *operands: Tensor) -> Tensor:
+    """Check mode's contraction: the plain op, its output's names recorded for the bias check."""
+    _, out_names, op = parse_einsum(pattern, len(operands))
+    out = op(*operands)
+    names.name_activation(out, out_names)
+    return out

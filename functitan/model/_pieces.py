@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import _remat
 from ._param import is_param
 
 __all__ = ["Pieces", "composed"]
@@ -113,7 +114,7 @@ def composed(pieces: Pieces, declare: Callable[[Any], Any]) -> tuple[Callable, C
             blocks_key=key,
             first_keys=first,
             last_keys=last,
-            single_backward=layout.single_backward,
+            single_backward=_remat.as_policy(layout.remat).single_backward,
         )
 
     return apply, loss, stages
