@@ -193,8 +193,9 @@ class FSDP:
         x: Tensor,
         args: tuple,
         policies: Sequence[_remat.Policy],
-    ) -> Tensor:
-        """``x = fn(compute_params, x, *args)`` for each block's params in ``layers``, in order.
+    ) -> Any:
+        """``x = fn(compute_params, x, *args)`` for each block's params in ``layers``, in order; blocks that
+        return ``(x, aux)`` give ``(x, their aux trees added)``.
 
         Each block's params are gathered inside its remat region (``block``); under FSDP the next block's
         all-gather starts once this block's has, and overlaps its compute, unless the next block is
@@ -202,14 +203,19 @@ class FSDP:
         or not, runs under the previous block's backward (``prefetch``). ``remat``: a policy per block (None
         entries: the layout's), e.g. ``["full"] * 4 + [None] * 12``.
         """
-        pending, regather = None, None
+        pending, regather, aux = None, None, None
         if layers and policies[0].checkpoints:  # its reduce-scatter waits for block 1's (depth one)
             pending = self.prefetch(layers[0], gather=False)
         for i, p in enumerate(layers):
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             gather_next = nxt is not None and not policies[i + 1].checkpoints
-            x, pending, regather = self.block(fn, p, (x, *args), policies[i], pending, nxt, regather, gather_next)
-        return x
+            out, pending, regather = self.block(fn, p, (x, *args), policies[i], pending, nxt, regather, gather_next)
+            if isinstance(out, tuple):  # (x, aux): a block's side outputs, added over the blocks
+                x, more = out
+                aux = more if aux is None else optree.tree_map(torch.add, aux, more)
+            else:
+                x = out
+        return x if aux is None else (x, aux)
 
     def block(
         self,

@@ -93,7 +93,9 @@ def as_mean(loss: Tensor | TokenLoss) -> Tensor:
 
 def aux_metrics(aux: Any) -> dict[str, float]:
     """``{"aux/<key path>": value}`` for the 0-d tensors and numbers of a loss's aux outputs (a metrics sink's
-    flat record); other leaves are left out."""
+    flat record). A 1-D float tensor (each expert's share of the routed tokens) gives one entry per element,
+    ``aux/<key path>/<i>``, and its spread ``aux/<key path>/max_over_mean`` (1 when even); other leaves are left
+    out."""
     from .tree import flatten_with_names
 
     if aux is None:
@@ -103,6 +105,11 @@ def aux_metrics(aux: Any) -> dict[str, float]:
     for name, v in named:
         if isinstance(v, Tensor) and v.numel() == 1:
             out[f"aux/{name}"] = float(v)
+        elif isinstance(v, Tensor) and v.dim() == 1 and v.is_floating_point():
+            values = v.tolist()
+            out.update({f"aux/{name}/{i}": x for i, x in enumerate(values)})
+            mean = sum(values) / len(values)
+            out[f"aux/{name}/max_over_mean"] = max(values) / mean if mean else 0.0
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             out[f"aux/{name}"] = float(v)
     return out

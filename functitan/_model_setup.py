@@ -14,10 +14,11 @@ import torch
 from .checkpoint import is_hf_dir, load_hf, recorded_model_config
 from .config import ConfigError
 from .job_config import DEFAULT_FLAVOR, DEFAULT_MODEL, JobConfig
-from .model import Model, check_names, config_from_dict, config_to_dict, load_model
+from .model import Model, check_names, config_from_dict, config_to_dict, is_param, load_model
 from .model import count as count_params
 from .model import init as init_params
 from .random import fold_in
+from .tree import flatten_with_names
 
 __all__ = ["init_model", "check_fits", "check_model", "check_resumed_model"]
 
@@ -157,6 +158,16 @@ def check_model(
         raise ValueError(
             f"parallelism.pp={pp}: model {model.name!r} declares no pipeline stages (Model.stages); use pp=1"
         )
+    if pp > 1:
+        experts = [
+            name for name, p in flatten_with_names(model.params(model_cfg), is_leaf=is_param)[0] if "expert" in p.names
+        ]
+        if experts:
+            raise ValueError(
+                f"parallelism.pp={pp}: model {model.name!r} has mixture-of-experts layers ({experts[0]} and "
+                f"{len(experts) - 1} more params name an 'expert' dim), whose aux outputs (load, balance loss) the "
+                f"pipeline executor does not carry yet; use pp=1"
+            )
     if model.check_layout is not None:
         model.check_layout(model_cfg, tp=tp, seq_len=seq_len, sequence_parallel=sequence_parallel)
     check_names(model, model_cfg, tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_attention=cp_attention)

@@ -255,8 +255,10 @@ class Layout:
         x: Tensor,
         *args: Any,
         remat: Sequence[str | _remat.Policy | None] | None = None,
-    ) -> Tensor:
-        """``x = fn(compute_params, x, *args)`` for each block's params in ``layers``, in order.
+    ) -> Any:
+        """``x = fn(compute_params, x, *args)`` for each block's params in ``layers``, in order. A block may
+        return ``(x, aux)``, aux a tree of tensors (a MoE layer's load and balance terms): the result is then
+        ``(x, the aux trees added over the blocks)``.
 
         Each block's params are gathered inside its remat region; under FSDP the next block's all-gather
         overlaps this block's compute (unless the next block is checkpointed: it gathers inside its region),
@@ -325,6 +327,15 @@ class Layout:
             self.names.attention(q, k)
         return _attention.attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
 
+    def moe(self, x: Tensor, p: Any, router: Any) -> tuple[Tensor, dict[str, Any]]:
+        """The mixture-of-experts layer (``functitan.moe``): ``x (batch, seq piece, embed)`` in the residual
+        layout -> ``(out, aux)``. The one entry every model uses, so that a parallelism that places experts on
+        other ranks changes how it runs, not the model. Return ``aux`` from the block beside ``x``:
+        ``blocks`` adds it over the blocks."""
+        from .moe import moe
+
+        return moe(x, p, router, self)
+
     def embed(self, tokens: Tensor, table: Tensor, num_rows: int) -> Tensor:
         """Row lookup: ``tokens (batch, seq)`` ids into ``table (num_rows, embed)`` -> ``(batch, seq, embed)``.
 
@@ -384,9 +395,10 @@ class Layout:
             total, count = cp.whole(total), cp.whole(count.detach())
         return TokenLoss(total, count) if reduction == "tokens" else total / count
 
-    def token_sum(self, values: Tensor, mask: Tensor | None = None) -> Tensor:
+    def token_sum(self, values: Tensor, mask: Tensor | None = None, *, per_sequence: bool = False) -> Tensor:
         """The sum over this rank's tokens (dims 0 and 1: batch, sequence) of a per-token quantity; trailing
-        dims are kept (per-expert router probabilities for a load-balancing loss: ``(experts,)``).
+        dims are kept (per-expert router probabilities for a load-balancing loss: ``(experts,)``);
+        ``per_sequence``: over the sequence only, one sum per row (``(batch, ...)``: a sequence-wise term).
 
         ``values (batch, seq_piece, ...)``: under sequence parallelism, computed from this rank's piece of the
         residual stream; the pieces are summed over tp (backward: the identity), so every tp rank holds the
@@ -407,7 +419,7 @@ class Layout:
                 v, mask = v[:, lo:hi], mask[:, lo:hi]
         if mask is not None:
             v = v * mask.reshape(*mask.shape, *([1] * (v.dim() - 2))).to(v.dtype)
-        total = v.sum((0, 1))
+        total = v.sum(1) if per_sequence else v.sum((0, 1))
         if self._tp is not None and self._tp.sequence_parallel:  # the pieces are tp's: summed over tp
             total = _collectives.all_reduce(total, self._tp.group)
         if self._cp is not None:  # the chunks are cp's: summed over cp (backward: the gradient all-reduced)

@@ -261,27 +261,34 @@ def _loss_and_aux(value: Any, *, reduce: bool = True) -> tuple[Tensor | TokenLos
 
 def _reduce_aux(aux: Any) -> Any:
     """The step's aux values instead of this rank's: each 0-d float tensor averaged over data-parallel ranks, a
-    ``TokenLoss`` leaf (a token mean: ``layout.token_mean``, ``cross_entropy(reduction="tokens")``) its sum over
-    its count, both added over the ranks (and, by ``accumulate``, the microbatches). One all-reduce for all of
+    ``TokenLoss`` leaf (a token mean: ``layout.token_mean``, ``cross_entropy(reduction="tokens")``; its sum may
+    be a vector, a MoE layer's routed tokens per expert) its sum over its count, both added over the ranks (and, by ``accumulate``, the microbatches). One all-reduce for all of
     them; ranks that share a batch hold the same values, so the mean over all ranks is the data-parallel mean."""
     leaves, treedef = optree.tree_flatten(aux, is_leaf=lambda x: isinstance(x, TokenLoss), none_is_leaf=True)
-    parts: list[Tensor] = []
+    parts: list[Tensor] = []  # 1-D pieces of one all-reduce
     for x in leaves:
-        if isinstance(x, TokenLoss):
-            parts += [x.sum.float().reshape(()), x.count.float().reshape(()).to(x.sum.device)]
+        if isinstance(x, TokenLoss):  # a sum of any shape (per-expert counts) over one count
+            parts += [x.sum.float().flatten(), x.count.float().reshape(1).to(x.sum.device)]
         elif isinstance(x, Tensor) and x.is_floating_point() and x.numel() == 1:
-            parts.append(x.float().reshape(()))
+            parts.append(x.float().reshape(1))
     if not parts:
         return aux
     device = parts[0].device
-    reduced = iter(_mean_over_ranks(torch.stack([p.to(device) for p in parts])).unbind())
+    reduced = _mean_over_ranks(torch.cat([p.to(device) for p in parts]))
+    at = 0
+
+    def take(n: int) -> Tensor:
+        nonlocal at
+        at += n
+        return reduced[at - n : at]
+
     out = []
     for x in leaves:
         if isinstance(x, TokenLoss):
-            total, count = next(reduced), next(reduced)
+            total, count = take(x.sum.numel()).reshape(x.sum.shape), take(1).reshape(())
             out.append(torch.where(count > 0, total / count.clamp_min(1e-30), 0.0))
         elif isinstance(x, Tensor) and x.is_floating_point() and x.numel() == 1:
-            out.append(next(reduced).to(x.dtype).reshape(x.shape))
+            out.append(take(1).to(x.dtype).reshape(x.shape))
         else:
             out.append(x)
     return optree.tree_unflatten(treedef, out)

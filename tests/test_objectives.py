@@ -205,7 +205,9 @@ def _check(results: list[dict], cases: list) -> None:
                     if k == "balance" and not name.startswith("tp"):
                         continue
                     want = (v.mean() if isinstance(v, TokenLoss) else v).item()
-                    if abs(aux[k].item() - want) > 1e-6:
+                    # relative: router_z is ~16, where fp32 steps by 1.9e-6 (a matmul on 2 threads in this process
+                    # and on 1 in a rank rounds once differently: 2.3e-7 relative)
+                    if abs(aux[k].item() - want) > 1e-6 * max(1.0, abs(want)):
                         failures.append(f"{name} rank {rank}: aux {k} {aux[k].item():.7f}, one process {want:.7f}")
     assert not failures, "\n".join(failures)
 

@@ -132,7 +132,7 @@ def to_hf_state_dict(params: Any, model: Model, cfg: Any) -> dict[str, Tensor]:
 
     Tied weights are written once, as ``save_pretrained`` does. Gathering is a collective: call it on every rank.
     """
-    return {hf.key: _to_hf(hf, _full(x)) for _, hf, x in _check_params(params, model, cfg)}
+    return {k: v for _, hf, x in _check_params(params, model, cfg) for k, v in hf.split(_to_hf(hf, _full(x))).items()}
 
 
 def _to_hf(hf: Any, x: Tensor) -> Tensor:
@@ -149,7 +149,7 @@ def from_hf_state_dict(sd: Mapping[str, Tensor], model: Model, cfg: Any, *, dtyp
     if hfmap.base_prefix and sd and not any(k.startswith(hfmap.base_prefix) for k in sd):
         sd = {hfmap.base_prefix + k: v for k, v in sd.items()}  # saved from the base model (no head, no prefix)
     expected = _expected(model, cfg)
-    known = {hf.key for _, hf, _ in expected}
+    known = {k for _, hf, _ in expected for k in hf.keys()}
     ignored = [re.compile(p) for p in hfmap.ignored]
     extra = sorted(k for k in sd if k not in known and not any(p.fullmatch(k) for p in ignored))
     for key, twin in hfmap.tied(cfg).items():
@@ -167,9 +167,10 @@ def from_hf_state_dict(sd: Mapping[str, Tensor], model: Model, cfg: Any, *, dtyp
         )
     by_name = {}
     for name, hf, shape in expected:
-        if hf.key not in sd:
-            raise ValueError(f"HF tensor {hf.key!r} (functitan {name!r}) is missing from the checkpoint")
-        x = hf.from_theirs(sd[hf.key]) if hf.from_theirs is not None else sd[hf.key]
+        missing = [k for k in hf.keys() if k not in sd]
+        if missing:
+            raise ValueError(f"HF tensor {missing[0]!r} (functitan {name!r}) is missing from the checkpoint")
+        x = hf.from_theirs(hf.join(sd)) if hf.from_theirs is not None else hf.join(sd)
         if tuple(x.shape) != shape:
             raise ValueError(
                 f"HF tensor {hf.key!r} (functitan {name!r}) has shape {tuple(x.shape)}, expected {shape} from config.json"
@@ -247,8 +248,9 @@ def save_hf(
             _, hf, x = entries[i]
             full = _full(x)  # every rank joins the gather
             if writer:
-                tensors[hf.key] = _to_hf(hf, full).to(device="cpu", dtype=dtype or full.dtype).contiguous()
-                weight_map[hf.key] = fname
+                for key, part in hf.split(_to_hf(hf, full)).items():
+                    tensors[key] = part.to(device="cpu", dtype=dtype or full.dtype).contiguous()
+                    weight_map[key] = fname
         if writer:
             save_file(tensors, str(out / fname), metadata={"format": "pt"})
     if writer:

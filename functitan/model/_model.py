@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ._pieces import Pieces, composed
@@ -47,6 +48,25 @@ class TensorKey:
     to_theirs: Callable[[Tensor], Tensor] | None = None
     from_theirs: Callable[[Tensor], Tensor] | None = None
     also: tuple[str, ...] = ()  # keys an export writes it under too (a tied ``lm_head.weight``); loads read ``key``
+    # theirs is these keys stacked along dim 0 (one per routed expert: ``...experts.{j}.gate_proj.weight``); ``key``
+    # then only names the group in messages
+    stacked: tuple[str, ...] = ()
+
+    def keys(self) -> tuple[str, ...]:
+        """The keys this tensor is stored under in their state dict (``stacked``'s, else ``key``)."""
+        return self.stacked or (self.key,)
+
+    def split(self, theirs: Tensor) -> dict[str, Tensor]:
+        """``{key: tensor}`` of a whole tensor in their layout: its rows along dim 0 when ``stacked``."""
+        if not self.stacked:
+            return {self.key: theirs}
+        return {k: part for k, part in zip(self.stacked, theirs.unbind(0))}
+
+    def join(self, sd: Mapping[str, Tensor]) -> Tensor:
+        """The whole tensor in their layout from their state dict ``sd`` (missing keys raise KeyError)."""
+        if not self.stacked:
+            return sd[self.key]
+        return torch.stack([sd[k] for k in self.stacked])
 
 
 @dataclass(frozen=True, kw_only=True)

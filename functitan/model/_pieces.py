@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import _remat
+from .._loss import IGNORE_INDEX, TokenLoss
 from ._param import is_param
 
 __all__ = ["Pieces", "composed"]
@@ -69,21 +70,46 @@ def _matrix_params(tree: Any) -> int:
     return sum(math.prod(p.shape) for p in optree.tree_leaves(tree, is_leaf=is_param) if len(p.shape) >= 2)
 
 
+def _with_aux(ce: TokenLoss, aux: dict[str, Any], targets: Tensor) -> tuple[TokenLoss, dict[str, Any]]:
+    """The loss and the metrics of blocks' aux: a per-sequence ``balance (batch,)`` joins the cross-entropy's
+    sum, weighted by each sequence's valid targets (``targets (batch, seq)``, the whole sequence)."""
+    metrics: dict[str, Any] = {k: v for k, v in aux.items() if k != "balance"}
+    if "balance" not in aux:
+        return ce, metrics
+    tokens = (targets != IGNORE_INDEX).sum(1).float()  # (batch,)
+    balance = (aux["balance"] * tokens).sum()
+    metrics["balance"] = TokenLoss(balance.detach(), ce.count)
+    return TokenLoss(ce.sum + balance, ce.count), metrics
+
+
 def composed(pieces: Pieces, declare: Callable[[Any], Any]) -> tuple[Callable, Callable, Callable]:
     """``(apply, loss, stages)`` for ``pieces``; ``declare`` is the model's ``params(cfg)`` (for the costs)."""
     key = pieces.blocks_key
 
-    def apply(params: dict[str, Any], tokens: Tensor, cfg: Any, layout: Any = None) -> Tensor:
-        """Logits ``(batch, seq, vocab)`` for ``tokens (batch, seq)``."""
-        layout = layout if layout is not None else _default_layout()
+    def forward(params: dict[str, Any], tokens: Tensor, cfg: Any, layout: Any) -> tuple[Tensor, Any]:
+        """``(logits (batch, seq, vocab), the blocks' aux or None)`` for ``tokens (batch, seq)``."""
         top = layout.params({k: v for k, v in params.items() if k != key})  # gathered once, held to the end
         x = layout.blocks(pieces.block, params[key], pieces.embed(top, tokens, cfg, layout), cfg, layout)
-        return pieces.head(top, x, cfg, layout)
+        x, aux = x if isinstance(x, tuple) else (x, None)
+        return pieces.head(top, x, cfg, layout), aux
 
-    def loss(params: dict[str, Any], batch: dict[str, Tensor], cfg: Any, layout: Any = None) -> Tensor:
-        """Mean next-token cross-entropy over this rank's batch (``batch["inputs"]``, ``batch["targets"]``)."""
+    def apply(params: dict[str, Any], tokens: Tensor, cfg: Any, layout: Any = None) -> Tensor:
+        """Logits ``(batch, seq, vocab)`` for ``tokens (batch, seq)``."""
+        return forward(params, tokens, cfg, layout if layout is not None else _default_layout())[0]
+
+    def loss(params: dict[str, Any], batch: dict[str, Tensor], cfg: Any, layout: Any = None) -> Any:
+        """Mean next-token cross-entropy over this rank's batch (``batch["inputs"]``, ``batch["targets"]``).
+
+        Blocks that return aux (a MoE layer's, ``functitan.moe``) make it ``(TokenLoss, metrics)``: the step's
+        tokens normalise the cross-entropy plus each sequence's balance loss weighted by its tokens in the loss
+        (the plain mean over sequences when none is ignored), and ``metrics`` holds ``balance`` and each
+        expert's share of the routed tokens (``load``), reduced over the step by the trainer."""
         layout = layout if layout is not None else _default_layout()
-        return layout.cross_entropy(apply(params, batch["inputs"], cfg, layout), batch["targets"], cfg.vocab_size)
+        logits, aux = forward(params, batch["inputs"], cfg, layout)
+        if aux is None:
+            return layout.cross_entropy(logits, batch["targets"], cfg.vocab_size)
+        ce = layout.cross_entropy(logits, batch["targets"], cfg.vocab_size, reduction="tokens")
+        return _with_aux(ce, aux, batch["targets"])
 
     def stages(cfg: Any, layout: Any, *, seq_len: int, dtype: torch.dtype = torch.float32) -> Any:
         """The pipeline ``StageModel``. Costs are forward FLOPs per token: a block ``2 * its matrix params +

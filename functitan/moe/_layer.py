@@ -1,0 +1,101 @@
+"""The MoE layer on local tensors: route, dispatch dropless, grouped GEMM per expert, combine; shared experts.
+
+Dispatch sorts the ``tokens x top_k`` assignments by expert (stable, so a token's slots keep their order), runs
+every expert's SwiGLU on its rows with one ``torch._grouped_mm`` per matrix (the offsets are the cumulative
+rows per expert; no capacity, no padding, no token dropped), scales each row by its routing weight and adds
+the rows back into their tokens (``index_add``). An expert no token chose contributes an empty group and a
+zero gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+from .._loss import TokenLoss
+from ._routing import Router, balance_per_token, route
+
+__all__ = ["moe", "grouped_mm", "routed_experts"]
+
+
+def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """``x (rows, in)`` sorted by group, ``w (groups, out, in)``, ``counts (groups,)`` rows per group ->
+    ``(rows, out)``: row r of group g is ``x[r] @ w[g].T``.
+
+    ``torch._grouped_mm`` where its kernel takes the operands (rows of a multiple of 16 bytes); else one matmul
+    per group (what a dtype or width the kernel refuses needs). On tensors without data (the name check's meta
+    tensors, the planner's fake ones), whose grouped-GEMM rule is CUDA's (bf16 only), one group's matmul stands
+    in: the same output, saved operands and gradient shapes."""
+    if x.device.type == "meta" or is_fake(x):
+        return x @ w.select(0, 0).T
+    itemsize = x.dtype.itemsize
+    if (x.shape[1] * itemsize) % 16 == 0 and (w.shape[1] * itemsize) % 16 == 0 and x.dtype == w.dtype:
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
+    parts = torch.split(x, counts.tolist())
+    return torch.cat([part @ w[g].T for g, part in enumerate(parts)]) if parts else x.new_zeros(0, w.shape[1])
+
+
+def routed_experts(x: Tensor, experts: Tensor, weights: Tensor, p: dict[str, Tensor]) -> Tensor:
+    """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` for ``x (tokens, embed)``, ``experts`` and
+    ``weights (tokens, k)``; ``p``: ``w_gate``, ``w_up (experts, expert_mlp, embed)``, ``w_down (experts, embed,
+    expert_mlp)``. Dropless: every assignment is computed."""
+    n_experts = p["w_gate"].shape[0]
+    k = experts.shape[1]
+    flat = experts.reshape(-1)  # (tokens * k,)
+    order = flat.argsort(stable=True)
+    token = order // k  # the token of each sorted row
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    rows = x[token]  # (tokens * k, embed), grouped by expert
+    h = F.silu(grouped_mm(rows, p["w_gate"], counts)) * grouped_mm(rows, p["w_up"], counts)
+    out = grouped_mm(h, p["w_down"], counts) * weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
+    return x.new_zeros(x.shape).index_add(0, token, out)
+
+
+def _shared(p: dict[str, Tensor], x: Tensor, layout: Any) -> Tensor:
+    """The shared experts: one dense SwiGLU every token goes through (tensor parallel like any MLP)."""
+    gate, up = layout.einsums(
+        x,
+        [
+            ("batch seq embed, mlp embed -> batch seq mlp", p["w_gate"]),
+            ("batch seq embed, mlp embed -> batch seq mlp", p["w_up"]),
+        ],
+    )
+    return layout.einsum("batch seq mlp, embed mlp -> batch seq embed", F.silu(gate) * up, p["w_down"])
+
+
+def moe(x: Tensor, p: dict[str, Any], router: Router, layout: Any) -> tuple[Tensor, dict[str, Any]]:
+    """The MoE layer: ``x (batch, seq piece, embed)`` in the residual layout -> ``(out, aux)``.
+
+    ``p``: ``router.weight (experts, embed)``; ``experts.{w_gate, w_up, w_down}`` (``routed_experts``);
+    optionally ``bias (experts,)`` (the choice's balancing bias) and ``shared.{w_gate, w_up, w_down}``.
+
+    ``aux`` (``Layout.blocks`` adds it over blocks; the model's loss uses it):
+
+    - ``load``: ``TokenLoss(assignments per expert (experts,), assignments)``: the share of this rank's
+      routed slots each expert got; the step adds both over ranks and microbatches, so the reported share is
+      the step's.
+    - ``balance`` (with ``router.balance > 0``): ``(batch,)`` each sequence's balance loss
+      ``balance * sum_i f_i P_i`` over its whole length (summed over the sequence's pieces under sequence and
+      context parallelism, so every rank holding a piece holds the whole value, and each token's gradient is
+      counted once).
+    """
+    b, s, d = x.shape
+    logits = layout.einsum("batch seq embed, router embed -> batch seq router", x, p["router"]["weight"])
+    weights, experts, scores = route(logits.flatten(0, 1), router, p.get("bias"))
+    out = routed_experts(x.flatten(0, 1), experts, weights, p["experts"]).view(b, s, d)
+    if "shared" in p:
+        out = out + _shared(p["shared"], x, layout)
+    with torch.no_grad():
+        hits = torch.zeros_like(scores).scatter_(1, experts, 1.0)  # (tokens, experts): 1 where routed
+        aux: dict[str, Any] = {"load": TokenLoss(hits.sum(0), hits.new_tensor(float(hits.shape[0] * router.top_k)))}
+    if router.balance:
+        whole = s * layout.seq_shards  # the sequence's length: this piece is one of seq_shards
+        with torch.no_grad():  # f_i of each sequence, from its whole length
+            share = layout.token_sum(hits.view(b, s, -1), per_sequence=True) * (router.experts / (router.top_k * whole))
+        per_token = balance_per_token(scores.view(b, s, -1), share)
+        aux["balance"] = layout.token_sum(per_token, per_sequence=True) * (router.balance / whole)
+    return out, aux
