@@ -160,12 +160,12 @@ def check_model(
         )
     if pp > 1:
         experts = [
-            name for name, p in flatten_with_names(model.params(model_cfg), is_leaf=is_param)[0] if "expert" in p.names
+            name for name, p in flatten_with_names(model.params(model_cfg), is_leaf=is_param)[0] if "experts" in p.names
         ]
         if experts:
             raise ValueError(
                 f"parallelism.pp={pp}: model {model.name!r} has mixture-of-experts layers ({experts[0]} and "
-                f"{len(experts) - 1} more params name an 'expert' dim), whose aux outputs (load, balance loss) the "
+                f"{len(experts) - 1} more params name an 'experts' dim), whose aux outputs (load, balance loss) the "
                 f"pipeline executor does not carry yet; use pp=1"
             )
     if model.check_layout is not None:

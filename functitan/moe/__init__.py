@@ -9,7 +9,7 @@ that moves experts between ranks changes how it runs, not the model::
     params = {"moe": expert_params(dim=64, ffn=32, router=ROUTER, init=normal(0.02))}
     out, aux = layout.moe(x, p["moe"], ROUTER)   # x (batch, seq piece, embed); Layout.blocks adds aux over blocks
 
-Routed expert weights are one ``Param`` per matrix with a leading ``expert`` dim (``(experts, expert_mlp,
+Routed expert weights are one ``Param`` per matrix with a leading ``experts`` dim (``(experts, expert_mlp,
 embed)``); ``aux`` carries each expert's share of the routed tokens and, with ``Router(balance=...)``, the
 sequence-wise balance loss per sequence (docs/moe.md).
 """

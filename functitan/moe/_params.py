@@ -15,16 +15,17 @@ def expert_params(*, dim: int, ffn: int, router: Router, init: Any, shared_ffn: 
     SwiGLU of width ``ffn``; ``shared_ffn > 0`` adds the shared experts as one SwiGLU of that width.
 
     Names: the router's rows are ``router`` (every rank scores every expert); routed matrices lead with
-    ``expert`` and keep their width as ``expert_mlp`` (no expert tensor parallelism: a fine-grained expert is
-    too narrow to split); the shared SwiGLU is an MLP like any other (``mlp``: tensor parallel).
+    ``experts`` (as the optimizers name a stack of matrices; expert parallelism shards it) and keep their width
+    as ``expert_mlp`` (no expert tensor parallelism: a fine-grained expert is too narrow to split); the shared
+    SwiGLU is an MLP like any other (``mlp``: tensor parallel).
     """
     e = router.experts
     tree: dict[str, Any] = {
         "router": {"weight": Param((e, dim), ("router", "embed"), init)},
         "experts": {
-            "w_gate": Param((e, ffn, dim), ("expert", "expert_mlp", "embed"), init),
-            "w_up": Param((e, ffn, dim), ("expert", "expert_mlp", "embed"), init),
-            "w_down": Param((e, dim, ffn), ("expert", "embed", "expert_mlp"), init),
+            "w_gate": Param((e, ffn, dim), ("experts", "expert_mlp", "embed"), init),
+            "w_up": Param((e, ffn, dim), ("experts", "expert_mlp", "embed"), init),
+            "w_down": Param((e, dim, ffn), ("experts", "embed", "expert_mlp"), init),
         },
     }
     if shared_ffn:
