@@ -5,7 +5,7 @@ python examples/print_layouts.py
 
 from __future__ import annotations
 
-from functitan.mesh import make_mesh
+from functitan.mesh import AXES, make_mesh
 from functitan.sharding import default_rules, spec_placements
 from functitan.testing import run_distributed
 from models import llama
@@ -42,7 +42,7 @@ def _every_layout() -> dict[str, dict[str, str]]:
 
 
 def main() -> None:
-    print("mesh axes: (pp, dp_replicate, dp_shard, cp, tp)")
+    print(f"mesh axes: ({', '.join(AXES)})")
     for name, placements in run_distributed(_every_layout, 4)[0].items():
         print(f"\n{name}  {LAYOUTS[name]}")
         for param, pl in placements.items():

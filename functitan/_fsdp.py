@@ -162,6 +162,11 @@ class FSDP:
                 sizes[pl.dim] = _collectives.chunk(full, mesh.size(mi), mesh.get_local_rank(mi))[1]
             if names[mi] not in REPLICA_AXES or mesh.size(mi) == 1:
                 continue
+            if names[mi] == "ep" and isinstance(pl, Shard):  # expert parallel: this rank's experts, kept local
+                # the all-to-all brought every ep rank's tokens to them, so their gradient is the group's sum;
+                # data parallelism means over ranks, as the other axes' reductions do
+                local = _GradScale.apply(local, 1.0 / mesh.size(mi))
+                continue
             if isinstance(pl, Replicate):  # before the gathers: its backward then runs after the reduce-scatter
                 local = _collectives.grad_all_reduce(local, mesh.get_group(mi), reduce_dtype=reduce_dtype)
             elif isinstance(pl, Shard):
@@ -334,6 +339,19 @@ class _Regather:
         if self.pending == 0:  # the block's backward took all it saved: free the re-gathered params
             self.cache = None
         return out
+
+
+class _GradScale(torch.autograd.Function):
+    """The identity, whose gradient is multiplied by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return g * ctx.scale, None
 
 
 class _ToLocal(torch.autograd.Function):

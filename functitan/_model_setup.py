@@ -145,6 +145,7 @@ def check_model(
     sequence_parallel: bool,
     cp: int = 1,
     cp_attention: str = "allgather",
+    ep: int = 1,
 ) -> None:
     """Before any collective: the model can take this layout, and its contractions name params as declared."""
     pieces = 2 * cp * (tp if sequence_parallel else 1)
@@ -158,10 +159,20 @@ def check_model(
         raise ValueError(
             f"parallelism.pp={pp}: model {model.name!r} declares no pipeline stages (Model.stages); use pp=1"
         )
+    named = flatten_with_names(model.params(model_cfg), is_leaf=is_param)[0]
+    stacks = sorted({p.shape[p.names.index("experts")] for _, p in named if "experts" in p.names})
+    if ep > 1 and not stacks:
+        raise ValueError(
+            f"parallelism.ep={ep}: model {model.name!r} has no routed experts (no param names an 'experts' dim); use "
+            f"ep=1"
+        )
+    if any(n % ep for n in stacks):
+        raise ValueError(
+            f"parallelism.ep={ep} does not divide the model's {stacks[0]} routed experts; expert parallelism gives "
+            f"each ep rank an equal share: choose an ep that divides both {stacks[0]} and parallelism.dp_shard"
+        )
     if pp > 1:
-        experts = [
-            name for name, p in flatten_with_names(model.params(model_cfg), is_leaf=is_param)[0] if "experts" in p.names
-        ]
+        experts = [name for name, p in named if "experts" in p.names]
         if experts:
             raise ValueError(
                 f"parallelism.pp={pp}: model {model.name!r} has mixture-of-experts layers ({experts[0]} and "

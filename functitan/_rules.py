@@ -49,7 +49,8 @@ def default_rules(*, sequence_parallel: bool = False) -> Rules:
     Params: vocab, heads, kv_heads and mlp go to ``tp`` (Megatron: column-parallel q/k/v/gate/up and the
     vocab-parallel embedding and head, row-parallel o/down); the ``embed`` dim goes to ``dp_shard`` and ``cp``
     (FSDP over both, torchtitan's ``fsdp = dp_shard * cp``: a cp rank keeps no extra copy of the params);
-    ``layers`` goes to ``pp``. Activations: ``batch`` goes to both data-parallel axes, and with sequence
+    a MoE layer's ``experts`` go to ``ep`` (expert parallelism; the mesh's ``dp_shard`` is then what ep left of
+    it, torchtitan's efsdp); ``layers`` goes to ``pp``. Activations: ``batch`` goes to both data-parallel axes, and with sequence
     parallelism the residual stream's ``seq`` goes to ``tp``.
     """
     rules: list[tuple[str, str | tuple[str, ...] | None]] = [
@@ -58,6 +59,7 @@ def default_rules(*, sequence_parallel: bool = False) -> Rules:
         ("heads", "tp"),
         ("kv_heads", "tp"),
         ("mlp", "tp"),
+        ("experts", "ep"),
         ("embed", ("dp_shard", "cp")),
         ("layers", "pp"),
     ]

@@ -239,6 +239,8 @@ class ParallelismConfig:
         tp: tensor-parallel ranks (the model's logical axes decide the collectives).
         pp: pipeline ranks.
         cp: context-parallel ranks: each holds two balanced chunks of every sequence (docs/parallelism.md).
+        ep: expert-parallel ranks, borrowed from dp_shard (which ep must divide): each holds experts / ep of
+            every MoE layer's routed experts and receives their tokens by all-to-all (docs/moe.md).
         cp_attention: with cp > 1, how attention reaches the other chunks' keys: allgather (takes packed
             documents), ring (K/V passed around the cp ranks, sends overlapped) or ulysses (all-to-all to heads).
         sequence_parallel: with tp > 1: shard norms and the residual stream along the sequence.
@@ -252,6 +254,7 @@ class ParallelismConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     cp_attention: CPAttention = "allgather"
     sequence_parallel: bool = True
     reshard_after_forward: bool = True
@@ -259,7 +262,7 @@ class ParallelismConfig:
     stages_per_rank: int = 2
 
     def __post_init__(self) -> None:
-        _at_least(self, ("dp_replicate", "tp", "pp", "cp", "stages_per_rank"), 1)
+        _at_least(self, ("dp_replicate", "tp", "pp", "cp", "ep", "stages_per_rank"), 1)
         check(
             self.dp_shard == -1 or self.dp_shard >= 1,
             "dp_shard",

@@ -1,10 +1,14 @@
 """The named device mesh: one DeviceMesh whose axes are named after the parallelism they carry.
 
-Axis order is fixed, outermost first: ``pp, dp_replicate, dp_shard, cp, tp`` (tensor parallel innermost, so its
-ranks are neighbours and its collectives stay on the fastest links; context parallel next to it, for its K/V
+Axis order is fixed, outermost first: ``pp, dp_replicate, dp_shard, ep, cp, tp`` (tensor parallel innermost, so
+its ranks are neighbours and its collectives stay on the fastest links; context parallel next to it, for its K/V
 traffic; pipeline outermost, it only sends P2P), as torchtitan orders them.
 Every axis is always present, possibly of size 1, so code can name any axis without checking whether it
 exists; a size-1 axis means "replicated" everywhere.
+
+Expert parallelism borrows its ranks from ``dp_shard`` (torchtitan's ``efsdp = dp_shard / ep``): with
+``parallelism.dp_shard=4, ep=2`` the mesh's ``dp_shard`` axis has 2 ranks and ``ep`` 2. The ``ep`` ranks are
+data parallel for every param but the routed experts, whose ``experts`` dim they shard (``functitan.moe``).
 """
 
 from __future__ import annotations
@@ -17,20 +21,24 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
     "AXES",
+    "DEGREES",
     "DP_AXES",
     "FSDP_AXES",
     "REPLICA_AXES",
     "make_mesh",
     "fsdp_group",
     "resolve_degrees",
+    "check_ep",
     "default_device_type",
 ]
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-DP_AXES = ("dp_replicate", "dp_shard")  # each rank its own batch slice
+AXES = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # whose product is the world size; ep borrows from dp_shard
+DP_AXES = ("dp_replicate", "dp_shard", "ep")  # each rank its own batch slice
 # the ranks that hold the same parameters and average their gradients: the data-parallel axes, and cp, whose
-# ranks hold the same batch's different chunks of the sequence and the same (whole-sequence) loss
-REPLICA_AXES = ("dp_replicate", "dp_shard", "cp")
+# ranks hold the same batch's different chunks of the sequence and the same (whole-sequence) loss. A param
+# Shard-ed on ep (routed experts) is expert parallel there: each ep rank holds other experts, never gathered.
+REPLICA_AXES = ("dp_replicate", "dp_shard", "ep", "cp")
 # the axes FSDP shards parameters over (torchtitan's ``fsdp = dp_shard * cp``): a cp rank holds no extra
 # parameter memory. Both shard the same dim, dp_shard outer, so one all-gather over the flattened group
 # (``fsdp_group``) gathers what the two axes split.
@@ -49,10 +57,10 @@ def resolve_degrees(world_size: int, **degrees: int) -> dict[str, int]:
     >>> resolve_degrees(8, pp=1, dp_replicate=2, dp_shard=-1, tp=2)
     {'pp': 1, 'dp_replicate': 2, 'dp_shard': 2, 'cp': 1, 'tp': 2}
     """
-    unknown = set(degrees) - set(AXES)
+    unknown = set(degrees) - set(DEGREES)
     if unknown:
-        raise ValueError(f"unknown mesh axes {sorted(unknown)}; the axes are {list(AXES)}")
-    out = {a: int(degrees.get(a, 1)) for a in AXES}
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; the axes are {list(DEGREES)}")
+    out = {a: int(degrees.get(a, 1)) for a in DEGREES}
     for a, d in out.items():
         if d == 0 or d < -1:
             raise ValueError(f"parallelism.{a}={d}: a degree is a positive integer, or -1 for 'the remaining ranks'")
@@ -78,9 +86,17 @@ def resolve_degrees(world_size: int, **degrees: int) -> dict[str, int]:
 
 
 def make_mesh(
-    dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1, cp: int = 1, *, device: str | None = None
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    *,
+    device: str | None = None,
 ) -> DeviceMesh:
-    """A DeviceMesh with axes ``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` over the current process group.
+    """A DeviceMesh with axes ``("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")`` over the current process
+    group.
 
     Args:
         dp_replicate: data-parallel replicas (DDP; with dp_shard > 1, HSDP).
@@ -88,12 +104,16 @@ def make_mesh(
         tp: tensor-parallel degree.
         pp: pipeline-parallel degree.
         cp: context-parallel degree (the sequence split over cp ranks).
+        ep: expert-parallel degree, borrowed from ``dp_shard`` (which it must divide): the mesh's ``dp_shard``
+            axis keeps ``dp_shard / ep`` ranks.
         device: ``"cpu"`` or ``"cuda"``; defaults to cuda when available.
 
     Without an initialised process group the mesh has one rank (world size 1).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     degrees = resolve_degrees(world, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp)
+    check_ep(ep, degrees["dp_shard"])
+    degrees = {**degrees, "dp_shard": degrees["dp_shard"] // ep, "ep": ep}
     device = device or default_device_type()
     if not dist.is_initialized():
         _init_single_process(device)
@@ -112,6 +132,16 @@ def fsdp_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     if not all(a in names and mesh[a].size() > 1 for a in FSDP_AXES):
         return None
     return mesh[FSDP_AXES]._flatten(FSDP_FLAT).get_group()
+
+
+def check_ep(ep: int, dp_shard: int) -> None:
+    """Expert parallelism borrows its ranks from dp_shard: ``ep`` must divide it (one line naming those that do)."""
+    if ep < 1 or dp_shard % ep:
+        ok = [d for d in range(1, dp_shard + 1) if dp_shard % d == 0]
+        raise ValueError(
+            f"parallelism.ep={ep}: expert parallelism borrows its ranks from parallelism.dp_shard={dp_shard}, so "
+            f"ep must divide it; choose ep among {ok} (or raise dp_shard)"
+        )
 
 
 def _init_single_process(device: str) -> None:

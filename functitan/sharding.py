@@ -153,6 +153,7 @@ class Layout:
     _fsdp: FSDP = field(default=FSDP(), init=False, repr=False, compare=False)
     _seq: SequenceSplit = field(default=WHOLE, init=False, repr=False, compare=False)
     _cp: CPContext | None = field(default=None, init=False, repr=False, compare=False)
+    _ep: Any = field(default=None, init=False, repr=False, compare=False)  # functitan.moe's ExpertParallel
 
     def __post_init__(self) -> None:
         _remat.as_policy(self.remat)  # an unknown spelling fails here
@@ -171,6 +172,10 @@ class Layout:
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_fsdp", fsdp)
         object.__setattr__(self, "_cp", cp)
+        if on("ep") and mesh is not None:
+            from .moe._dispatch import ExpertParallel
+
+            object.__setattr__(self, "_ep", ExpertParallel.of(mesh))
         seq = cp.split if cp is not None else WHOLE
         if tp is not None and tp.sequence_parallel:  # SP cuts what cp leaves
             by, fix = (
@@ -326,6 +331,12 @@ class Layout:
         if self.names is not None:  # the check before step 1 (functitan.model.check_names)
             self.names.attention(q, k)
         return _attention.attention(q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
+
+    @property
+    def expert_parallel(self) -> Any:
+        """The ``ep`` axis (``functitan.moe``'s ExpertParallel) when it has more than one rank, else None: a MoE
+        layer's routed experts are then this rank's share, and their tokens travel by all-to-all."""
+        return self._ep
 
     def moe(self, x: Tensor, p: Any, router: Any) -> tuple[Tensor, dict[str, Any]]:
         """The mixture-of-experts layer (``functitan.moe``): ``x (batch, seq piece, embed)`` in the residual

@@ -40,7 +40,7 @@ from .data import build_loader
 from .errors import PeersGone
 from .hostmem import keep_freed_memory
 from .job_config import DEFAULT_FLAVOR, JobConfig, build_optimizer, build_schedule, learning_rate_schedule
-from .mesh import make_mesh, resolve_degrees
+from .mesh import check_ep, make_mesh, resolve_degrees
 from .model import Model, config_to_dict, count
 from .model import specs as model_specs
 from .random import key
@@ -113,7 +113,13 @@ def run(
     par, tcfg = cfg.parallelism, cfg.training
     # 1. mesh: every layout is a choice of degrees; pipeline stages compute on the mesh without pp
     mesh = make_mesh(
-        dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, cp=par.cp, device=device.type
+        dp_replicate=par.dp_replicate,
+        dp_shard=par.dp_shard,
+        tp=par.tp,
+        pp=par.pp,
+        cp=par.cp,
+        ep=par.ep,
+        device=device.type,
     )
     layout, rules = make_layout(cfg, mesh)
     per_rank, microbatches = local_batch(cfg, layout.dp_size)
@@ -135,6 +141,7 @@ def run(
         pp=par.pp,
         cp=par.cp,
         cp_attention=par.cp_attention,
+        ep=par.ep,
         seq_len=tcfg.seq_len,
         sequence_parallel=layout.sequence_parallel,
     )
@@ -552,6 +559,7 @@ def _check_degrees_and_batch(cfg: JobConfig) -> None:
     degrees = resolve_degrees(
         world, pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp, tp=par.tp
     )
+    check_ep(par.ep, degrees["dp_shard"])
     local_batch(cfg, degrees["dp_replicate"] * degrees["dp_shard"])
 
 

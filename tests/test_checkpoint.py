@@ -121,7 +121,7 @@ def _fsdp(mesh, refs):
     """FSDP storage on make_mesh()'s 5-D mesh: Shard(0) on dp_shard, "rep" replicated."""
     out = {}
     for k, v in refs.items():
-        pl = [Replicate(), Replicate(), Replicate() if k == "rep" else Shard(0), Replicate(), Replicate()]
+        pl = [Replicate(), Replicate(), Replicate() if k == "rep" else Shard(0), Replicate(), Replicate(), Replicate()]
         out[k] = distribute_tensor(v, mesh, pl, src_data_rank=None)
     return out
 
@@ -210,7 +210,8 @@ def _saver_loop(root: str, start: int, ready) -> None:
     step = start
     while True:
         mgr.maybe_save(_tree_for(step), step=step)
-        if step == start:
+        if step == start:  # once the first is on disk: on a loaded machine an async save can outlast the kill delay
+            mgr.wait()
             ready.set()
         step += 1
 

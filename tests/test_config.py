@@ -114,6 +114,7 @@ def test_cli_surface_is_frozen():
         "parallelism.tp",
         "parallelism.pp",
         "parallelism.cp",
+        "parallelism.ep",
         "parallelism.cp_attention",
         "parallelism.sequence_parallel",
         "parallelism.reshard_after_forward",

@@ -17,7 +17,8 @@ def test_print_layouts_example():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert (
-        "layers.0.attn.wq             (Replicate(), Replicate(), Shard(dim=1), Replicate(), Shard(dim=0))" in out.stdout
+        "layers.0.attn.wq             (Replicate(), Replicate(), Shard(dim=1), Replicate(), Replicate(), Shard(dim=0))"
+        in out.stdout
     )
     doc = (ROOT / "docs" / "parallelism.md").read_text()
     shown = doc.split("`python examples/print_layouts.py`", 1)[1].split("```\n", 2)[1]

@@ -309,7 +309,7 @@ _SHAPES_2 = {"w": (6, 4), "uneven": (5, 3), "tiny": (1, 3), "rep": (4,), "col": 
 
 def _fsdp_worker(grads_per_step, params, max_norm):
     fsdp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
-    named = make_mesh(dp_shard=2, device="cpu")  # (pp, dp_replicate, dp_shard, cp, tp) = (1, 1, 2, 1, 1)
+    named = make_mesh(dp_shard=2, device="cpu")  # (pp, dp_replicate, dp_shard, ep, cp, tp) = (1, 1, 2, 1, 1, 1)
     layout = {
         "w": (fsdp, [Shard(0)]),
         "uneven": (fsdp, [Shard(0)]),  # 5 rows over 2 ranks: 3 + 2

@@ -216,7 +216,10 @@ def test_the_loss_adds_the_balance_term_and_reports_each_experts_share():
 
 # 2 steps of SGD at lr 1 (the second step routes with the updated router), gradients of the loss with the balance
 # term; measured max |grad - one process| <= 3e-8 over every param of every layout
-MOE_LAYOUTS = {2: ("ddp", "fsdp", "tp", "tp_sp", "cp"), 4: ("hsdp", "fsdp_tp_sp", "cp_tp_sp")}
+MOE_LAYOUTS = {
+    2: ("ddp", "fsdp", "tp", "tp_sp", "cp", "ep"),
+    4: ("hsdp", "fsdp_tp_sp", "cp_tp_sp", "fsdp_ep", "ep4", "hsdp_ep", "ep_tp_sp"),
+}
 
 
 def _gradcheck_ranks(layouts):
@@ -262,9 +265,14 @@ def test_the_trainer_with_remat_equals_one_process_and_reports_the_experts_load(
             "training.remat": "selective",
         },
     }
+    ep = {  # AdamW, 3 steps, 2 microbatches: ep 2 x efsdp 2 with full remat, and ep 4
+        "fsdp4_ep2_full": {"parallelism.dp_shard": 4, "parallelism.ep": 2, "training.remat": "full"},
+        "ep4_mb2": {"parallelism.dp_shard": 4, "parallelism.ep": 4, "training.microbatches": 2},
+    }
     wait = gloo.submit(_run_layouts, 2, layouts, str(tmp_path))
     ref_losses, ref_params = _train_moe({}, str(tmp_path), "ref")
     got = wait()[0]
+    got.update(gloo.run(_run_layouts, 4, ep, str(tmp_path))[0])
     for lname, (losses, params) in got.items():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=2e-5, rtol=1e-4)
         for k, p in params.items():
@@ -291,3 +299,58 @@ def test_pipeline_parallelism_is_refused_by_name_before_step_1():
     ):
         check_model(M, cfg, tp=1, pp=2, seq_len=16, sequence_parallel=False)
     check_model(M, cfg, tp=2, pp=1, seq_len=16, sequence_parallel=True)  # the other layouts pass
+
+
+def _expert_shards(degrees: dict) -> dict:
+    """This rank's local shapes of a MoE layer's params under ``degrees`` (ep borrows from dp_shard)."""
+    from functitan.mesh import make_mesh
+    from functitan.model import specs
+    from functitan.sharding import Layout, default_rules, place
+
+    cfg = M.config("debug")
+    mesh = make_mesh(**degrees, device="cpu")
+    params = place(init(M.params(cfg), 0), specs(M.params(cfg)), default_rules(), mesh)
+    moe = params["layers"][0]["moe"]
+    return {
+        "w_gate": tuple(moe["experts"]["w_gate"].to_local().shape),
+        "router": tuple(moe["router"]["weight"].to_local().shape),
+        "ep": Layout(mesh).expert_parallel.size if Layout(mesh).expert_parallel else 1,
+    }
+
+
+def test_ep_ranks_hold_their_share_of_the_experts_and_fsdp_shards_the_rest(gloo):
+    # debug: 8 experts of (32, 64), a router of (8, 64); ep borrows from dp_shard, efsdp = dp_shard / ep
+    ep4, ep2 = (
+        gloo.run(_expert_shards, 4, {"dp_shard": 4, "ep": 4})[0],
+        gloo.run(_expert_shards, 4, {"dp_shard": 4, "ep": 2})[0],
+    )
+    assert ep4 == {"w_gate": (2, 32, 64), "router": (8, 64), "ep": 4}  # 2 whole experts; dense: no FSDP left
+    assert ep2 == {"w_gate": (4, 32, 32), "router": (8, 32), "ep": 2}  # 4 experts, and FSDP over efsdp = 2
+
+
+def test_an_ep_that_does_not_divide_dp_shard_is_one_line_before_any_process_group_forms(monkeypatch):
+    import torch.distributed as dist
+    from support import cli
+
+    if dist.is_initialized():  # a one-process group an earlier in-process run left: the world would be 1
+        dist.destroy_process_group()
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun sets it for each of 4 workers
+    out = cli("train", "--model.name=qwen3_moe", "--parallelism.dp_shard=4", "--parallelism.ep=3")
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "functitan: error: parallelism.ep=3: expert parallelism borrows its ranks from parallelism.dp_shard=4, so "
+        "ep must divide it; choose ep among [1, 2, 4] (or raise dp_shard)"
+    )
+
+
+def test_an_ep_the_experts_cannot_split_by_is_named_before_step_1():
+    from functitan._model_setup import check_model
+    from functitan.model import load_model
+
+    kw = dict(tp=1, pp=1, seq_len=16, sequence_parallel=False)
+    with pytest.raises(ValueError, match="parallelism.ep=2 does not divide the model's 5 routed experts"):
+        check_model(M, M.config("debug", experts=5), ep=2, **kw)
+    llama = load_model("llama")
+    with pytest.raises(ValueError, match="parallelism.ep=2: model 'llama' has no routed experts"):
+        check_model(llama, llama.config("debug"), ep=2, **kw)
+    check_model(M, M.config("debug"), ep=4, **kw)

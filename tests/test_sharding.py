@@ -66,12 +66,12 @@ def _placements_on_2x2():
 def test_rules_to_placements_on_a_real_mesh(gloo):
     got = gloo.run(_placements_on_2x2, 4)[0]
     R = Replicate()
-    # mesh axes are (pp, dp_replicate, dp_shard, cp, tp)
-    assert got["wq"] == (R, R, Shard(1), R, Shard(0))  # FSDP on embed, TP column-parallel on heads
-    assert got["wo"] == (R, R, Shard(0), R, Shard(1))  # TP row-parallel
-    assert got["norm"] == (R, R, Shard(0), R, R)
-    assert got["doc"] == (R, R, Shard(0), R, Shard(1))  # the documented precedence example
-    assert got["wq_tp1"] == (R, R, Shard(1), R, R)  # size-1 axes mean Replicate
+    # mesh axes are (pp, dp_replicate, dp_shard, ep, cp, tp)
+    assert got["wq"] == (R, R, Shard(1), R, R, Shard(0))  # FSDP on embed, TP column-parallel on heads
+    assert got["wo"] == (R, R, Shard(0), R, R, Shard(1))  # TP row-parallel
+    assert got["norm"] == (R, R, Shard(0), R, R, R)
+    assert got["doc"] == (R, R, Shard(0), R, R, Shard(1))  # the documented precedence example
+    assert got["wq_tp1"] == (R, R, Shard(1), R, R, R)  # size-1 axes mean Replicate
 
 
 def test_spec_errors_name_the_key_path():
@@ -138,10 +138,10 @@ def _constrain_activation():
 def test_constrain_lays_out_activations_by_name(gloo):
     R = Replicate()
     for rank, (pl, local, whole_pl, whole, by_embed) in enumerate(gloo.run(_constrain_activation, 2)):
-        assert pl == (R, R, Shard(0), R, R)  # batch -> (dp_replicate, dp_shard); dp_replicate has size 1
+        assert pl == (R, R, Shard(0), R, R, R)  # batch -> (dp_replicate, dp_shard); dp_replicate has size 1
         assert local == torch.arange(8.0).reshape(4, 2)[2 * rank : 2 * rank + 2].tolist()
-        assert whole_pl == (R, R, R, R, R) and whole == torch.arange(8.0).reshape(4, 2).tolist()
-        assert by_embed == (R, R, Shard(1), R, R)
+        assert whole_pl == (R, R, R, R, R, R) and whole == torch.arange(8.0).reshape(4, 2).tolist()
+        assert by_embed == (R, R, Shard(1), R, R, R)
 
 
 def _constrain_grads():

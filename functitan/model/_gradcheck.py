@@ -38,6 +38,12 @@ GRADCHECK_LAYOUTS: dict[str, tuple[dict[str, int], bool]] = {
     "pp_zb_v": ({"pp": 2, "dp_shard": 1}, False),
     "cp": ({"cp": 2, "dp_shard": 1}, False),
     "cp_tp_sp": ({"cp": 2, "tp": 2, "dp_shard": 1}, True),
+    # expert parallelism borrows its ranks from dp_shard (a MoE model's routed experts over ep)
+    "ep": ({"dp_shard": 2, "ep": 2}, False),
+    "fsdp_ep": ({"dp_shard": 4, "ep": 2}, False),
+    "ep4": ({"dp_shard": 4, "ep": 4}, False),
+    "hsdp_ep": ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, False),
+    "ep_tp_sp": ({"dp_shard": 2, "ep": 2, "tp": 2}, True),
 }
 # the pipeline layouts: (schedule, microbatches); the model's own Model.stages split it (zb_v: 2 stages a rank)
 _PIPELINES = {"pp_1f1b": ("1f1b", 2), "pp_zb_v": ("zb_v", 2)}
@@ -236,7 +242,7 @@ def gradcheck(
         except ValueError as e:
             report[n] = {"error": _one_line(e)}
             continue
-        by_world.setdefault(math.prod(degrees.values()), []).append(n)
+        by_world.setdefault(math.prod(d for a, d in degrees.items() if a != "ep"), []).append(n)  # ep borrows
     if not by_world:
         return {n: report[n] for n in layouts}
     ref_losses, ref_grads, ref_params = _train(model, flavor, overrides, None, batch, seq_len, seed, steps)

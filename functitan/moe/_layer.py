@@ -17,6 +17,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from .._loss import TokenLoss
+from ._dispatch import ExpertParallel
 from ._routing import Router, balance_per_token, route
 
 __all__ = ["moe", "grouped_mm", "routed_experts"]
@@ -39,19 +40,26 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     return torch.cat([part @ w[g].T for g, part in enumerate(parts)]) if parts else x.new_zeros(0, w.shape[1])
 
 
-def routed_experts(x: Tensor, experts: Tensor, weights: Tensor, p: dict[str, Tensor]) -> Tensor:
+def routed_experts(
+    x: Tensor, experts: Tensor, weights: Tensor, p: dict[str, Tensor], ep: ExpertParallel | None = None
+) -> Tensor:
     """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` for ``x (tokens, embed)``, ``experts`` and
     ``weights (tokens, k)``; ``p``: ``w_gate``, ``w_up (experts, expert_mlp, embed)``, ``w_down (experts, embed,
-    expert_mlp)``. Dropless: every assignment is computed."""
-    n_experts = p["w_gate"].shape[0]
+    expert_mlp)``, this rank's ``experts / ep`` of them under expert parallelism (``ep``). Dropless: every
+    assignment is computed."""
+    n_experts = p["w_gate"].shape[0] * (ep.size if ep is not None else 1)
     k = experts.shape[1]
     flat = experts.reshape(-1)  # (tokens * k,)
     order = flat.argsort(stable=True)
     token = order // k  # the token of each sorted row
     counts = torch.zeros(n_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    rows = x[token]  # (tokens * k, embed), grouped by expert
-    h = F.silu(grouped_mm(rows, p["w_gate"], counts)) * grouped_mm(rows, p["w_up"], counts)
-    out = grouped_mm(h, p["w_down"], counts) * weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
+
+    def swiglu(rows: Tensor, per_expert: Tensor) -> Tensor:  # rows grouped by (local) expert
+        h = F.silu(grouped_mm(rows, p["w_gate"], per_expert)) * grouped_mm(rows, p["w_up"], per_expert)
+        return grouped_mm(h, p["w_down"], per_expert)
+
+    out = swiglu(x[token], counts) if ep is None else ep.routed(x, token, counts, swiglu)
+    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
     return x.new_zeros(x.shape).index_add(0, token, out)
 
 
@@ -86,7 +94,7 @@ def moe(x: Tensor, p: dict[str, Any], router: Router, layout: Any) -> tuple[Tens
     b, s, d = x.shape
     logits = layout.einsum("batch seq embed, router embed -> batch seq router", x, p["router"]["weight"])
     weights, experts, scores = route(logits.flatten(0, 1), router, p.get("bias"))
-    out = routed_experts(x.flatten(0, 1), experts, weights, p["experts"]).view(b, s, d)
+    out = routed_experts(x.flatten(0, 1), experts, weights, p["experts"], layout.expert_parallel).view(b, s, d)
     if "shared" in p:
         out = out + _shared(p["shared"], x, layout)
     with torch.no_grad():

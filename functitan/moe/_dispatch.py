@@ -1,0 +1,76 @@
+"""Expert parallelism: each ep rank holds ``experts / ep`` routed experts and receives their tokens.
+
+The assignments, sorted by expert (so by the rank that holds it: experts are contiguous per rank), go to their
+ranks with one all-to-all of uneven splits (the counts per expert travel first, in a small all-to-all of their
+own); each rank regroups what arrived (by source rank, then expert) by expert, runs its experts' grouped GEMMs,
+puts the rows back in arrival order and returns them with the inverse all-to-all. Both all-to-alls are
+differentiable: backward sends the gradients the other way. No token is dropped and no capacity is padded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["ExpertParallel", "all_to_all"]
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """The ``ep`` axis of a mesh: its process group, size and this rank's index."""
+
+    group: Any
+    size: int
+    rank: int
+
+    @classmethod
+    def of(cls, mesh: Any) -> ExpertParallel:
+        group = mesh.get_group("ep")
+        return cls(group, dist.get_world_size(group), dist.get_rank(group))
+
+    def routed(self, x: Tensor, token: Tensor, counts: Tensor, compute: Any) -> Tensor:
+        """Rows ``x[token]`` (sorted by expert; ``counts (experts,)`` rows per expert, all of them) through the
+        experts wherever they live: ``compute(rows, local_counts)`` runs this rank's experts on rows grouped by
+        its local expert. Returns the result rows in the order of ``token``."""
+        n = counts.shape[0] // self.size  # experts per rank
+        with torch.no_grad():
+            recv = torch.empty_like(counts)
+            dist.all_to_all_single(recv, counts, group=self.group)  # (ep * n): per source rank, per local expert
+            by_src = recv.view(self.size, n)
+            send_splits = counts.view(self.size, n).sum(1).tolist()
+            recv_splits = by_src.sum(1).tolist()
+            # the arrived rows, ordered (source, expert), regrouped as (expert, source)
+            start = (by_src.flatten().cumsum(0) - by_src.flatten()).view(self.size, n)
+            lengths = by_src.t().flatten()
+            first = start.t().flatten()
+            before = lengths.cumsum(0) - lengths
+            order = torch.repeat_interleave(first - before, lengths) + torch.arange(int(lengths.sum()))
+        rows = all_to_all(x[token], send_splits, recv_splits, self.group)
+        out = compute(rows[order], by_src.sum(0))
+        back = torch.empty_like(out).index_copy(0, order, out)  # arrival order again
+        return all_to_all(back, recv_splits, send_splits, self.group)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None, None]:
+        out = g.new_empty((sum(ctx.send), *g.shape[1:]))
+        dist.all_to_all_single(out, g.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+def all_to_all(x: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor:
+    """Rows of ``x`` (dim 0) in ``send[r]``-row pieces to rank ``r`` of ``group``; ``recv[r]`` rows come from
+    each. Differentiable (backward: the same exchange the other way)."""
+    return _AllToAll.apply(x, send, recv, group)
