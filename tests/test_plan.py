@@ -397,25 +397,75 @@ def test_plan_keeps_the_margin_free(monkeypatch):
 
 @pytest.mark.parametrize("layout", [LAYOUTS[1], LAYOUTS[3], LAYOUTS[2]], ids=lambda c: c.label())
 def test_live_bytes_counts_what_memtracker_counts(layout):
-    """The planner's tracker (a third cheaper per op) gives torch's MemTracker's peak to the byte on one fake
+    """The planner's tracker (a third cheaper per op), alone and as the trace's one dispatch mode (which also
+    answers host reads and counts ops and collectives), gives torch's MemTracker's peak to the byte on one fake
     step: FSDP with selective remat and accumulation, TP + SP (DTensor), HSDP with full remat."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from functitan.plan import build_step, step_peak
-    from functitan.plan._trace import _HostReads, _live_step, rank_mesh
+    from functitan.plan._trace import _HostReads, _live_step, _StepMode, rank_mesh
 
     model, mcfg = _model()
     cfg = job_config(_base(), layout, batch_size=BATCH, seq_len=SEQ)
     peaks = []
     with rank_mesh(cfg.parallelism, 4, 0) as mesh:
-        for torch_tracker in (True, False):
+        for tracker in ("memtracker", "live", "step"):  # the planner's one mode: live bytes, host reads, counts
+            step_mode = _StepMode(mesh)  # built outside FakeTensorMode (it reads the mesh)
             with FakeTensorMode():
                 state, step, batch = build_step(cfg, model, mcfg, mesh, fake=True)
-                if torch_tracker:
+                if tracker == "memtracker":
                     peaks.append(step_peak(state, step, batch, _HostReads(), warm_up=False)[0])
-                else:
+                elif tracker == "live":
                     peaks.append(_live_step(state, step, batch, _HostReads()).peak)
-    assert peaks[0] == peaks[1] and peaks[0] > 500_000, peaks
+                else:
+                    peaks.append(_live_step(state, step, batch, live=step_mode).peak)
+                    assert step_mode.ops > 0 and step_mode.comm
+    assert peaks[0] == peaks[1] == peaks[2] and peaks[0] > 500_000, peaks
+
+
+def test_candidates_with_the_same_degrees_share_one_mesh(monkeypatch):
+    """A plan keeps its fake world and meshes from one candidate to the next (``_trace.Worlds``): at 16,384 ranks a
+    mesh took 0.8 s to build, a third of a 405B candidate's trace. Layouts that differ in remat or microbatches only
+    trace on one mesh, a pipeline's last rank restarts the world, and every prediction is the one a fresh world
+    gives."""
+    import functitan.plan._trace as tracing
+
+    model, mcfg = _model()
+    shape, base = model_shape(model, mcfg, SEQ), _base()
+    built: list = []
+    make = tracing.make_mesh
+    monkeypatch.setattr(tracing, "make_mesh", lambda **kw: built.append(kw) or make(**kw))
+    cands = [
+        Candidate(dp_shard=4, remat="none", param_dtype="float32"),
+        Candidate(dp_shard=4, remat="full", param_dtype="float32", microbatches=2),
+        Candidate(dp_shard=2, pp=2, schedule="1f1b", microbatches=2, param_dtype="float32"),
+        Candidate(dp_shard=4, remat="selective", param_dtype="float32"),
+    ]
+    with tracing.fake_worlds() as worlds:
+        shared = [predict(base, model, mcfg, shape, c, batch_size=BATCH, seq_len=SEQ, worlds=worlds) for c in cands]
+    # fsdp4 once for the first two; pp2 on rank 0, then on its last rank (a new world); fsdp4 again on rank 0
+    assert [kw["pp"] for kw in built] == [1, 2, 2, 1], built
+    fresh = [predict(base, model, mcfg, shape, c, batch_size=BATCH, seq_len=SEQ) for c in cands]
+    assert shared == fresh
+
+
+def test_schedules_that_cut_the_same_stages_share_one_balance():
+    """1F1B and ZB-H1 on 4 ranks, interleaved 1F1B and ZB-V on 2 (two stages each) cut the model into the same 4
+    stages: the exact balance (a dynamic program, 1.6 s of the 405B screen when each schedule ran its own) runs
+    once, and each schedule's blocks per rank are the trainer's."""
+    from functitan import pipeline
+    from functitan.job_config import ParallelismConfig, build_schedule
+    from functitan.plan._predict import _blocks_per_rank, _layers, rank_blocks
+
+    model, mcfg = _model("llama", {**PLAN_TINY, "n_layers": 10})
+    shape = model_shape(model, mcfg, SEQ)
+    _layers.cache_clear()
+    _blocks_per_rank.cache_clear()
+    for pp, sched, v in ((4, "1f1b", 1), (4, "zb_h1", 1), (2, "interleaved_1f1b", 2), (2, "zb_v", 2)):
+        got = rank_blocks(shape, Candidate(pp=pp, schedule=sched, stages_per_rank=v, microbatches=4))
+        par = ParallelismConfig(pp=pp, pipeline_schedule=sched, stages_per_rank=v)
+        assert got == pipeline.blocks_per_rank(shape.stage_model, build_schedule(par, pp * v)), (sched, got)
+    assert _layers.cache_info().misses == 1, _layers.cache_info()
 
 
 def test_a_kind_traced_over_memory_is_not_traced_again(monkeypatch):

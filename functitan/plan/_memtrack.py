@@ -17,7 +17,6 @@ from typing import Any
 
 import optree
 import torch
-from torch._guards import active_fake_mode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
@@ -83,7 +82,7 @@ class LiveBytes(TorchDispatchMode):
             self._add(st)
 
     def __enter__(self) -> LiveBytes:
-        self._fake_on_entry = active_fake_mode()
+        self._fake_on_entry = _fake_mode()
         self._resize = torch.UntypedStorage.resize_
         original = self._resize
 
@@ -103,21 +102,40 @@ class LiveBytes(TorchDispatchMode):
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
         super().__exit__(*args)
 
+    def _device(self, func, args, kwargs) -> Any:
+        """A device query (``prim.device``): passed on. ``_trace._StepMode`` answers it here instead."""
+        return func(*args, **(kwargs or {}))
+
+    def _call(self, func, args, kwargs) -> Any:
+        """The op itself, below this mode. ``_trace._StepMode`` counts it and answers host reads here: one mode
+        on the stack instead of three (each costs a Python call and a re-dispatch per op)."""
+        return func(*args, **(kwargs or {}))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE:  # allocates nothing (half the ops a step dispatches: the autograd engine's checks)
-            return func(*args, **(kwargs or {}))
-        if any(t is DTensor for t in types):
+            return self._device(func, args, kwargs)
+        if DTensor in types:
             return NotImplemented  # let DTensor run its local ops, which allocate
         if self.at_backward is None and torch._C._current_autograd_node() is not None:
             self.at_backward = self.current
-        if func is _WAIT and active_fake_mode():
+        fake = _fake_mode()
+        if func is _WAIT and fake is not None:
             res = args[0]  # the fake impl returns a new tensor; eager waits in place
         else:
-            res = func(*args, **(kwargs or {}))
-        if active_fake_mode() is self._fake_on_entry:  # not DTensor's sharding propagation
-            for t in optree.tree_leaves(res, none_is_leaf=False):
-                if isinstance(t, torch.Tensor):
-                    self._track(t)
+            res = self._call(func, args, kwargs)
+        if fake is self._fake_on_entry:  # not DTensor's sharding propagation
+            if isinstance(res, torch.Tensor):  # most ops: one tensor, no tree to walk
+                self._track(res)
+            else:
+                for t in optree.tree_leaves(res, none_is_leaf=False):
+                    if isinstance(t, torch.Tensor):
+                        self._track(t)
             if self.current > self.peak:
                 self.peak = self.current
         return res
+
+
+def _fake_mode() -> Any:
+    """The innermost active FakeTensorMode (``torch._guards.active_fake_mode`` without building the mode stack's
+    list per op: a FakeTensorMode always sits in the FAKE slot, the innermost of nested ones)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)

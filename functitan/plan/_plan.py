@@ -19,6 +19,7 @@ from ._candidates import MIN_CP_TOKENS, Candidate, enumerate_candidates, job_con
 from ._cost import TIME_TOLERANCE, ModelDims, Time, analytic_comm, analytic_memory, step_time
 from ._devices import Cluster
 from ._predict import ModelShape, model_shape, predict, rank_blocks
+from ._trace import Worlds, fake_worlds
 
 __all__ = ["Row", "Plan", "plan", "rank", "PlanError", "MARGIN"]
 
@@ -166,10 +167,10 @@ def plan(
         return c, mem, t, blocks
 
     fitting = sorted((timed(*s) for s in screen if s[1]["total"] <= limit * 1.1), key=lambda s: s[2].total)
-    job = _Job(base, model, model_cfg, shape, cluster, batch_size, seq_len, fpt, limit)
     # how many to trace does not depend on how many are shown (``top`` up to MIN_TRACED): the recommendation
     # must not change with a display option, as it did when --top 3 traced fewer candidates than --top 8
-    with _young_heap():
+    with _young_heap(), fake_worlds() as worlds:
+        job = _Job(base, model, model_cfg, shape, cluster, batch_size, seq_len, fpt, limit, worlds)
         rows = _trace_best(job, fitting, max(top, MIN_TRACED), pruned, log)
         if not any(r.fits for r in rows):  # the formula was optimistic: try the layout that needs the least memory
             smallest = min(screen, key=lambda s: s[1]["total"])
@@ -268,6 +269,7 @@ class _Job(NamedTuple):
     seq_len: int
     fpt: float  # model FLOPs per token
     limit: float  # the most bytes a fitting layout may need (usable memory less the margin)
+    worlds: Worlds | None = None  # the fake worlds and meshes kept from one candidate to the next
 
 
 def _trace_best(job: _Job, fitting: list, traced: int, pruned: Counter, log) -> list[Row]:
@@ -342,6 +344,7 @@ def _traced_row(job: _Job, c: Candidate, mem: dict, blocks: int) -> Row:
         batch_size=job.batch_size,
         seq_len=job.seq_len,
         backend=backend,
+        worlds=job.worlds,
     )
     tokens = job.batch_size * job.seq_len
     t = step_time(c, job.cluster, p.comm, flops_per_token=job.fpt, tokens=tokens, n_blocks=p.blocks, ops=p.ops)

@@ -4,14 +4,16 @@ The step is the trainer's own (``train.make_layout``, ``train.place_model``, ``t
 ``FakeTensorMode`` with torch's fake process group at the target world size, in this one CPU process: tensors
 carry shapes and dtypes but no storage, collectives return at once, and ``LiveBytes`` sums the storages
 alive at each instant as torch's ``MemTracker`` does in a real run (to the byte, at a third less time per op).
-Two dispatch modes ride along: one answers the step's host reads (``loss.item()``: a fake tensor has no value;
-every read gives 1.0, a finite loss), one counts the bytes of every c10d collective by the mesh axes its group
-spans, and every op dispatched (the host's per-op cost is a term of the step time).
+The same dispatch mode (``_StepMode``, one mode rather than three stacked: each costs every op a re-dispatch) also
+answers the step's host reads (``loss.item()``: a fake tensor has no value; every read gives 1.0, a finite loss),
+counts the bytes of every c10d collective by the mesh axes its group spans, and every op dispatched (the host's
+per-op cost is a term of the step time).
 
 Cost (405B and 8B shapes, one core): a traced step is ~1-1.5 s, nearly all of it torch's per-op dispatch
 (FakeTensorMode, DTensor, autograd); half the ops a step dispatches are device queries of the autograd engine
-(``prim.device``), which the counting mode answers itself (still counted); the mesh of a world of 16,384 ranks
-takes 0.2 s to build, so one candidate's traces share it (``rank_mesh``).
+(``prim.device``), which that mode answers first (still counted); the mesh of a world of 16,384 ranks
+takes 0.8 s to build, so one candidate's traces share it (``rank_mesh``), and a plan's candidates with the same
+degrees do (``Worlds``).
 
 Gotchas (measured, torch 2.13): the mesh is built outside FakeTensorMode (its construction reads values).
 Context parallelism's all-gather attention shares one causal mask between layers; its cache
@@ -39,9 +41,19 @@ from ..train import local_batch, make_layout, make_step, place_model
 from ..train_state import TrainState
 from ._memtrack import LiveBytes
 
-__all__ = ["RankTrace", "trace_rank", "rank_mesh", "fake_world", "build_step", "step_peak", "COMM_KINDS"]
+__all__ = [
+    "RankTrace",
+    "trace_rank",
+    "rank_mesh",
+    "fake_world",
+    "fake_worlds",
+    "Worlds",
+    "build_step",
+    "step_peak",
+    "COMM_KINDS",
+]
 
-_DEVICE = torch.ops.prim.device.default
+_SCALAR = torch.ops.aten._local_scalar_dense.default
 COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "p2p", "all_to_all", "cp_all_gather", "cp_reduce_scatter")
 
 _C10D_KIND = {
@@ -102,13 +114,16 @@ class _HostReads(TorchDispatchMode):
     takes its normal path)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is _SCALAR:
             return 1.0 if args[0].is_floating_point() else 1
         return func(*args, **(kwargs or {}))
 
 
-class _CommCounter(TorchDispatchMode):
-    """Counts c10d collectives by the mesh axes their group spans, and every op the step dispatches."""
+class _StepMode(LiveBytes):
+    """``LiveBytes`` that also answers the step's host reads (as ``_HostReads``), counts c10d collectives by the
+    mesh axes their group spans, and counts every op the step dispatches. One mode instead of three stacked:
+    each mode on the stack costs every op a Python call and a re-dispatch (a fifth of a trace's time), and the
+    device queries (half the ops) are answered at the top instead of passing through two modes first."""
 
     def __init__(self, mesh) -> None:
         super().__init__()
@@ -117,6 +132,7 @@ class _CommCounter(TorchDispatchMode):
         self._shape = tuple(mesh.mesh.shape)
         self._names = tuple(mesh.mesh_dim_names)
         self._axes: dict[str, tuple[str, ...]] = {}
+        self._kinds: dict[Any, str | None] = {}  # op -> its collective kind (None: not a collective)
 
     def _axes_of(self, pg) -> tuple[str, ...]:
         name = pg.group_name
@@ -138,40 +154,49 @@ class _CommCounter(TorchDispatchMode):
             r //= d
         return tuple(reversed(out))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def _device(self, func, args, kwargs):
+        self.ops += 1  # a device query of the autograd engine: no work below, answered here (still counted)
+        return args[0].device
+
+    def _call(self, func, args, kwargs):
         self.ops += 1
-        if func is _DEVICE:  # a device query (the autograd engine asks for every gradient's): no work below
-            return args[0].device
-        kwargs = kwargs or {}
-        ns, name = func.namespace, func.__name__.split(".")[0]
-        if ns in ("c10d", "_c10d_functional") and name in _C10D_KIND:
-            kind = _C10D_KIND[name]
-            tensors = [a for a in optree.tree_leaves(list(args)) if isinstance(a, torch.Tensor)]
-            pg = next((a for a in args if type(a).__name__ == "ScriptObject"), None)
-            group = dist.ProcessGroup.unbox(pg) if pg is not None else None
-            if group is None:
-                gname = next((a for a in args if isinstance(a, str)), None)
-                group = dist.distributed_c10d._resolve_process_group(gname) if gname else None
-            if group is not None and tensors:
-                payload = {
-                    "all_gather": tensors[0],
-                    "reduce_scatter": tensors[-1]
-                    if name == "reduce_scatter_tensor"
-                    else (tensors[1] if len(tensors) > 1 else tensors[0]),
-                }.get(kind)
-                nbytes = (
-                    payload.numel() * payload.element_size()
-                    if payload is not None
-                    else sum(t.numel() * t.element_size() for t in tensors)
-                )
-                axes = self._axes_of(group)
-                if axes == ("cp",) and kind in ("all_gather", "reduce_scatter") and payload is not None \
-                        and payload.dim() > 1:  # fmt: skip
-                    kind = "cp_" + kind  # attention's K/V (or their gradients), not a parameter bucket
-                rec = self.comm[axes][kind]
-                rec[0] += nbytes
-                rec[1] += 1
-        return func(*args, **kwargs)
+        if func is _SCALAR:  # a host read: a fake tensor has no value (``_HostReads``)
+            return 1.0 if args[0].is_floating_point() else 1
+        kind = self._kinds.get(func, "")
+        if kind == "":
+            ns, name = func.namespace, func.__name__.split(".")[0]
+            kind = self._kinds[func] = _C10D_KIND.get(name) if ns in ("c10d", "_c10d_functional") else None
+        if kind is not None:
+            self._count(kind, func.__name__.split(".")[0], args)
+        return func(*args, **(kwargs or {}))
+
+    def _count(self, kind: str, name: str, args) -> None:
+        tensors = [a for a in optree.tree_leaves(list(args)) if isinstance(a, torch.Tensor)]
+        pg = next((a for a in args if type(a).__name__ == "ScriptObject"), None)
+        group = dist.ProcessGroup.unbox(pg) if pg is not None else None
+        if group is None:
+            gname = next((a for a in args if isinstance(a, str)), None)
+            group = dist.distributed_c10d._resolve_process_group(gname) if gname else None
+        if group is None or not tensors:
+            return
+        payload = {
+            "all_gather": tensors[0],
+            "reduce_scatter": tensors[-1]
+            if name == "reduce_scatter_tensor"
+            else (tensors[1] if len(tensors) > 1 else tensors[0]),
+        }.get(kind)
+        nbytes = (
+            payload.numel() * payload.element_size()
+            if payload is not None
+            else sum(t.numel() * t.element_size() for t in tensors)
+        )
+        axes = self._axes_of(group)
+        if axes == ("cp",) and kind in ("all_gather", "reduce_scatter") and payload is not None \
+                and payload.dim() > 1:  # fmt: skip
+            kind = "cp_" + kind  # attention's K/V (or their gradients), not a parameter bucket
+        rec = self.comm[axes][kind]
+        rec[0] += nbytes
+        rec[1] += 1
 
 
 @contextlib.contextmanager
@@ -255,19 +280,74 @@ def step_peak(state, train_step, batch, *modes, warm_up: bool = True) -> tuple[i
 
 
 @contextlib.contextmanager
-def rank_mesh(par: Any, world: int, rank: int) -> Iterator[Any]:
+def rank_mesh(par: Any, world: int, rank: int, worlds: Worlds | None = None) -> Iterator[Any]:
     """The fake world of ``world`` ranks as ``rank`` and its mesh for ``par``'s degrees, for one or more
-    ``trace_rank`` calls: building a mesh is a loop over the rank's groups (0.2 s at 16,384 ranks), and the
-    traces of one candidate's rank at two block counts share it."""
-    with fake_world(world, rank), warnings.catch_warnings():
+    ``trace_rank`` calls: building a mesh is a loop over the rank's groups (0.8 s at 16,384 ranks), and the
+    traces of one candidate's rank at two block counts share it. With ``worlds`` (``fake_worlds``), the world and
+    the mesh are kept for later candidates too."""
+    with contextlib.ExitStack() as stack:
+        if worlds is None:
+            stack.enter_context(fake_world(world, rank))
+        stack.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        yield make_mesh(
-            dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, cp=par.cp, device="cpu"
-        )
+        yield _make_mesh(par) if worlds is None else worlds.mesh(par, world, rank)
+
+
+def _make_mesh(par: Any) -> Any:
+    return make_mesh(
+        dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, cp=par.cp, device="cpu"
+    )
+
+
+class Worlds:
+    """The fake world and the meshes of a plan's traces, kept from one candidate to the next (``fake_worlds``).
+
+    ``make_mesh`` makes every rank's process groups, one-rank groups for each axis of size one included (49,152 of
+    them at 16,384 ranks): 0.8 s a mesh, a third of a 405B candidate's trace. Candidates with the same degrees
+    (remat, microbatches, dtype apart) share one mesh here. One rank's world at a time: a trace as another rank
+    (a pipeline's last) starts that world afresh, and its meshes with it."""
+
+    def __init__(self) -> None:
+        self._at: tuple[int, int] | None = None  # (world, rank) of the open fake world
+        self._world = contextlib.ExitStack()
+        self._meshes: dict[tuple, Any] = {}
+
+    def mesh(self, par: Any, world: int, rank: int) -> Any:
+        if self._at != (world, rank):
+            self.close()
+            self._world.enter_context(fake_world(world, rank))
+            self._at = (world, rank)
+        key = (par.dp_replicate, par.dp_shard, par.tp, par.pp, par.cp)
+        if key not in self._meshes:
+            self._meshes[key] = _make_mesh(par)
+        return self._meshes[key]
+
+    def close(self) -> None:
+        self._meshes.clear()
+        self._at = None
+        self._world.close()
+
+
+@contextlib.contextmanager
+def fake_worlds() -> Iterator[Worlds]:
+    """``Worlds`` for the traces of one plan; the fake process group is destroyed on exit."""
+    worlds = Worlds()
+    try:
+        yield worlds
+    finally:
+        worlds.close()
 
 
 def trace_rank(
-    cfg, model, model_cfg, *, world: int, rank: int, stage_layers=None, mesh=None, backend: str | None = None
+    cfg,
+    model,
+    model_cfg,
+    *,
+    world: int,
+    rank: int,
+    stage_layers=None,
+    mesh=None,
+    backend: str | None = None,
 ) -> RankTrace:
     """Trace rank ``rank`` of ``world`` running ``cfg``'s step under FakeTensorMode (see the module docstring);
     ``mesh``: one from ``rank_mesh`` of the same degrees, world and rank (else it is built here). ``backend``:
@@ -294,13 +374,13 @@ def _trace_rank(cfg, model, model_cfg, *, stage_layers, mesh) -> RankTrace:
     par = cfg.parallelism
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        counter = _CommCounter(mesh)
+        mode = _StepMode(mesh)  # outside FakeTensorMode: it reads the mesh's values
         with FakeTensorMode():
             state, train_step, batch = build_step(cfg, model, model_cfg, mesh, fake=True, stage_layers=stage_layers)
-            live = _live_step(state, train_step, batch, _HostReads(), counter)
+            live = _live_step(state, train_step, batch, live=mode)
             params, opt = _nbytes(state.params), _nbytes(state.opt_state)
     after = (live.at_backward or 0) if par.pp == 1 else 0
-    comm = {axes: {k: list(v) for k, v in kinds.items()} for axes, kinds in counter.comm.items()}
+    comm = {axes: {k: list(v) for k, v in kinds.items()} for axes, kinds in live.comm.items()}
     return RankTrace(
         peak=live.peak,
         params=params,
@@ -308,15 +388,16 @@ def _trace_rank(cfg, model, model_cfg, *, stage_layers, mesh) -> RankTrace:
         grads=params_grad_bytes(state.params),
         comm=comm,
         after_forward=after,
-        ops=counter.ops,
+        ops=live.ops,
     )
 
 
-def _live_step(state, train_step, batch, *modes) -> LiveBytes:
-    """One fake step under ``modes`` and ``LiveBytes`` (MemTracker's count of live tensor bytes, a third faster;
-    ``step_peak``'s docstring says why no warm-up step runs and why garbage is collected first)."""
+def _live_step(state, train_step, batch, *modes, live: Any = None) -> Any:
+    """One fake step under ``modes`` and ``live`` (a ``LiveBytes``: MemTracker's count of live tensor bytes, a third
+    faster; by default a new one), which is returned; ``step_peak``'s docstring says why no warm-up step runs and
+    why garbage is collected first."""
     gc.collect()
-    live = LiveBytes()
+    live = LiveBytes() if live is None else live
     live.track_external(
         *[x for x in optree.tree_leaves((state.params, state.opt_state)) if isinstance(x, torch.Tensor)]
     )
