@@ -20,6 +20,7 @@ def _suite(pytester, monkeypatch, budget: str):
 
 
 def test_a_file_over_its_budget_fails_the_run_naming_it(pytester, monkeypatch):
+    monkeypatch.delenv("FUNCTITAN_BUDGET_SCALE", raising=False)  # a loaded run's scale would stretch this budget too
     result = _suite(pytester, monkeypatch, 'total = 100\ndefault = 100\n[files]\n"test_slow.py" = 0.3\n')
     assert result.ret == 1  # every test passed; the budget failed the run
     result.assert_outcomes(passed=2)
