@@ -50,6 +50,7 @@ __all__ = [
     "flops_per_token",
     "check_layout",
     "stage_model",
+    "PIECES",
     "MODEL",
 ]
 
@@ -344,18 +345,22 @@ HF = HFMap(
 )
 
 
+# the decoder's parts (functitan.model.Pieces); Qwen3-MoE replaces the block alone
+PIECES = M.Pieces(
+    embed=embed,
+    block=block,
+    head=head,
+    first_keys=lambda cfg: ("embed",),
+    last_keys=lambda cfg: ("norm", "embed") if cfg.tie_embeddings else ("norm", "output"),
+    attention_dim=lambda cfg: cfg.n_heads * cfg.head_dim,
+)
+
+
 MODEL = M.Model(
     name="qwen3",
     configs=CONFIGS,
     params=params,
-    pieces=M.Pieces(
-        embed=embed,
-        block=block,
-        head=head,
-        first_keys=lambda cfg: ("embed",),
-        last_keys=lambda cfg: ("norm", "embed") if cfg.tie_embeddings else ("norm", "output"),
-        attention_dim=lambda cfg: cfg.n_heads * cfg.head_dim,
-    ),
+    pieces=PIECES,
     flops_per_token=flops_per_token,
     check_layout=check_layout,
     hf=HF,

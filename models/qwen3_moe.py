@@ -226,7 +226,7 @@ HF = HFMap(
     config_to_hf=config_to_hf,
     config_from_hf=config_from_hf,
     tensors=hf_tensors,
-    tied=lambda cfg: {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_embeddings else {},
+    tied=qwen3.HF.tied,
 )
 
 
@@ -234,14 +234,7 @@ MODEL = M.Model(
     name="qwen3_moe",
     configs=CONFIGS,
     params=params,
-    pieces=M.Pieces(
-        embed=qwen3.embed,
-        block=block,
-        head=qwen3.head,
-        first_keys=lambda cfg: ("embed",),
-        last_keys=lambda cfg: ("norm", "embed") if cfg.tie_embeddings else ("norm", "output"),
-        attention_dim=lambda cfg: cfg.n_heads * cfg.head_dim,
-    ),
+    pieces=dataclasses.replace(qwen3.PIECES, block=block),  # Qwen3's embed and head
     flops_per_token=flops_per_token,
     check_layout=check_layout,
     hf=HF,
