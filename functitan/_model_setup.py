@@ -171,17 +171,29 @@ def check_model(
             f"parallelism.ep={ep} does not divide the model's {stacks[0]} routed experts; expert parallelism gives "
             f"each ep rank an equal share: choose an ep that divides both {stacks[0]} and parallelism.dp_shard"
         )
-    if pp > 1:
-        experts = [name for name, p in named if "experts" in p.names]
-        if experts:
-            raise ValueError(
-                f"parallelism.pp={pp}: model {model.name!r} has mixture-of-experts layers ({experts[0]} and "
-                f"{len(experts) - 1} more params name an 'experts' dim), whose aux outputs (load, balance loss) the "
-                f"pipeline executor does not carry yet; use pp=1"
-            )
+    refused = pipeline_refusal(model, model_cfg, pp)
+    if refused:
+        raise ValueError(refused)
     if model.check_layout is not None:
         model.check_layout(model_cfg, tp=tp, seq_len=seq_len, sequence_parallel=sequence_parallel)
     check_names(model, model_cfg, tp=tp, sequence_parallel=sequence_parallel, cp=cp, cp_attention=cp_attention)
+
+
+def pipeline_refusal(model: Model, model_cfg: Any, pp: int) -> str | None:
+    """Why ``model`` cannot run under ``pp`` pipeline ranks (one line), or None: a model with mixture-of-experts
+    layers returns aux outputs from its blocks, which the pipeline executor does not carry yet. The planner asks
+    too, so that it offers no pipelined layout the trainer would refuse."""
+    if pp <= 1:
+        return None
+    named = flatten_with_names(model.params(model_cfg), is_leaf=is_param)[0]
+    experts = [name for name, p in named if "experts" in p.names]
+    if not experts:
+        return None
+    return (
+        f"parallelism.pp={pp}: model {model.name!r} has mixture-of-experts layers ({experts[0]} and "
+        f"{len(experts) - 1} more params name an 'experts' dim), whose aux outputs (load, balance loss) the "
+        f"pipeline executor does not carry yet; use pp=1"
+    )
 
 
 def check_resumed_model(run_dir: Path, name: str, model_cfg: Any) -> None:

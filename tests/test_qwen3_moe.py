@@ -354,3 +354,13 @@ def test_an_ep_the_experts_cannot_split_by_is_named_before_step_1():
     with pytest.raises(ValueError, match="parallelism.ep=2: model 'llama' has no routed experts"):
         check_model(llama, llama.config("debug"), ep=2, **kw)
     check_model(M, M.config("debug"), ep=4, **kw)
+
+
+def test_the_planner_offers_no_pipelined_layout_for_moe_and_says_why():
+    from functitan.plan._candidates import enumerate_candidates
+
+    cfg = M.config("debug")
+    kw = dict(world=4, per_node=4, batch_size=8, seq_len=64, n_blocks=2)
+    cands, pruned = enumerate_candidates(M, cfg, **kw)
+    assert cands and all(c.pp == 1 for c in cands)
+    assert any("parallelism.pp=2: model 'qwen3_moe' has mixture-of-experts layers" in why for why in pruned)

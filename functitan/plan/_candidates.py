@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._choices import CPAttention, RematName
-from .._model_setup import check_model
+from .._model_setup import check_model, pipeline_refusal
 from ..job_config import JobConfig, ParallelismConfig, ParamDType, TrainingConfig
 from ..mesh import resolve_degrees
 from ..pipeline._generators import ScheduleName
@@ -145,6 +145,7 @@ def enumerate_candidates(
     checked = {} if checked is None else checked
     pruned: Counter = Counter()
     out: list[Candidate] = []
+    refused = {pp: pipeline_refusal(model, model_cfg, pp) for pp in _divisors(world) if pp > 1}  # the trainer's
     for tp in _divisors(world):
         if tp > per_node:
             pruned[f"tp={tp} > {per_node} devices per node: tensor-parallel collectives would cross nodes"] += 1
@@ -160,6 +161,9 @@ def enumerate_candidates(
                 model, model_cfg, tp, sp, world, seq_len, min_cp_tokens, cp_attentions, checked, pruned
             ):
                 for pp in _divisors(world // (tp * cp)):
+                    if refused.get(pp):
+                        pruned[str(refused[pp])] += 1
+                        continue
                     out.extend(
                         _with_pp(
                             model, tp, cp, algo, pp, sp, world, batch_size, n_blocks, param_dtypes, max_microbatch_rows,
