@@ -65,6 +65,7 @@ CLAIMS: dict[str, dict[str, str]] = {
         "identical": "[len(same), len(single)]",
         "generated": "[ours, theirs]",
     },
+    "05_mixture_of_experts": {"losses": "reference", "equal": "results"},
 }
 _MARK = "FUNCTITAN-CLAIMS "
 
