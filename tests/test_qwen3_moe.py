@@ -3,6 +3,7 @@ grouped experts against plain loops, active-parameter FLOPs, and the balance ter
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -364,3 +365,38 @@ def test_the_planner_offers_no_pipelined_layout_for_moe_and_says_why():
     cands, pruned = enumerate_candidates(M, cfg, **kw)
     assert cands and all(c.pp == 1 for c in cands)
     assert any("parallelism.pp=2: model 'qwen3_moe' has mixture-of-experts layers" in why for why in pruned)
+
+
+# ---- checkpoints move between expert-parallel layouts ------------------------------------------------------------
+
+EP_RESUME = {"checkpoint.enable": True, "checkpoint.interval": 3, "checkpoint.keep_last": 2, "training.steps": 5}
+
+
+def _ep4_then_other_layouts(root: str):
+    """fsdp 4 x ep 4 straight for 5 steps; the same run cut after step 3 (its checkpoint holds each rank's 2
+    experts and their AdamW moments) resumed as fsdp 4 x ep 2 and as fsdp 4 (ep 1), each in a copy of the run."""
+    import shutil
+
+    from support import Crash, crashing_at_step
+
+    ep4 = {"parallelism.dp_shard": 4, "parallelism.ep": 4, **EP_RESUME}
+    straight = _train_moe(ep4, root, "straight")
+    with crashing_at_step(3), contextlib.suppress(Crash):
+        _train_moe(ep4, root, "cut")
+    out = {}
+    for name, ep in (("ep2", 2), ("ep1", 1)):
+        if torch.distributed.get_rank() == 0:
+            shutil.copytree(f"{root}/cut", f"{root}/{name}")
+        torch.distributed.barrier()
+        out[name] = _train_moe({"parallelism.dp_shard": 4, "parallelism.ep": ep, **EP_RESUME}, root, name)
+    return straight, out
+
+
+def test_an_ep4_checkpoint_resumes_under_ep2_and_ep1_with_its_optimizer_state(tmp_path, gloo):
+    straight, moved = gloo.run(_ep4_then_other_layouts, 4, str(tmp_path), timeout=280)[0]
+    for name, (losses, params) in moved.items():
+        assert len(losses) == 5  # the cut run's steps 1-3, then 4 and 5 resumed (a fresh start would log 1-5 again)
+        # steps 4 and 5 continue the ep 4 run: restored params and AdamW moments, resharded by experts
+        torch.testing.assert_close(torch.tensor(losses[-2:]), torch.tensor(straight[0][-2:]), atol=2e-5, rtol=1e-4)
+        for k, p in params.items():
+            torch.testing.assert_close(p, straight[1][k], atol=1e-4, rtol=1e-3, msg=f"{name} {k}")
