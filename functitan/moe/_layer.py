@@ -27,14 +27,15 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     """``x (rows, in)`` sorted by group, ``w (groups, out, in)``, ``counts (groups,)`` rows per group ->
     ``(rows, out)``: row r of group g is ``x[r] @ w[g].T``.
 
-    ``torch._grouped_mm`` where its kernel takes the operands (rows of a multiple of 16 bytes); else one matmul
-    per group (what a dtype or width the kernel refuses needs). On tensors without data (the name check's meta
+    ``torch._grouped_mm`` where its kernel takes the operands (rows of a multiple of 16 bytes; on CUDA bf16
+    only); else one matmul per group (what a dtype or width the kernel refuses needs). On tensors without data (the name check's meta
     tensors, the planner's fake ones), whose grouped-GEMM rule is CUDA's (bf16 only), one group's matmul stands
     in: the same output, saved operands and gradient shapes."""
     if x.device.type == "meta" or is_fake(x):
         return x @ w.select(0, 0).T
     itemsize = x.dtype.itemsize
-    if (x.shape[1] * itemsize) % 16 == 0 and (w.shape[1] * itemsize) % 16 == 0 and x.dtype == w.dtype:
+    aligned = (x.shape[1] * itemsize) % 16 == 0 and (w.shape[1] * itemsize) % 16 == 0
+    if aligned and x.dtype == w.dtype and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=counts.cumsum(0).to(torch.int32))
     parts = torch.split(x, counts.tolist())
     return torch.cat([part @ w[g].T for g, part in enumerate(parts)]) if parts else x.new_zeros(0, w.shape[1])
