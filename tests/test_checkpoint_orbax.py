@@ -51,7 +51,9 @@ def _write_sharded(path: str) -> int:
     ref = _ref()
     pl = {"w": Shard(0), "emb": Shard(1), "rep": Replicate()}
     params = {
-        k: distribute_tensor(v, mesh, [Replicate(), Replicate(), pl[k], Replicate(), Replicate()], src_data_rank=None)
+        k: distribute_tensor(
+            v, mesh, [Replicate(), Replicate(), pl[k], Replicate(), Replicate(), Replicate()], src_data_rank=None
+        )
         for k, v in ref.items()
     }
     tree = {

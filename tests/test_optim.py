@@ -315,7 +315,10 @@ def _fsdp_worker(grads_per_step, params, max_norm):
         "uneven": (fsdp, [Shard(0)]),  # 5 rows over 2 ranks: 3 + 2
         "tiny": (fsdp, [Shard(0)]),  # 1 row: rank 1 holds an empty shard
         "rep": (fsdp, [Replicate()]),  # counted once, not once per rank
-        "col": (named, [Replicate(), Replicate(), Shard(1), Replicate(), Replicate()]),  # another mesh: another group
+        "col": (
+            named,
+            [Replicate(), Replicate(), Shard(1), Replicate(), Replicate(), Replicate()],
+        ),  # another mesh: another group
     }  # "plain" stays a plain tensor, the same on every rank
     return _check_sharded_run(grads_per_step, params, layout, max_norm, _adamw_with_clip)
 
@@ -340,7 +343,7 @@ def test_clip_and_adamw_on_fsdp_shards_equal_the_unsharded_run(gloo):
     # param, clipped grad, adam mu, adam nu all keep the param's placements
     assert placements["w"] == ["(Shard(dim=0),)"] * 4
     assert placements["rep"] == ["(Replicate(),)"] * 4
-    assert placements["col"] == ["(Replicate(), Replicate(), Shard(dim=1), Replicate(), Replicate())"] * 4
+    assert placements["col"] == ["(Replicate(), Replicate(), Shard(dim=1), Replicate(), Replicate(), Replicate())"] * 4
     assert placements["plain"] == ["plain"] * 4
 
 
@@ -350,19 +353,19 @@ _SHAPES_4 = {"w1": (6, 8), "w2": (8, 6), "norm": (5,), "tp_only": (7, 3), "rep":
 def _fsdp_tp_worker(grads_per_step, params, max_norm):
     from functitan.optim._norm import _all_reduce_sum
 
-    mesh = make_mesh(dp_shard=2, tp=2, device="cpu")  # (pp, dp_replicate, dp_shard, cp, tp) = (1, 1, 2, 1, 2)
+    mesh = make_mesh(dp_shard=2, tp=2, device="cpu")  # (pp, dp_replicate, dp_shard, ep, cp, tp) = (1, 1, 2, 1, 1, 2)
     R = Replicate()
     layout = {
-        "w1": (mesh, [R, R, Shard(0), R, Shard(1)]),  # FSDP + column TP: reduced over all 4 ranks at once
-        "w2": (mesh, [R, R, Shard(1), R, Shard(0)]),  # FSDP + row TP: same group as w1
-        "norm": (mesh, [R, R, Shard(0), R, R]),  # uneven, sharded on dp_shard only: not reduced over tp
-        "tp_only": (mesh, [R, R, R, R, Shard(0)]),  # 7 rows over tp=2
-        "rep": (mesh, [R, R, R, R, R]),
+        "w1": (mesh, [R, R, Shard(0), R, R, Shard(1)]),  # FSDP + column TP: reduced over all 4 ranks at once
+        "w2": (mesh, [R, R, Shard(1), R, R, Shard(0)]),  # FSDP + row TP: same group as w1
+        "norm": (mesh, [R, R, Shard(0), R, R, R]),  # uneven, sharded on dp_shard only: not reduced over tp
+        "tp_only": (mesh, [R, R, R, R, R, Shard(0)]),  # 7 rows over tp=2
+        "rep": (mesh, [R, R, R, R, R, R]),
         "sub": (mesh["dp_shard", "tp"], [Shard(0), Shard(1)]),  # a 2-D sub-mesh
     }
     out = _check_sharded_run(grads_per_step, params, layout, max_norm, _adamw_with_clip)
     one = torch.tensor(float(dist.get_rank() + 1), dtype=torch.float64)
-    sums = [float(_all_reduce_sum(one.clone(), mesh, (2, 4), allow_world=w)) for w in (True, False)]
+    sums = [float(_all_reduce_sum(one.clone(), mesh, (2, 5), allow_world=w)) for w in (True, False)]
     sums.append(float(_all_reduce_sum(one.clone(), mesh, (2,))))  # dp_shard pairs: ranks {0,2} and {1,3}
     return (*out, sums)
 
@@ -373,7 +376,7 @@ def test_clip_and_adamw_on_2d_fsdp_tp_shards_equal_the_unsharded_run(gloo):
     reference = _reference(grads, params, 2.0, _adamw_with_clip)
     results = gloo.run(_fsdp_tp_worker, 4, grads, params, 2.0, timeout=120)
     placements = _assert_ranks_match_reference([r[:4] for r in results], reference)
-    assert placements["w2"] == ["(Replicate(), Replicate(), Shard(dim=1), Replicate(), Shard(dim=0))"] * 4
+    assert placements["w2"] == ["(Replicate(), Replicate(), Shard(dim=1), Replicate(), Replicate(), Shard(dim=0))"] * 4
     assert placements["sub"] == ["(Shard(dim=0), Shard(dim=1))"] * 4
     assert [r[4] for r in results] == [[10.0, 10.0, 4.0], [10.0, 10.0, 6.0], [10.0, 10.0, 4.0], [10.0, 10.0, 6.0]]
 
