@@ -27,6 +27,7 @@ CHECKED = {
     ("models.md", 1): "fragment: a dict entry of Params",
     ("models.md", 2): "run as a script on tests/assets/tiny_gpt.py, fsdp only",
     ("models.md", 3): "run in tests/test_objectives.py: the masked-LM loss against F.cross_entropy",
+    ("moe.md", 0): "run as typed: the layer's output shape and the experts' shares",
 }
 
 
@@ -128,3 +129,11 @@ def test_the_gradcheck_block_runs_as_a_script(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "{'fsdp': {}}"
+
+
+def test_the_moe_guide_runs_as_typed():
+    scope: dict = {}
+    exec(compile(block("moe.md", 0), "docs/moe.md", "exec"), scope)
+    assert scope["x"].shape == (2, 16, 64)
+    assert torch.allclose(scope["share"].sum(), torch.tensor(1.0)) and scope["share"].shape == (8,)
+    assert scope["aux"]["balance"].shape == (2,)  # one balance term per sequence
