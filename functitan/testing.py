@@ -92,6 +92,11 @@ def _join(rank: int, world_size: int, port: int, threads: int, crash_log: str) -
 
 
 INIT_ATTEMPTS = 3
+# Threads a pool rank may gain over its life before it retires. A destroyed gloo group can outlive its call in
+# C++ (2 pt_gloo_runloop + 1 gloo_tcp_loop threads each); idle tcp loops still wake, so a rank that had gathered
+# 67 of them by a quarter of the suite used 7% of a core doing nothing, and the suite's process-lifetime tests
+# (elastic membership, kills) starved behind six such ranks on a loaded 2-core machine.
+POOL_THREADS_GROWTH = 24
 POLL_S = 0.5  # how often the parent checks, while it waits for results, that no worker has died without reporting
 
 
@@ -388,6 +393,7 @@ def _pool_worker(rank: int, world_size: int, port: int, tasks: Any, queue: Any, 
         return
     queue.put((rank, 0, "ok", pickle.dumps(None), False))
     seed, environ, cwd = torch.initial_seed(), dict(os.environ), os.getcwd()
+    threads_at_start = _thread_count()
     while True:
         try:
             call, fn, args, kwargs, task_threads = pickle.loads(tasks.recv_bytes())
@@ -400,12 +406,14 @@ def _pool_worker(rank: int, world_size: int, port: int, tasks: Any, queue: Any, 
             report = (rank, call, "ok", pickle.dumps(fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - the parent re-raises with the worker's traceback
             report = (rank, call, "error", traceback.format_exc())
-        # a function that destroyed the default group (a CLI's main does) leaves this rank nothing to run on, and
-        # one that patched the library with its own code (a test's crash injection left in place) would change
-        # the next test's: the rank says so with its report, and the pool starts anew for the next call
+        # a function that destroyed the default group (a CLI's main does) leaves this rank nothing to run on, one
+        # that patched the library with its own code (a test's crash injection left in place) would change the
+        # next test's, and threads of groups that did not die with their call (POOL_THREADS_GROWTH) burn CPU:
+        # the rank says so with its report, and the pool starts anew for the next call
         retire = not dist.is_initialized() or _library_patched()
         if not retire:
             _reset(environ, cwd)
+            retire = _thread_count() > threads_at_start + POOL_THREADS_GROWTH  # leaked groups: start afresh
         queue.put((*report, retire))
         if retire:
             return
@@ -432,6 +440,14 @@ def _reset(environ: dict[str, str], cwd: str) -> None:
     for pg in list(c10d._world.pg_map):
         if pg is not default:
             dist.destroy_process_group(pg)
+
+
+def _thread_count() -> int:
+    """This process's threads (Linux; 0 where /proc is missing, so nothing retires)."""
+    try:
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+    except OSError:
+        return 0
 
 
 def _malloc_trim() -> None:

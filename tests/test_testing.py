@@ -218,3 +218,23 @@ def test_a_pool_rank_whose_library_was_patched_is_replaced():
         (first, pid), *_ = pool.run(_patch_the_trainer)
         (second, other), *_ = pool.run(_patch_the_trainer)
     assert first == second == "functitan.step" and pid != other  # the next call found the library as installed
+
+
+def _leave_idle_threads(n: int) -> int:
+    """Leave ``n`` threads waiting forever (what a gloo group that outlives its call leaves) and report the pid."""
+    import threading
+
+    never = threading.Event()
+    for _ in range(n):
+        threading.Thread(target=never.wait, daemon=True).start()
+    return os.getpid()
+
+
+def test_a_pool_rank_whose_threads_grew_is_replaced():
+    from functitan.testing import POOL_THREADS_GROWTH, WorkerPool
+
+    with WorkerPool(1) as pool:
+        a, *_ = pool.run(_leave_idle_threads, 2)  # a few: the same process serves on
+        b, *_ = pool.run(_leave_idle_threads, POOL_THREADS_GROWTH)  # past the limit: it retires after this call
+        c, *_ = pool.run(_leave_idle_threads, 0)
+    assert a == b != c
