@@ -1,11 +1,13 @@
 """Print the storage placements that each parallel layout gives a few Llama params (used in docs/parallelism.md).
 
+Params live on ``storage_mesh(mesh)``, the mesh's axes of more than one rank; each is shown with its placement.
+
 python examples/print_layouts.py
 """
 
 from __future__ import annotations
 
-from functitan.mesh import AXES, make_mesh
+from functitan.mesh import AXES, make_mesh, storage_mesh
 from functitan.sharding import default_rules, spec_placements
 from functitan.testing import run_distributed
 from models import llama
@@ -33,7 +35,13 @@ def _placements(degrees: dict) -> dict[str, str]:
         "layers.0.attn_norm.weight": layer["attn_norm"]["weight"],
     }
     rules = default_rules(sequence_parallel=degrees.get("tp", 1) > 1)
-    return {n: str(spec_placements(spec_of[n], rules, mesh)) for n in PARAMS}
+    kept = storage_mesh(mesh).mesh_dim_names or ()
+
+    def shown(spec: tuple) -> str:
+        pl = dict(zip(AXES, spec_placements(spec, rules, mesh), strict=True))
+        return "(" + ", ".join(f"{a}={pl[a]!r}" for a in kept) + ")"
+
+    return {n: shown(spec_of[n]) for n in PARAMS}
 
 
 def _every_layout() -> dict[str, dict[str, str]]:

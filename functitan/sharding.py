@@ -34,7 +34,7 @@ from ._names import NameTable
 from ._rules import Rules, Spec, default_rules, is_spec, logical_to_mesh_axes, spec_placements
 from ._seq import WHOLE, SequenceSplit
 from ._tp import TPContext, parse_einsum
-from .mesh import DP_AXES, fsdp_group
+from .mesh import DP_AXES, fsdp_group, storage_mesh
 from .tree import map_with_names, tree_map
 
 __all__ = [
@@ -56,18 +56,21 @@ def place(params: Any, specs: Any, rules: Rules, mesh: DeviceMesh, *, requires_g
     """Distribute a tree of full tensors onto ``mesh`` with the storage placements the rules give.
 
     Every rank must hold the same full values (``init`` guarantees it); each keeps only its shard, so no
-    communication happens. Floating-point leaves come back as DTensor leaves with ``requires_grad`` set.
+    communication happens. Floating-point leaves come back as DTensor leaves with ``requires_grad`` set, on
+    ``storage_mesh(mesh)``: the mesh's axes of more than one rank (a size-1 axis carries nothing and makes every
+    DTensor op slower).
     """
+    storage = storage_mesh(mesh)
 
     def one(name: str, x: Any, spec: Spec) -> Any:
         if not isinstance(x, Tensor):
             raise TypeError(f"{name}: place() takes a tree of tensors, found {type(x).__name__}")
-        pl = spec_placements(spec, rules, mesh, name=name, ndim=x.ndim, shape=x.shape)
+        pl = _on(storage, mesh, spec_placements(spec, rules, mesh, name=name, ndim=x.ndim, shape=x.shape))
         full = x.detach()
         # distribute_tensor(src_data_rank=None) cuts every rank's chunk to keep one: 8192 fake tensors per
         # leaf at FSDP 8192, most of a planner trace's time. This rank's slice, cloned, is the same DTensor.
-        local = _local_slice(full, mesh, pl).clone(memory_format=torch.contiguous_format)
-        out = DTensor.from_local(local, mesh, pl, run_check=False, shape=full.shape, stride=full.stride())
+        local = _local_slice(full, storage, pl).clone(memory_format=torch.contiguous_format)
+        out = DTensor.from_local(local, storage, pl, run_check=False, shape=full.shape, stride=full.stride())
         return out.requires_grad_(requires_grad and x.is_floating_point())
 
     return map_with_names(one, params, specs, is_leaf=is_spec, what=("params", "specs"))
@@ -86,11 +89,18 @@ def constrain(x: Tensor, spec: Spec, rules: Rules, mesh: DeviceMesh) -> DTensor:
     value (the same on every rank): each rank keeps its slice without communication, and the backward
     all-gathers the slices' gradients as DTensor's ``from_local`` defines.
     """
-    pl = spec_placements(spec, rules, mesh, name="activation", ndim=x.ndim)
+    storage = storage_mesh(mesh)
+    pl = _on(storage, mesh, spec_placements(spec, rules, mesh, name="activation", ndim=x.ndim))
     if isinstance(x, DTensor):
-        return x.redistribute(mesh, pl)
-    local = _local_slice(x, mesh, pl)
-    return DTensor.from_local(local, mesh, pl, run_check=False, shape=x.shape, stride=x.stride())
+        return x.redistribute(storage, pl)
+    local = _local_slice(x, storage, pl)
+    return DTensor.from_local(local, storage, pl, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def _on(storage: DeviceMesh, mesh: DeviceMesh, pl: Sequence[Any]) -> tuple[Any, ...]:
+    """Placements ``pl`` (one per dim of ``mesh``) for the dims ``storage_mesh(mesh)`` keeps."""
+    names = list(mesh.mesh_dim_names or ())
+    return tuple(pl[names.index(a)] for a in storage.mesh_dim_names or ())
 
 
 def _local_slice(x: Tensor, mesh: DeviceMesh, pl: Sequence[Any]) -> Tensor:

@@ -16,10 +16,7 @@ def test_print_layouts_example():
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert (
-        "layers.0.attn.wq             (Replicate(), Replicate(), Shard(dim=1), Replicate(), Replicate(), Shard(dim=0))"
-        in out.stdout
-    )
+    assert "layers.0.attn.wq             (dp_shard=Shard(dim=1), tp=Shard(dim=0))" in out.stdout
     doc = (ROOT / "docs" / "parallelism.md").read_text()
     shown = doc.split("`python examples/print_layouts.py`", 1)[1].split("```\n", 2)[1]
     assert shown.strip() == out.stdout.strip()  # docs/parallelism.md shows what the example prints

@@ -284,7 +284,7 @@ def test_each_rank_holds_only_its_stages_params(pp2):
     assert (s0, s1) == ((0, 3), (1, 2))  # V placement
     assert l0 == ["0", "1", "6", "7"] and l1 == ["2", "3", "4", "5"]
     assert k0 == ["embed", "layers", "norm", "output"] and k1 == ["layers"]  # the V puts first and last on rank 0
-    assert axes == ("dp_replicate", "dp_shard", "ep", "cp", "tp")  # placed on the mesh without pp
+    assert axes == ("dp_replicate",)  # the stage mesh (no pp) without its size-1 axes: its first axis alone
 
 
 def _tied_on_loop():
