@@ -34,6 +34,16 @@ from functitan.testing import free_port, run_distributed
 # fp32, the same global batch; 1, 2 and 3 ranks x 2-6 microbatches sum in different orders. Over ~20 steps of
 # Adam at lr 1e-2 the rounding differences grow to ~1e-5 relative.
 TOL = dict(rel=2e-4, abs=5e-5)
+# how long a live run goes on depends on how fast a joiner starts (the others keep stepping meanwhile), and the
+# differences keep growing: 6e-4 relative at step 40 of a CI run that went on to step 106. Steps after
+# TOL_STEPS are held to LATE_TOL, which a wrong batch still fails (losses differ 10-25% from batch to batch).
+TOL_STEPS = 30
+LATE_TOL = dict(rel=1e-2, abs=1e-3)
+
+
+def _tol(step: int) -> dict:
+    return TOL if step <= TOL_STEPS else LATE_TOL
+
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +81,7 @@ def _check(records: list[dict], reference: dict[int, dict]) -> list[dict]:
         assert r["batch_tokens"] == ELASTIC_BATCH * ELASTIC_SEQ
     for r in steps:
         ref = reference[r["step"]]
-        assert r["loss"] == pytest.approx(ref["loss"], **TOL), r["step"]
+        assert r["loss"] == pytest.approx(ref["loss"], **_tol(r["step"])), r["step"]
         assert r["lr"] == pytest.approx(ref["lr"], rel=1e-12), r["step"]
     return steps
 
@@ -110,7 +120,7 @@ def test_restart_level_kill_and_join(tmp_path):
     assert len(records) - len(steps) <= 2, [(r["step"], r["world_size"]) for r in records]
     resumed = _resume_one_step(tmp_path, "job", n)  # 3 ranks' checkpoint -> 1 rank, one more step
     assert resumed["step"] == n + 1
-    assert resumed["loss"] == pytest.approx(reference[n + 1]["loss"], **TOL)
+    assert resumed["loss"] == pytest.approx(reference[n + 1]["loss"], **_tol(n + 1))
 
 
 def _in_order(seq: list[int], pattern: list[int]) -> bool:
@@ -154,7 +164,7 @@ def test_live_level_kill_and_join(tmp_path):
     joiner = groups[3]  # healed from a live peer: its first step continues the others' stream
     assert joiner[0]["step"] > kill_step
     resumed = _resume_one_step(tmp_path, "live-r0", groups[0][-1]["step"])  # group 0's own checkpoint, no torchft
-    assert resumed["loss"] == pytest.approx(reference[resumed["step"]]["loss"], **TOL)
+    assert resumed["loss"] == pytest.approx(reference[resumed["step"]]["loss"], **_tol(resumed["step"]))
 
 
 def _lone_groups(tmp_path, n: int, quorum_timeout_s: float) -> tuple[Loopback, list[str]]:
