@@ -95,8 +95,11 @@ INIT_ATTEMPTS = 3
 # Threads a pool rank may gain over its life before it retires. A destroyed gloo group can outlive its call in
 # C++ (2 pt_gloo_runloop + 1 gloo_tcp_loop threads each); idle tcp loops still wake, so a rank that had gathered
 # 67 of them by a quarter of the suite used 7% of a core doing nothing, and the suite's process-lifetime tests
-# (elastic membership, kills) starved behind six such ranks on a loaded 2-core machine.
-POOL_THREADS_GROWTH = 24
+# (elastic membership, kills) starved behind six such ranks on a loaded 2-core machine. Not lower: a call that
+# builds a few six-axis meshes leaves 15-18 threads per mesh (every axis has its groups, size 1 or not), and a
+# limit of 24 retired a 4-rank pool every second call: test_parallel.py took 72 s against 59 s at 96 and 45 s
+# with no limit (2026-12-06, quiet).
+POOL_THREADS_GROWTH = 96
 POLL_S = 0.5  # how often the parent checks, while it waits for results, that no worker has died without reporting
 
 
