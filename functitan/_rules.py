@@ -61,6 +61,8 @@ def default_rules(*, sequence_parallel: bool = False) -> Rules:
         ("mlp", "tp"),
         ("experts", "ep"),
         ("embed", ("dp_shard", "cp")),
+        ("q_lora", ("dp_shard", "cp")),  # multi-head latent attention's latents (DeepSeek-V3), sharded as embed
+        ("kv_lora", ("dp_shard", "cp")),
         ("layers", "pp"),
     ]
     if sequence_parallel:

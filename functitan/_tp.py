@@ -169,6 +169,19 @@ class TPContext:
             x = C.grad_all_reduce(x, self.group, reduce="sum")
         return [op(x, w) for (_, _, op), w in plans]
 
+    def whole(self, x: Tensor, names: tuple[str, ...]) -> Tensor:
+        """``x`` as a column-parallel contraction takes its input, for a value every tp rank's heads use whole
+        outside such a contraction: gathered along ``seq`` under sequence parallelism (backward: the ranks'
+        partial gradients reduce-scattered), else identity with its gradient summed over tp (Megatron's f)."""
+        if not self.sequence_parallel:
+            return C.grad_all_reduce(x, self.group, reduce="sum")
+        if "seq" not in names:
+            raise ValueError(
+                f"layout.whole_over_tp: names {' '.join(names)!r} have no 'seq' dim, which sequence parallelism "
+                f"splits; name x's sequence dim 'seq'"
+            )
+        return self.gather_seq(x, names.index("seq"))
+
     def gather_seq(self, x: Tensor, dim: int) -> Tensor:
         return C.all_gather(x, dim, x.shape[dim] * self.size, self.group, reduce="sum")
 

@@ -320,6 +320,15 @@ class Layout:
             return self._tp.einsums(x, pairs)
         return [parse_einsum(pattern, 2)[2](x, w) for pattern, w in pairs]
 
+    def whole_over_tp(self, x: Tensor, names: str) -> Tensor:
+        """An activation every tensor-parallel rank uses whole outside a contraction with a tp-sharded param (MLA's
+        rotary key, which all heads share), named by its logical dims (``"batch seq kv_a"``): gathered along
+        ``seq`` under sequence parallelism; without it, itself, with its gradient (each rank's heads give a
+        part) summed over tp. The plain value without tensor parallelism."""
+        if self._tp is None or self.names is not None:
+            return x
+        return self._tp.whole(x, tuple(names.split()))
+
     def attention(
         self,
         q: Tensor,

@@ -129,7 +129,7 @@ def test_pyproject_entry_points_name_the_models():
     from pathlib import Path
 
     from functitan.model import load_model
-    from models import gpt2, llama, qwen3_moe
+    from models import deepseek_v3, gpt2, llama, qwen3_moe
 
     eps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["entry-points"][
         "functitan.models"
@@ -139,4 +139,5 @@ def test_pyproject_entry_points_name_the_models():
         "gpt2": gpt2.MODEL,
         "qwen3": M,
         "qwen3_moe": qwen3_moe.MODEL,
+        "deepseek_v3": deepseek_v3.MODEL,
     }
