@@ -164,3 +164,39 @@ def test_gradcheck_reports_the_misnamed_mlp_by_name_on_every_layout():
     report = gradcheck(str(ASSETS / "bad_model.py"), layouts=("fsdp", "tp"))
     for layout in ("fsdp", "tp"):
         assert re.match(BAD_NAMES.replace("functitan: error: ", "ValueError: "), report[layout]["error"]), report
+
+
+# ----------------------------------------------------------------------------------------------- a user's MoE
+# tests/assets/tiny_moe.py: written from docs/moe.md and docs/models.md, with its own router z-loss; RAW takes the
+# z-loss as a plain per-rank .mean(), the mistake the loss contract warns about. gradcheck's comparison, with the
+# ranks of each world in the session's pool.
+
+TINY_MOE = str(ASSETS / "tiny_moe.py")
+MOE_LAYOUTS = {2: ("fsdp", "ep", "cp", "tp_sp"), 4: ("fsdp_ep", "ep_tp_sp")}
+
+
+def _moe_ranks(model: str, layouts: tuple[str, ...]):
+    from functitan.model import _gradcheck
+
+    return _gradcheck._worker(model, "debug", {}, layouts, 4, 16, 0, 1)
+
+
+@pytest.mark.parametrize("world", sorted(MOE_LAYOUTS))
+def test_gradcheck_passes_a_users_moe_and_names_the_router_a_per_rank_z_loss_gets_wrong(world, gloo):
+    from functitan.model import _gradcheck
+
+    reports = {}
+    for model in (TINY_MOE, f"{TINY_MOE}:RAW"):
+        wait = gloo.submit(_moe_ranks, world, model, MOE_LAYOUTS[world])
+        ref = _gradcheck._train(model, "debug", {}, None, 4, 16, 0, 1)
+        got = wait()[0]
+        reports[model] = {
+            n: _gradcheck._differences(*got[n], *ref, 1, 1e-6, 1e-4) if got[n][0] is not None else got[n][1]
+            for n in MOE_LAYOUTS[world]
+        }
+    assert reports[TINY_MOE] == {n: {} for n in MOE_LAYOUTS[world]}
+    for n, bad in reports[f"{TINY_MOE}:RAW"].items():
+        if "tp_sp" not in n:  # rows or cp chunks split over ranks whose gradients are averaged: the mean of equal
+            assert bad == {}, n  # per-rank means is right
+        else:  # tp ranks share a sequence and sum their gradients: the router's, through the z-loss, counts tp times
+            assert {"layers.0.moe.router.weight", "layers.1.moe.router.weight"} <= set(bad), (n, bad)
