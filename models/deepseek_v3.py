@@ -58,6 +58,7 @@ auxiliary-loss-free balancing (arXiv 2408.15664).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,7 @@ from functitan import rope
 from functitan.model import HFMap, Param, TensorKey, normal, ones, transformers_major, zeros
 from functitan.moe import Router, expert_params
 from functitan.sharding import Layout
+from models import qwen3
 from models.llama import mlp, rms_norm
 
 __all__ = ["DeepseekV3Config", "CONFIGS", "params", "active_params", "flops_per_token", "MODEL"]
@@ -348,20 +350,6 @@ def block(p: dict[str, Any], x: Tensor, cfg: DeepseekV3Config, layout: Layout) -
     return x + out, aux
 
 
-def embed(p: dict[str, Any], tokens: Tensor, cfg: DeepseekV3Config, layout: Layout) -> Tensor:
-    if tokens.shape[1] > cfg.max_seq_len:
-        raise ValueError(
-            f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len}; shorten training.seq_len"
-        )
-    return layout.embed(tokens, p["embed"]["weight"], cfg.vocab_size)
-
-
-def head(p: dict[str, Any], x: Tensor, cfg: DeepseekV3Config, layout: Layout) -> Tensor:
-    x = rms_norm(x, p["norm"]["weight"], cfg.norm_eps, layout)
-    w = p["embed"]["weight"] if cfg.tie_embeddings else p["output"]["weight"]
-    return layout.einsum("batch seq embed, vocab embed -> batch seq vocab", x, w)
-
-
 # ----------------------------------------------------------------------------------------------- Hugging Face
 
 _HF_ATTN = {
@@ -516,7 +504,7 @@ HF = HFMap(
     config_to_hf=config_to_hf,
     config_from_hf=config_from_hf,
     tensors=hf_tensors,
-    tied=lambda cfg: {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_embeddings else {},
+    tied=qwen3.HF.tied,  # the head tied to the token table, as Qwen3 names it
     ignored=(r"model\.layers\.61\..*",),  # the published checkpoint's multi-token-prediction layer, as transformers
 )
 
@@ -525,13 +513,8 @@ MODEL = M.Model(
     name="deepseek_v3",
     configs=CONFIGS,
     params=params,
-    pieces=M.Pieces(
-        embed=embed,
-        block=block,
-        head=head,
-        first_keys=lambda cfg: ("embed",),
-        last_keys=lambda cfg: ("norm", "embed") if cfg.tie_embeddings else ("norm", "output"),
-        attention_dim=lambda cfg: cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim) // 2,
+    pieces=dataclasses.replace(  # Qwen3's embed and head (and their keys for pipeline stages)
+        qwen3.PIECES, block=block, attention_dim=lambda cfg: cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim) // 2
     ),
     flops_per_token=flops_per_token,
     check_layout=check_layout,
