@@ -64,8 +64,8 @@ class ModelConfig:
     """Which model, and its shape: the model's own config fields are ``--model.<field>=value``.
 
     ``name`` is a plugin (``llama``, ``gpt2``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``), a module
-    (``pkg.mod:MODEL``) or a file (``path/to/model.py``); see ``functitan.model.load_model``. None keeps the model recorded with
-    ``checkpoint.load_path``, else ``DEFAULT_MODEL``. Every command reads these flags with
+    (``pkg.mod:MODEL``) or a file (``path/to/model.py``); see ``functitan.model.load_model``. None keeps the model
+    recorded with ``checkpoint.load_path``, else ``DEFAULT_MODEL``. Every command reads these flags with
     ``parse_model_args`` (``functitan train`` through ``parse_config``, the same parser).
     """
 

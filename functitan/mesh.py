@@ -131,8 +131,8 @@ def storage_mesh(mesh: DeviceMesh) -> DeviceMesh:
     O(S^N) expansion), so a pointwise op's first call on a new shape costs about 6x more per dim: on one CPU
     process beside other work, ``x + y`` (two DTensors, 8 x 4) took ~0.02 s on a 2-dim mesh and ~120 s on the
     six-axis mesh, ``x.to(bf16)`` ~24 s. A size-1 axis carries nothing (every placement on it is Replicate), so
-    dropping it changes no value.
-    Slicing reuses the mesh's process groups: no collective, the same result on every rank."""
+    dropping it changes no value. Slicing reuses the mesh's process groups: no collective, the same result on
+    every rank."""
     names = tuple(mesh.mesh_dim_names or ())
     kept = tuple(a for i, a in enumerate(names) if mesh.size(i) > 1) or names[:1]
     return mesh if kept == names else mesh[kept]

@@ -4,7 +4,8 @@ A name resolves, in order, as:
 - a file, ``path/to/my_model.py`` or ``path/to/my_model.py:ATTR`` (a model outside any package);
 - a module, ``pkg.my_model`` or ``pkg.my_model:ATTR``;
 - a plugin name (``llama``, ``gpt2``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``): an entry point of the group
-  ``functitan.models`` that any installed package may declare (functitan's own models declare theirs in pyproject.toml).
+  ``functitan.models`` that any installed package may declare (functitan's own models declare theirs in
+  pyproject.toml).
 ``ATTR`` defaults to ``MODEL``.
 """
 
