@@ -505,12 +505,12 @@ class Checkpointer:
             self._group = _Group(self._mesh, self._timeout_s)
         named, treedef = L.named_leaves(tree)
         sig = _signature(named, treedef)
-        if sig != self._plan_sig:
-            self._plan = _plan(named, self._group.rank, self._group.ranks, self._format)
+        plan = self._plan if sig == self._plan_sig else None
+        if plan is None:  # a tree of another signature (or the first save): plan its writes once
+            plan = self._plan = _plan(named, self._group.rank, self._group.ranks, self._format)
             self._empty = L.empty_nodes(tree)
             self._plan_sig = sig
-        plan, empty, group, fmt = self._plan, self._empty, self._group, self._format
-        assert plan is not None  # set above for this tree's signature
+        empty, group, fmt = self._empty, self._group, self._format
         defer = defer_staging and _stage_copy  # a synchronous save copies nothing
         events = [] if defer else _stage(plan, named, copy=_stage_copy)
         side = _side_stream(named) if defer else None
