@@ -184,6 +184,10 @@ class OptimizerConfig:
         muon_ns_dtype: muon only: the dtype of the Newton-Schulz iteration: bfloat16 (torch.optim.Muon's and
             Keller Jordan's), or float32 (on CPU often faster; layouts then agree with one process to fp32
             rounding, where bfloat16 amplifies the collectives' rounding of a gradient).
+        moe_bias_rate: MoE models with balancing biases (DeepSeek-V3's ``e_score_correction_bias``): after each
+            step each layer's bias moves by this times ``sign(mean load - expert load)``, centred (the
+            auxiliary-loss-free update; DeepSeek-V3's gamma, torchtitan's load_balance_coeff); 0 keeps the biases
+            as loaded. Not the optimizer's: no momentum, decay, clipping or lr schedule.
     """
 
     name: OptimizerName = "adamw"
@@ -202,6 +206,7 @@ class OptimizerConfig:
     ns_steps: int = 5
     muon_adjust_lr: MuonAdjustLR = "match_rms_adamw"
     muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    moe_bias_rate: float = 1e-3
 
     def __post_init__(self) -> None:
         check(
@@ -224,7 +229,7 @@ class OptimizerConfig:
             value = getattr(self, name)
             check(0 <= value < 1, name, value, "a decay rate in [0, 1), e.g. 0.9")
         check(1 <= self.ns_steps < 100, "ns_steps", self.ns_steps, "Newton-Schulz iterations in [1, 100), e.g. 5")
-        for name in ("eps", "weight_decay", "max_norm"):
+        for name in ("eps", "weight_decay", "max_norm", "moe_bias_rate"):
             value = getattr(self, name)
             check(math.isfinite(value) and value >= 0, name, value, "must be a finite number >= 0")
 

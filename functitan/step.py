@@ -3,12 +3,14 @@
 grad_fn(params, batch)          # accumulate(value_and_grad(loss_fn), microbatches), or a pipeline
                                 # executor: (mean loss, grads in the params' placements), or
                                 # (TokenLoss(sum, count), grads of the sum)
+  -> balance.take               # MoE balancing biases: their gradient is the load; the new bias from it
   -> global_norm                # of the full gradient, however it is sharded (and across pp stages)
   -> one all-reduce             # loss and norm over ranks; a TokenLoss's count: the scale 1 / count
   -> non-finite guard           # stop with the step named, or skip the update
   -> clip_to_norm               # with that same norm (and the count's scale: one pass)
   -> optimizer.update           # functional: new opt_state
   -> apply_updates              # functional: new params
+  -> balance.put                # the biases from the load, not from the optimizer
                                 # (donate=True: optimizer.update_in_place, one fused pass, same buffers)
 """
 
@@ -27,9 +29,11 @@ from . import optim
 from ._choices import NONFINITE_POLICIES
 from ._loss import TokenLoss
 from .errors import UserError
+from .moe._balance import LoadBalance
 from .optim._transforms import scale_tree
 from .random import fold_in
 from .train_state import TrainState
+from .tree import flatten_with_names
 
 __all__ = ["make_train_step", "NonFiniteLossError", "NONFINITE_POLICIES"]
 
@@ -66,6 +70,7 @@ def make_train_step(
     on_nonfinite: str = "stop",
     compile: bool | str = False,
     donate: bool = False,
+    balance: LoadBalance | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, float]]]:
     """Build ``train_step(state, batch) -> (state, metrics)``.
 
@@ -88,6 +93,10 @@ def make_train_step(
             optimizer state are updated in place where the optimizer has a fused in-place path
             (``optimizer.update_in_place``: adamw), and the state passed in must not be read afterwards.
             The trainer donates; the default keeps every input valid.
+        balance: MoE balancing biases (``functitan.moe.LoadBalance``: the leaves whose gradient is their layer's
+            load): each moves by the balance rule after the step, outside the optimizer, the gradient norm and
+            clipping; ``moe_bias_norm`` (over all of them) joins the metrics. Without it such a bias would be
+            trained by the optimizer on its load: pass it for any model that declares one.
 
     ``train_step(state, batch, before_update=fence)``: a donating step calls ``fence()`` after the forward and
     backward and just before it changes the state's buffers (e.g. ``CheckpointManager.staged``: a checkpoint
@@ -104,7 +113,13 @@ def make_train_step(
     if compile:
         backend = compile if isinstance(compile, str) else "inductor"
         return _compiled_step(
-            grad_fn, optimizer, max_norm=max_norm, norm_across=norm_across, on_nonfinite=on_nonfinite, backend=backend
+            grad_fn,
+            optimizer,
+            max_norm=max_norm,
+            norm_across=norm_across,
+            on_nonfinite=on_nonfinite,
+            backend=backend,
+            balance=balance,
         )
 
     in_place = optimizer.update_in_place if donate else None
@@ -114,6 +129,7 @@ def make_train_step(
     ) -> tuple[TrainState, dict[str, float]]:
         value, grads = grad_fn(state.params, batch)
         loss, aux = _loss_and_aux(value)
+        biases = balance.take(grads, state.params) if balance is not None else {}
         with torch.no_grad():
             gnorm = optim.global_norm(grads, across=norm_across)
             stats, scale = _reduce_stats(loss, gnorm)
@@ -133,10 +149,12 @@ def make_train_step(
             params = optim.apply_updates(state.params, updates)
         else:
             params, opt_state = done
+        if balance is not None:
+            params = balance.put(params, biases)
         nxt = state._replace(
             step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step)
         )
-        return nxt, _metrics(loss_v, gnorm_v, 0, aux)
+        return nxt, {**_metrics(loss_v, gnorm_v, 0, aux), **_bias_norm(balance, params, norm_across)}
 
     return train_step
 
@@ -149,6 +167,7 @@ def _compiled_step(
     norm_across: dist.ProcessGroup | None,
     on_nonfinite: str,
     backend: str = "inductor",
+    balance: LoadBalance | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, float]]]:
     """The step as one ``torch.compile`` graph: ``update(params, opt_state, batch)`` holds every tensor op, and
     the host does only what needs Python values (the metrics' ``.tolist()``, the non-finite decision).
@@ -165,12 +184,15 @@ def _compiled_step(
     def update(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Tensor, Any]:
         value, grads = grad_fn(params, batch)
         loss, aux = _loss_and_aux(value, reduce=False)  # reduced outside the graph
+        biases = balance.take(grads, params) if balance is not None else {}
         with torch.no_grad():
             gnorm = optim.global_norm(grads, across=norm_across)
             stats, scale = _reduce_stats(loss, gnorm)
             grads = _normalise(grads, gnorm, scale, max_norm)
             updates, new_opt_state = optimizer.update(grads, opt_state, params)
             new_params = optim.apply_updates(params, updates)
+            if balance is not None:
+                new_params = balance.put(new_params, biases)
             if skip:
                 finite = torch.isfinite(stats).all()
                 new_params = _select(finite, new_params, params)
@@ -200,7 +222,7 @@ def _compiled_step(
         nxt = state._replace(
             step=state.step + 1, params=params, opt_state=opt_state, rng=fold_in(state.rng, state.step)
         )
-        return nxt, _metrics(loss_v, gnorm_v, int(not finite), aux)
+        return nxt, {**_metrics(loss_v, gnorm_v, int(not finite), aux), **_bias_norm(balance, params, norm_across)}
 
     def explain(params: Any, opt_state: Any, batch: Any) -> Any:
         """``torch._dynamo.explain`` of the step's graph (its ``graph_break_count`` is 0), as compiled."""
@@ -299,6 +321,14 @@ def _metrics(loss: float, gnorm: float, skipped: int, aux: Any) -> dict[str, Any
     if aux is not None:
         out["aux"] = aux
     return out
+
+
+def _bias_norm(balance: LoadBalance | None, params: Any, across: dist.ProcessGroup | None) -> dict[str, float]:
+    """``{"moe_bias_norm": the L2 norm of every balancing bias in params}`` (over pipeline stages too); {} without."""
+    if balance is None:
+        return {}
+    mine = [b for n, b in flatten_with_names(params)[0] if n in balance.names]
+    return {"moe_bias_norm": float(optim.global_norm(mine, across=across))}
 
 
 def _set_requires_grad(tree: Any, flag: bool) -> None:

@@ -43,6 +43,7 @@ from .job_config import DEFAULT_FLAVOR, JobConfig, build_optimizer, build_schedu
 from .mesh import check_ep, make_mesh, resolve_degrees
 from .model import Model, config_to_dict, count
 from .model import specs as model_specs
+from .moe import LoadBalance
 from .random import key
 from .sharding import Layout, default_rules, place
 from .step import make_train_step
@@ -301,7 +302,7 @@ def make_step(
     optimizer: optim.GradientTransformation | None = None,
 ) -> tuple[Any, Any]:
     """``(optimizer, train_step)`` as the config says (weight decay masked by the params' specs), or with the
-    ``optimizer`` given."""
+    ``optimizer`` given; a MoE model's balancing biases move by ``optimizer.moe_bias_rate`` either way."""
     specs = model_specs(model.params(model_cfg))
     optimizer = optimizer or build_optimizer(
         cfg.optimizer,
@@ -316,6 +317,7 @@ def make_step(
         norm_across=norm_across,
         on_nonfinite=cfg.training.on_nonfinite,
         donate=True,  # the loop never reads a state after stepping it: adamw updates in one fused pass
+        balance=LoadBalance.from_specs(specs, cfg.optimizer.moe_bias_rate),  # MoE balancing biases, if any
     )
 
 

@@ -16,10 +16,11 @@ A pre-norm decoder (RMSNorm, SwiGLU) with two parts of its own:
   through ``layout.moe`` (``functitan.moe``): a sigmoid router over ``experts``, group-limited (the experts in
   ``n_group`` groups, a token's ``top_k`` chosen from its ``topk_group`` best groups), the choice shifted by the
   per-expert balancing bias ``moe.bias`` (HF's ``e_score_correction_bias``: it moves the choice, not the
-  weights, and has no gradient), the chosen scores renormalised (``norm_topk``) and scaled by ``routed_scale``;
-  plus ``n_shared_experts`` shared experts, one SwiGLU of ``moe_ffn_dim * n_shared_experts`` every token goes
-  through. The bias is loaded, saved and used for routing; its update rule (arXiv 2408.15664) is not
-  implemented yet, and the optimizer leaves it alone (zero gradient, no weight decay: it is 1-D).
+  weights), the chosen scores renormalised (``norm_topk``) and scaled by ``routed_scale``; plus
+  ``n_shared_experts`` shared experts, one SwiGLU of ``moe_ffn_dim * n_shared_experts`` every token goes
+  through. The bias is loaded, saved and used for routing, and after each step the trainer moves it by
+  ``optimizer.moe_bias_rate`` toward balance (arXiv 2408.15664; ``functitan.moe.LoadBalance``), not by the
+  optimizer.
 
 Not implemented: multi-token prediction (the published checkpoint's layer 61 is ignored on import; counts leave
 it out, as transformers does), YaRN RoPE scaling and its softmax ``mscale`` (``config_from_hf`` refuses
@@ -69,7 +70,7 @@ from torch import Tensor
 
 from functitan import model as M
 from functitan import rope
-from functitan.model import HFMap, Param, TensorKey, normal, ones, transformers_major, zeros
+from functitan.model import HFMap, Param, TensorKey, normal, ones, transformers_major
 from functitan.moe import Router, expert_params
 from functitan.sharding import Layout
 from models import qwen3
@@ -229,8 +230,7 @@ def params(cfg: DeepseekV3Config) -> dict[str, Any]:
         }
         if cfg.is_moe(i):
             shared = cfg.moe_ffn_dim * cfg.n_shared_experts
-            moe = expert_params(dim=d, ffn=cfg.moe_ffn_dim, router=cfg.router, init=w, shared_ffn=shared)
-            moe["bias"] = Param((cfg.experts,), ("router",), zeros())  # every rank routes over every expert
+            moe = expert_params(dim=d, ffn=cfg.moe_ffn_dim, router=cfg.router, init=w, shared_ffn=shared, bias=True)
             out["moe"] = moe
         else:
             f = cfg.ffn_dim

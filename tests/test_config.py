@@ -109,6 +109,7 @@ def test_cli_surface_is_frozen():
         "optimizer.ns_steps",
         "optimizer.muon_adjust_lr",
         "optimizer.muon_ns_dtype",
+        "optimizer.moe_bias_rate",
         "parallelism.dp_replicate",
         "parallelism.dp_shard",
         "parallelism.tp",

@@ -1,5 +1,6 @@
 """DeepSeek-V3: published sizes counted as transformers does, HF logits and files both ways (the balancing bias
-included), the bias untouched by the optimizer, every layout against one process, and the layout checks."""
+included), the bias moved by its load outside the optimizer, every layout against one process (the bias's move
+included), and the layout checks."""
 
 from __future__ import annotations
 
@@ -137,40 +138,59 @@ def test_config_from_hf_refuses_what_is_not_implemented_by_key():
     assert deepseek_v3.config_from_hf(d) == M.config("debug", balance=0.0)  # balance is not an HF key
 
 
-def test_the_balancing_bias_gets_no_gradient_and_adamw_leaves_it_as_loaded():
+def test_the_balancing_bias_learns_each_layers_load_and_moves_by_the_rate_outside_the_optimizer(monkeypatch):
     from functitan import optim
     from functitan.model import specs
+    from functitan.moe import LoadBalance, _layer
+    from functitan.step import make_train_step
+    from functitan.train_state import TrainState
     from functitan.transforms import value_and_grad
 
     cfg = M.config("debug", vocab_size=64)
     params = init(M.params(cfg), 0)
     for i, p in enumerate(params["layers"][1:]):  # nonzero, as a trained checkpoint's
         p["moe"]["bias"] = 0.1 * torch.randn(cfg.experts, generator=torch.Generator().manual_seed(i))
-    before = {i: p["moe"]["bias"].clone() for i, p in enumerate(params["layers"]) if "moe" in p}
+    moe_layers = [i for i, p in enumerate(params["layers"]) if "moe" in p]
+    before = {i: params["layers"][i]["moe"]["bias"].clone() for i in moe_layers}
     tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    chosen: list[torch.Tensor] = []  # each MoE layer's choice, in order, recorded where the layer routes
+    route = _layer.route
+    monkeypatch.setattr(_layer, "route", lambda *a: (out := route(*a), chosen.append(out[1]))[0])
     grad_fn = value_and_grad(lambda p, b: M.loss(p, b, cfg)[0].sum)
     _, grads = grad_fn(params, batch)
-    for i in before:
-        assert torch.equal(grads["layers"][i]["moe"]["bias"], torch.zeros(cfg.experts))
-        assert grads["layers"][i]["moe"]["router"]["weight"].abs().max() > 0
-    # the trainer's AdamW (weight decay 0.1, the mask read from the specs), and its default mask
-    for mask in (optim.decay_mask_from_specs(specs(M.params(cfg))), optim.default_decay_mask):
-        opt = optim.adamw(1e-2, weight_decay=0.1, mask=mask)
-        p, state = params, opt.init(params)
-        for _ in range(3):
-            _, g = grad_fn(p, batch)
-            updates, state = opt.update(g, state, p)
-            p = optim.apply_updates(p, updates)
-        for i, b in before.items():
-            assert torch.equal(p["layers"][i]["moe"]["bias"], b)
-            assert not torch.equal(
-                p["layers"][i]["moe"]["router"]["weight"], params["layers"][i]["moe"]["router"]["weight"]
-            )
-    # decaying every param (mask=None) would move it: the check above can fail
+    loads = {i: torch.bincount(c.flatten(), minlength=cfg.experts).float() for i, c in zip(moe_layers, chosen)}
+    assert len(chosen) == len(moe_layers) and not torch.equal(loads[1], loads[2])
+    for i in moe_layers:  # the gradient of the sum is the layer's assignments per expert, exactly
+        assert torch.equal(grads["layers"][i]["moe"]["bias"], loads[i])
+        assert loads[i].sum() == 64 * cfg.top_k
+    # one trainer step: AdamW decaying every param (mask=None), so only the balance rule can keep the bias's value
+    balance = LoadBalance.from_specs(specs(M.params(cfg)), 1e-3)
+    assert balance.names == {"layers.1.moe.bias", "layers.2.moe.bias"}
     opt = optim.adamw(1e-2, weight_decay=0.1, mask=None)
-    updates, _ = opt.update(grads, opt.init(params), params)
-    assert not torch.equal(optim.apply_updates(params, updates)["layers"][1]["moe"]["bias"], before[1])
+    loss_fn = lambda p, b: M.loss(p, b, cfg)[0]  # noqa: E731  (a TokenLoss: the step divides by the tokens)
+    step = make_train_step(value_and_grad(loss_fn), opt, max_norm=1e-3, balance=balance)
+    chosen.clear()
+    after, metrics = step(TrainState(step=0, params=params, opt_state=opt.init(params), data_state=None, rng=0), batch)
+    for i in moe_layers:
+        load, mean = loads[i], loads[i].mean()
+        move = 1e-3 * torch.sign(mean - load)
+        assert move.abs().sum() > 0
+        torch.testing.assert_close(after.params["layers"][i]["moe"]["bias"], before[i] + move - move.mean())
+        router = after.params["layers"][i]["moe"]["router"]["weight"]
+        assert not torch.equal(router, params["layers"][i]["moe"]["router"]["weight"])
+    # the loads (64 and 56 a layer) are not in the gradient norm, which clipping at 1e-3 would otherwise scale
+    no_bias = value_and_grad(loss_fn)(params, batch)[1]
+    for i in moe_layers:
+        no_bias["layers"][i]["moe"]["bias"].zero_()
+    assert metrics["grad_norm"] == pytest.approx(float(optim.global_norm(no_bias)) / 64, rel=1e-5)
+    biases = [after.params["layers"][i]["moe"]["bias"] for i in moe_layers]
+    assert metrics["moe_bias_norm"] == pytest.approx(float(torch.cat(biases).norm()), rel=1e-6)
+    # rate 0 keeps the biases as loaded, whatever the optimizer would do to them
+    frozen = make_train_step(value_and_grad(loss_fn), opt, balance=LoadBalance(balance.names, 0.0))
+    kept, _ = frozen(TrainState(step=0, params=params, opt_state=opt.init(params), data_state=None, rng=0), batch)
+    for i in moe_layers:
+        assert torch.equal(kept.params["layers"][i]["moe"]["bias"], before[i])
 
 
 def test_layout_checks_name_what_does_not_split_and_pipelines_are_refused_before_step_1():
@@ -213,7 +233,7 @@ def test_every_layout_equals_one_process_losses_and_every_gradient(world, gloo):
     got = wait()[0]
     assert any(g.abs().max() > 0 for n, g in ref_grads.items() if "experts" in n)
     assert any(g.abs().max() > 0 for n, g in ref_grads.items() if "shared" in n)
-    assert all(ref_change[n].abs().max() == 0 for n in ref_change if n.endswith("moe.bias"))  # SGD leaves it
+    assert all(ref_change[n].abs().max() > 0 for n in ref_change if n.endswith("moe.bias"))  # moved by its load
     for lname in LAYOUTS[world]:
         losses, grads, change = got[lname]
         assert losses is not None, f"{lname}: {grads}"

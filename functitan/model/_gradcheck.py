@@ -77,7 +77,9 @@ def _trainer(
     the trainer's own step, so a TokenLoss is normalised and a pipeline split as in training."""
     from .. import optim, pipeline
     from .._loss import split_aux
+    from ..job_config import OptimizerConfig
     from ..mesh import make_mesh
+    from ..moe import LoadBalance
     from ..sharding import Layout, default_rules, place
     from ..step import make_train_step
     from ..train_state import TrainState
@@ -110,7 +112,8 @@ def _trainer(
             params = place(full, specs(decl), rules, mesh)
             grad_fn = value_and_grad(lambda p, b: split_aux(model.loss(p, b, cfg, layout))[0])
     opt = optim.sgd(1.0)
-    step = make_train_step(grad_fn, opt, norm_across=across)
+    balance = LoadBalance.from_specs(specs(decl), OptimizerConfig.moe_bias_rate)  # a MoE bias moves as in training
+    step = make_train_step(grad_fn, opt, norm_across=across, balance=balance)
     state = TrainState(step=0, params=params, opt_state=opt.init(params), data_state=None, rng=0)
     return step, state, layout, full
 

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from .._loss import TokenLoss
+from ._balance import count_load
 from ._dispatch import ExpertParallel
 from ._routing import Router, balance_per_token, route
 
@@ -80,7 +81,8 @@ def moe(x: Tensor, p: dict[str, Any], router: Router, layout: Any) -> tuple[Tens
     """The MoE layer: ``x (batch, seq piece, embed)`` in the residual layout -> ``(out, aux)``.
 
     ``p``: ``router.weight (experts, embed)``; ``experts.{w_gate, w_up, w_down}`` (``routed_experts``);
-    optionally ``bias (experts,)`` (the choice's balancing bias) and ``shared.{w_gate, w_up, w_down}``.
+    optionally ``bias (experts,)`` (the choice's balancing bias, whose gradient is this forward's load per
+    expert: ``functitan.moe._balance``) and ``shared.{w_gate, w_up, w_down}``.
 
     ``aux`` (``Layout.blocks`` adds it over blocks; the model's loss uses it):
 
@@ -100,7 +102,10 @@ def moe(x: Tensor, p: dict[str, Any], router: Router, layout: Any) -> tuple[Tens
         out = out + _shared(p["shared"], x, layout)
     with torch.no_grad():
         hits = torch.zeros_like(scores).scatter_(1, experts, 1.0)  # (tokens, experts): 1 where routed
-        aux: dict[str, Any] = {"load": TokenLoss(hits.sum(0), hits.new_tensor(float(hits.shape[0] * router.top_k)))}
+        load = hits.sum(0)  # (experts,) this forward's assignments per expert
+        aux: dict[str, Any] = {"load": TokenLoss(load, hits.new_tensor(float(hits.shape[0] * router.top_k)))}
+    if "bias" in p:  # the balancing bias's gradient is the load (functitan.moe._balance)
+        out = count_load(out, p["bias"], load)
     if router.balance:
         whole = s * layout.seq_shards  # the sequence's length: this piece is one of seq_shards
         with torch.no_grad():  # f_i of each sequence, from its whole length

@@ -5,14 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 from ..model import Param
+from ._balance import bias_param
 from ._routing import Router
 
 __all__ = ["expert_params"]
 
 
-def expert_params(*, dim: int, ffn: int, router: Router, init: Any, shared_ffn: int = 0) -> dict[str, Any]:
-    """``{"router", "experts"[, "shared"]}`` of a MoE layer over ``dim``-wide tokens, each routed expert a
-    SwiGLU of width ``ffn``; ``shared_ffn > 0`` adds the shared experts as one SwiGLU of that width.
+def expert_params(
+    *, dim: int, ffn: int, router: Router, init: Any, shared_ffn: int = 0, bias: bool = False
+) -> dict[str, Any]:
+    """``{"router", "experts"[, "shared"][, "bias"]}`` of a MoE layer over ``dim``-wide tokens, each routed expert
+    a SwiGLU of width ``ffn``; ``shared_ffn > 0`` adds the shared experts as one SwiGLU of that width; ``bias``
+    the auxiliary-loss-free balancing bias (``bias_param``: updated from the load after each step, not by the
+    optimizer).
 
     Names: the router's rows are ``router`` (every rank scores every expert); routed matrices lead with
     ``experts`` (as the optimizers name a stack of matrices; expert parallelism shards it) and keep their width
@@ -34,4 +39,6 @@ def expert_params(*, dim: int, ffn: int, router: Router, init: Any, shared_ffn: 
             "w_up": Param((shared_ffn, dim), ("mlp", "embed"), init),
             "w_down": Param((dim, shared_ffn), ("embed", "mlp"), init),
         }
+    if bias:
+        tree["bias"] = bias_param(router)
     return tree
