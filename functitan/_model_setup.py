@@ -180,10 +180,11 @@ def check_model(
 
 
 def pipeline_refusal(model: Model, model_cfg: Any, pp: int) -> str | None:
-    """Why ``model`` cannot run under ``pp`` pipeline ranks (one line), or None: a model with mixture-of-experts
-    layers returns aux outputs from its blocks, which the pipeline executor does not carry yet. The planner asks
-    too, so that it offers no pipelined layout the trainer would refuse."""
-    if pp <= 1:
+    """Why ``model`` cannot run under ``pp`` pipeline ranks (one line), or None. A model with mixture-of-experts
+    layers returns aux outputs (load, balance loss) from its blocks: stages built from ``Pieces`` carry them
+    (``StageModel.aux``); a model with its own ``stages`` and experts is refused, as its stages may drop them.
+    The planner asks too, so that it offers no pipelined layout the trainer would refuse."""
+    if pp <= 1 or model.pieces is not None:
         return None
     named = flatten_with_names(model.params(model_cfg), is_leaf=is_param)[0]
     experts = [name for name, p in named if "experts" in p.names]
@@ -191,8 +192,8 @@ def pipeline_refusal(model: Model, model_cfg: Any, pp: int) -> str | None:
         return None
     return (
         f"parallelism.pp={pp}: model {model.name!r} has mixture-of-experts layers ({experts[0]} and "
-        f"{len(experts) - 1} more params name an 'experts' dim), whose aux outputs (load, balance loss) the "
-        f"pipeline executor does not carry yet; use pp=1"
+        f"{len(experts) - 1} more params name an 'experts' dim) and gives its own stages, which carry no aux "
+        f"outputs (load, balance loss); build it from functitan.model.Pieces (docs/models.md), or use pp=1"
     )
 
 

@@ -172,3 +172,18 @@ def cli(*args: str) -> subprocess.CompletedProcess:
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     return subprocess.CompletedProcess(["functitan", *args], code, out.getvalue(), err.getvalue())
+
+
+def merged_ranks(ranks: list[dict]) -> dict:
+    """``functitan.model._gradcheck._worker``'s per-rank results as one: rank 0's, with each pipeline rank's
+    params (its stages') added; the other ranks of a layout without pp hold none (None)."""
+    out = dict(ranks[0])
+    for lname, (losses, grads, change) in ranks[0].items():
+        if losses is None:
+            continue
+        for other in ranks[1:]:
+            _, g, c = other[lname]
+            if g is not None:
+                grads, change = {**grads, **g}, {**change, **c}
+        out[lname] = (losses, grads, change)
+    return out

@@ -218,8 +218,8 @@ def test_the_loss_adds_the_balance_term_and_reports_each_experts_share():
 # 2 steps of SGD at lr 1 (the second step routes with the updated router), gradients of the loss with the balance
 # term; measured max |grad - one process| <= 3e-8 over every param of every layout
 MOE_LAYOUTS = {
-    2: ("ddp", "fsdp", "tp", "tp_sp", "cp", "ep"),
-    4: ("hsdp", "fsdp_tp_sp", "cp_tp_sp", "fsdp_ep", "ep4", "hsdp_ep", "ep_tp_sp"),
+    2: ("ddp", "fsdp", "tp", "tp_sp", "cp", "ep", "pp_1f1b"),
+    4: ("hsdp", "fsdp_tp_sp", "cp_tp_sp", "fsdp_ep", "ep4", "hsdp_ep", "ep_tp_sp", "pp_ep", "pp_fsdp_zb"),
 }
 
 
@@ -235,7 +235,9 @@ def test_every_layout_equals_one_process_losses_and_every_gradient(world, gloo):
 
     wait = gloo.submit(_gradcheck_ranks, world, MOE_LAYOUTS[world])
     ref_losses, ref_grads, ref_change = _gradcheck._train("qwen3_moe", "debug", {"vocab_size": 64}, None, 4, 16, 0, 2)
-    got = wait()[0]
+    from support import merged_ranks
+
+    got = merged_ranks(wait())  # a pipeline rank holds its stages' params
     assert "moe" in "".join(ref_grads) and any(g.abs().max() > 0 for n, g in ref_grads.items() if "experts" in n)
     for lname in MOE_LAYOUTS[world]:
         losses, grads, change = got[lname]
@@ -265,6 +267,8 @@ def test_the_trainer_with_remat_equals_one_process_and_reports_the_experts_load(
             "parallelism.sequence_parallel": True,
             "training.remat": "selective",
         },
+        # the stages carry the aux: the balance term joins the loss on its stage, load and balance the metrics
+        "pp2_mb2": {"parallelism.dp_shard": 1, "parallelism.pp": 2, "training.microbatches": 2},
     }
     ep = {  # AdamW, 3 steps, 2 microbatches: ep 2 x efsdp 2 with full remat, and ep 4
         "fsdp4_ep2_full": {"parallelism.dp_shard": 4, "parallelism.ep": 2, "training.remat": "full"},
@@ -280,26 +284,37 @@ def test_the_trainer_with_remat_equals_one_process_and_reports_the_experts_load(
             torch.testing.assert_close(p, ref_params[k], atol=1e-4, rtol=1e-3, msg=f"{lname} {k}")
     import json
 
-    records = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    def aux(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k.startswith("aux/")} for line in lines]
+
+    records = aux("ref")
     shares = [records[0][f"aux/load/{i}"] for i in range(8)]
     assert sum(shares) == pytest.approx(1.0)  # each expert's share of the routed tokens
     assert records[0]["aux/load/max_over_mean"] == pytest.approx(max(shares) * 8)
     assert records[0]["aux/balance"] > 0
+    for name in ("pp2_mb2", "fsdp4_ep2_full"):  # added over stages and microbatches, or ranks, as one process
+        got_aux = aux(name)  # step 1 routes with the same params: the same shares (later steps may flip a tie)
+        assert [r.keys() for r in got_aux] == [r.keys() for r in records]
+        assert got_aux[0] == pytest.approx(records[0], rel=1e-5, abs=1e-7), name
 
 
 def _run_layouts(layouts: dict, run_dir: str):
     return {name: _train_moe(layout, run_dir, name) for name, layout in layouts.items()}
 
 
-def test_pipeline_parallelism_is_refused_by_name_before_step_1():
+def test_pipeline_parallelism_runs_moe_built_from_pieces_and_refuses_a_model_with_its_own_stages():
+    import dataclasses
+
     from functitan._model_setup import check_model
 
     cfg = M.config("debug")
+    check_model(M, cfg, tp=1, pp=2, seq_len=16, sequence_parallel=False)  # Pieces: the stages carry the aux
+    own = dataclasses.replace(M, pieces=None)  # the same model with its own apply, loss and stages
     with pytest.raises(
-        ValueError, match=r"parallelism.pp=2: model 'qwen3_moe' has mixture-of-experts layers .*use pp=1"
+        ValueError, match=r"parallelism.pp=2: model 'qwen3_moe' has mixture-of-experts layers .* gives its own stages"
     ):
-        check_model(M, cfg, tp=1, pp=2, seq_len=16, sequence_parallel=False)
-    check_model(M, cfg, tp=2, pp=1, seq_len=16, sequence_parallel=True)  # the other layouts pass
+        check_model(own, cfg, tp=1, pp=2, seq_len=16, sequence_parallel=False)
 
 
 def _expert_shards(degrees: dict) -> dict:
@@ -357,14 +372,14 @@ def test_an_ep_the_experts_cannot_split_by_is_named_before_step_1():
     check_model(M, M.config("debug"), ep=4, **kw)
 
 
-def test_the_planner_offers_no_pipelined_layout_for_moe_and_says_why():
+def test_the_planner_offers_pipelined_moe_layouts():
     from functitan.plan._candidates import enumerate_candidates
 
     cfg = M.config("debug")
     kw = dict(world=4, per_node=4, batch_size=8, seq_len=64, n_blocks=2)
     cands, pruned = enumerate_candidates(M, cfg, **kw)
-    assert cands and all(c.pp == 1 for c in cands)
-    assert any("parallelism.pp=2: model 'qwen3_moe' has mixture-of-experts layers" in why for why in pruned)
+    assert any(c.pp == 2 for c in cands)
+    assert not any("mixture-of-experts" in why for why in pruned)
 
 
 # ---- checkpoints move between expert-parallel layouts ------------------------------------------------------------
@@ -374,7 +389,8 @@ EP_RESUME = {"checkpoint.enable": True, "checkpoint.interval": 3, "checkpoint.ke
 
 def _ep4_then_other_layouts(root: str):
     """fsdp 4 x ep 4 straight for 5 steps; the same run cut after step 3 (its checkpoint holds each rank's 2
-    experts and their AdamW moments) resumed as fsdp 4 x ep 2 and as fsdp 4 (ep 1), each in a copy of the run."""
+    experts and their AdamW moments) resumed as fsdp 4 x ep 2, as fsdp 4 (ep 1) and as pp 2 x fsdp 2 (rank 0:
+    the first stage's params), each in a copy of the run."""
     import shutil
 
     from support import Crash, crashing_at_step
@@ -384,15 +400,20 @@ def _ep4_then_other_layouts(root: str):
     with crashing_at_step(3), contextlib.suppress(Crash):
         _train_moe(ep4, root, "cut")
     out = {}
-    for name, ep in (("ep2", 2), ("ep1", 1)):
+    resumed = {
+        "ep2": {"parallelism.dp_shard": 4, "parallelism.ep": 2},
+        "ep1": {"parallelism.dp_shard": 4, "parallelism.ep": 1},
+        "pp2": {"parallelism.pp": 2, "parallelism.dp_shard": 2, "training.microbatches": 2},
+    }
+    for name, layout in resumed.items():
         if torch.distributed.get_rank() == 0:
             shutil.copytree(f"{root}/cut", f"{root}/{name}")
         torch.distributed.barrier()
-        out[name] = _train_moe({"parallelism.dp_shard": 4, "parallelism.ep": ep, **EP_RESUME}, root, name)
+        out[name] = _train_moe({**layout, **EP_RESUME}, root, name)
     return straight, out
 
 
-def test_an_ep4_checkpoint_resumes_under_ep2_and_ep1_with_its_optimizer_state(tmp_path, gloo):
+def test_an_ep4_checkpoint_resumes_under_ep2_ep1_and_pp2_with_its_optimizer_state(tmp_path, gloo):
     straight, moved = gloo.run(_ep4_then_other_layouts, 4, str(tmp_path), timeout=280)[0]
     for name, (losses, params) in moved.items():
         assert len(losses) == 5  # the cut run's steps 1-3, then 4 and 5 resumed (a fresh start would log 1-5 again)

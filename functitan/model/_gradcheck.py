@@ -44,9 +44,11 @@ GRADCHECK_LAYOUTS: dict[str, tuple[dict[str, int], bool]] = {
     "ep4": ({"dp_shard": 4, "ep": 4}, False),
     "hsdp_ep": ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, False),
     "ep_tp_sp": ({"dp_shard": 2, "ep": 2, "tp": 2}, True),
+    "pp_ep": ({"pp": 2, "dp_shard": 2, "ep": 2}, False),
+    "pp_fsdp_zb": ({"pp": 2, "dp_shard": 2}, False),
 }
 # the pipeline layouts: (schedule, microbatches); the model's own Model.stages split it (zb_v: 2 stages a rank)
-_PIPELINES = {"pp_1f1b": ("1f1b", 2), "pp_zb_v": ("zb_v", 2)}
+_PIPELINES = {"pp_1f1b": ("1f1b", 2), "pp_zb_v": ("zb_v", 2), "pp_ep": ("1f1b", 2), "pp_fsdp_zb": ("zb_h1", 2)}
 
 
 def _declaration(model: Model, cfg: Any) -> Any:
@@ -211,7 +213,8 @@ def gradcheck(
             resolve it again, so a Model value defined in ``__main__`` cannot be checked).
         flavor, overrides: the model config (``Model.config(flavor, **overrides)``); keep it tiny.
         layouts: names from ``GRADCHECK_LAYOUTS``; 2-rank layouts run together on 2 processes, 4-rank ones on 4.
-            ``pp_1f1b`` and ``pp_zb_v``: PP 2 with 2 microbatches (zb_v: 4 stages, so at least 4 blocks).
+            ``pp_1f1b`` and ``pp_zb_v``: PP 2 with 2 microbatches (zb_v: 4 stages, so at least 4 blocks);
+            ``pp_ep``: PP 2 (1F1B) x ep 2 on 4 ranks; ``pp_fsdp_zb``: PP 2 (ZB-H1) x FSDP 2.
         batch, seq_len: the global batch (split over data-parallel ranks) and the sequence length.
         steps: optimizer steps (batch ``seed + i`` for step ``i``); beyond 1 also ``"loss@<step>"`` and
             ``"<param>@<steps>"`` (each param's change over all steps) are compared.

@@ -70,16 +70,33 @@ def _matrix_params(tree: Any) -> int:
     return sum(math.prod(p.shape) for p in optree.tree_leaves(tree, is_leaf=is_param) if len(p.shape) >= 2)
 
 
-def _with_aux(ce: TokenLoss, aux: dict[str, Any], targets: Tensor) -> tuple[TokenLoss, dict[str, Any]]:
-    """The loss and the metrics of blocks' aux: a per-sequence ``balance (batch,)`` joins the cross-entropy's
-    sum, weighted by each sequence's valid targets (``targets (batch, seq)``, the whole sequence)."""
+def _aux_terms(aux: dict[str, Any], targets: Tensor) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """``(loss terms, metrics)`` of the blocks' aux: a per-sequence ``balance (batch,)`` is the term
+    ``sum_b n_b balance_b`` (``n_b``: sequence b's valid targets in ``targets (batch, seq)``, the whole sequence);
+    the rest (``load``) are metrics as they are."""
     metrics: dict[str, Any] = {k: v for k, v in aux.items() if k != "balance"}
     if "balance" not in aux:
-        return ce, metrics
+        return {}, metrics
     tokens = (targets != IGNORE_INDEX).sum(1).float()  # (batch,)
-    balance = (aux["balance"] * tokens).sum()
-    metrics["balance"] = TokenLoss(balance.detach(), ce.count)
-    return TokenLoss(ce.sum + balance, ce.count), metrics
+    return {"balance": (aux["balance"] * tokens).sum()}, metrics
+
+
+def _with_aux(ce: TokenLoss, aux: dict[str, Any], targets: Tensor) -> tuple[TokenLoss, dict[str, Any]]:
+    """The loss and the metrics of blocks' aux: each term joins the cross-entropy's sum, and is reported as
+    ``TokenLoss(term, the loss's tokens)`` under its key."""
+    terms, metrics = _aux_terms(aux, targets)
+    total = ce.sum
+    for k, t in terms.items():
+        metrics[k] = TokenLoss(t.detach(), ce.count)
+        total = total + t
+    return TokenLoss(total, ce.count), metrics
+
+
+def _has_experts(decl: Any) -> bool:
+    """Whether a declaration has routed experts (a param naming an ``experts`` dim): its blocks return aux."""
+    import optree
+
+    return any("experts" in p.names for p in optree.tree_leaves(decl, is_leaf=is_param))
 
 
 def composed(pieces: Pieces, declare: Callable[[Any], Any]) -> tuple[Callable, Callable, Callable]:
@@ -127,10 +144,16 @@ def composed(pieces: Pieces, declare: Callable[[Any], Any]) -> tuple[Callable, C
         def gathered(p: Any) -> Any:  # leaf by leaf (what the planner's pipelined traces are validated with)
             return optree.tree_map(layout.param, p)
 
+        # blocks with aux (MoE): token sums, so the terms of every stage join the loss as the one-process loss's
+        moe = _has_experts(decl[key])
+        reduction = "tokens" if moe else "mean"
         return StageModel(
             first=lambda p, mb: pieces.embed(gathered(p), mb["inputs"], cfg, layout),
             blocks=lambda layers, x: layout.blocks(pieces.block, layers, x, cfg, layout),
-            last=lambda p, x, mb: layout.cross_entropy(pieces.head(gathered(p), x, cfg, layout), mb["targets"], vocab),
+            last=lambda p, x, mb: layout.cross_entropy(
+                pieces.head(gathered(p), x, cfg, layout), mb["targets"], vocab, reduction=reduction
+            ),
+            aux=(lambda aux, mb: _aux_terms(aux, mb["targets"])) if moe else None,
             # the residual stream between stages: (microbatch, local seq, dim)
             activation=lambda mb: ((mb["inputs"].shape[0], mb["inputs"].shape[1] // layout.seq_shards, d), dtype),
             n_blocks=len(decl[key]),

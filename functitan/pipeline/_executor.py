@@ -20,6 +20,7 @@ microbatches and data-parallel ranks.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -28,6 +29,7 @@ import optree
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from functitan import _dtensor as _dt
 from functitan._loss import TokenLoss
@@ -85,7 +87,7 @@ class _Slot(NamedTuple):
 
 def pipeline_grad_fn(
     stages: Stages, *, timeline: list[StepTimeline] | None = None
-) -> Callable[[Any, Any], tuple[Tensor, Any]]:
+) -> Callable[[Any, Any], tuple[Any, Any]]:
     """A grad_fn ``(params, batch) -> (mean loss, grads)`` running ``stages.schedule`` on this rank.
 
     ``params`` is this rank's tree (`place_stages`), ``batch`` the data-parallel rank's batch, the same
@@ -93,7 +95,10 @@ def pipeline_grad_fn(
     ``schedule.microbatches`` microbatches along dim 0. The loss is the mean over microbatches, summed
     over the pipeline group so every pp rank returns it; ``grads`` mirror ``params`` (placements kept),
     for `functitan.step.make_train_step` unchanged; pass it ``norm_across=stages.pp_group`` so the gradient
-    norm it reports and clips with covers every stage.
+    norm it reports and clips with covers every stage. With ``StageModel.aux`` (blocks with aux outputs, a
+    MoE layer's) the value is ``(loss, aux metrics)``: each stage's loss terms join the loss where they arise
+    (backward from the stage output also gives them their gradient), and terms and metrics are added over
+    microbatches and stages (one all-reduce with the loss), as ``accumulate`` gives them on one process.
 
     Args:
         stages: from `make_stages`.
@@ -101,9 +106,10 @@ def pipeline_grad_fn(
             action is synchronized to be timed, which costs overlap).
     """
     program = with_comms(stages.schedule)[stages.pp_rank]
+    aux_keys: dict[str, list[tuple[str, tuple[int, ...]]]] = {}  # "all": the aux sums every pp rank reduces
 
-    def grad_fn(params: Any, batch: Any) -> tuple[Tensor, Any]:
-        return _Run(stages, params, batch, timeline).execute(program)
+    def grad_fn(params: Any, batch: Any) -> tuple[Any, Any]:
+        return _Run(stages, params, batch, timeline, aux_keys).execute(program)
 
     return grad_fn
 
@@ -111,8 +117,17 @@ def pipeline_grad_fn(
 class _Run:
     """The state of one step on one rank: pending receives and sends, kept activations, summed grads."""
 
-    def __init__(self, stages: Stages, params: Any, batch: Any, timeline: list[StepTimeline] | None):
+    def __init__(
+        self,
+        stages: Stages,
+        params: Any,
+        batch: Any,
+        timeline: list[StepTimeline] | None,
+        aux_keys: dict[str, list[tuple[str, tuple[int, ...]]]] | None = None,
+    ):
         self.stages, self.params, self.timeline = stages, params, timeline
+        self.aux_keys = aux_keys if aux_keys is not None else {}
+        self.aux_sums: dict[str, Tensor] = {}  # "term:<k>", "<metric>:sum", "<metric>:count" over microbatches
         self.m = stages.schedule.microbatches
         self.mbs = split_batch(batch, self.m)
         shape, self.dtype = stages.model.activation(self.mbs[0])
@@ -155,7 +170,7 @@ class _Run:
         self.last_out: dict[tuple[int, int], Tensor] = {}  # the tensor a following send posts
 
     # -- the program
-    def execute(self, program: tuple[Action | Comm, ...]) -> tuple[Tensor, Any]:
+    def execute(self, program: tuple[Action | Comm, ...]) -> tuple[Any, Any]:
         start = time.perf_counter()
         with torch.enable_grad():
             for item in program:
@@ -168,11 +183,30 @@ class _Run:
         leftover = sorted(self.slots) + sorted(self.pending_w)
         if leftover:
             raise RuntimeError(f"pipeline step ended with (stage, microbatch) {leftover} still waiting for a backward")
-        total, count, token_mbs = pp_all_reduce(self.loss, self.stages).unbind()  # only the last stage's rank holds it
+        keys = self._aux_keys() if self.stages.model.aux is not None else []
+        parts = [self.aux_sums.get(k, torch.zeros(shape, device=self.device)).flatten() for k, shape in keys]
+        reduced = pp_all_reduce(torch.cat([self.loss, *parts]), self.stages)  # one all-reduce for all of it
+        total, count, token_mbs = reduced[:3].unbind()  # only the last stage's rank holds them
         loss: Any = TokenLoss(total, count) if token_mbs.item() > 0 else total
         if self.timeline is not None:
             self.timeline.append(StepTimeline(start, time.perf_counter(), tuple(self.spans)))
-        return loss, optree.tree_unflatten(self.treedef, self._final_grads())
+        grads = optree.tree_unflatten(self.treedef, self._final_grads())
+        if self.stages.model.aux is None:
+            return loss, grads
+        return (loss, _aux_metrics(keys, reduced[3:], count)), grads
+
+    def _aux_keys(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The aux sums of every stage, in one order on every pp rank (a rank whose stages have no MoE layer
+        holds none of its own): gathered once, on the first step."""
+        mine = sorted((k, tuple(v.shape)) for k, v in self.aux_sums.items())
+        if is_fake(self.loss):  # the planner's traced step: a fake group exchanges no objects (nor values)
+            return mine
+        if "all" not in self.aux_keys:
+            group = self.stages.pp_group
+            every: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, mine, group=group)
+            self.aux_keys["all"] = sorted({item for rank in every for item in rank})
+        return self.aux_keys["all"]
 
     def _comm(self, c: Comm) -> None:
         group = self.stages.pp_group
@@ -228,14 +262,26 @@ class _Run:
         else:  # _compute takes an input for every stage after the first
             raise RuntimeError(f"pipeline program bug: F on stage {s}, microbatch {mb} ran without its input")
         h = st.model.blocks([params[st.model.blocks_key][str(i)] for i in st.layers[s]], h)
+        term = None
+        if isinstance(h, tuple):  # blocks with aux (a MoE layer's): their loss terms join here, on this stage
+            h, aux = h
+            term = self._aux(s, aux, batch)
         if last:
             loss = st.model.last(params, h, batch)
             if isinstance(loss, TokenLoss):  # sums: the step divides by the count over the whole step
-                self.loss += torch.stack([loss.sum.detach().float(), loss.count.detach().float(), self._one])
-                h = loss.sum
+                h = loss.sum if term is None else loss.sum + term
+                self.loss += torch.stack([h.detach().float(), loss.count.detach().float(), self._one])
+            elif term is not None:
+                raise ValueError(
+                    "the pipeline's blocks give a loss term (StageModel.aux) but its last stage returns a mean loss; "
+                    "return a TokenLoss from StageModel.last (cross_entropy(..., reduction='tokens'))"
+                )
             else:
                 self.loss[0] += loss.detach().float() / self.m
                 h = loss / self.m
+        elif term is not None:
+            self.loss[0] += term.detach().float()  # the loss sum over the step, added over pp ranks
+            h = _WithTerm.apply(h, term)  # backward from h also gives the term its gradient, 1
         self.slots[(s, mb)] = _Slot(inp, h)
         if not last:
             out = h.detach()
@@ -269,6 +315,30 @@ class _Run:
             self._accumulate(s, grads[len(inputs) :])
         if slot.inp is not None:
             self._send_input_grad(s, mb, grads[0] if grads[0] is not None else torch.zeros_like(slot.inp))
+
+    def _aux(self, s: int, aux: Any, batch: Any) -> Tensor | None:
+        """Stage ``s``'s loss term for one microbatch (None: none), its terms and metrics added into the sums."""
+        if self.stages.model.aux is None:
+            raise ValueError(
+                f"stage {s}'s blocks returned (x, aux), but its StageModel has no aux; give StageModel(aux=...) "
+                f"(functitan.model.Pieces derives it), or return x alone"
+            )
+        terms, metrics = self.stages.model.aux(aux, batch)
+        for name, leaf in flatten_with_names(metrics, is_leaf=lambda x: isinstance(x, TokenLoss))[0]:
+            if not isinstance(leaf, TokenLoss):
+                raise TypeError(
+                    f"pipeline aux metric {name!r} is a {type(leaf).__name__}; the stages add their metrics over "
+                    f"microbatches and stages, so each is a TokenLoss(sum, count)"
+                )
+            self._add(f"{name}:sum", leaf.sum)
+            self._add(f"{name}:count", leaf.count)
+        for k, t in terms.items():
+            self._add(f"term:{k}", t)
+        return sum(terms.values()) if terms else None  # type: ignore[return-value]
+
+    def _add(self, key: str, x: Tensor) -> None:
+        x = x.detach().float().to(self.device)
+        self.aux_sums[key] = self.aux_sums[key] + x if key in self.aux_sums else x
 
     def _send_input_grad(self, s: int, mb: int, dx: Tensor) -> None:
         if self.stages.schedule.stage_to_rank[s - 1] == self.stages.pp_rank:
@@ -313,6 +383,41 @@ class _Run:
         if self.timeline is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+
+class _WithTerm(torch.autograd.Function):
+    """``h`` unchanged; a backward from it also runs the loss ``term``'s backward, with gradient 1."""
+
+    @staticmethod
+    def forward(h: Tensor, term: Tensor) -> Tensor:
+        return h.view_as(h)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
+        ctx.term_meta = (inputs[1].shape, inputs[1].dtype, inputs[1].device)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        shape, dtype, device = ctx.term_meta
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+def _aux_metrics(keys: list[tuple[str, tuple[int, ...]]], flat: Tensor, count: Tensor) -> dict[str, TokenLoss]:
+    """The step's aux metrics from the reduced sums: each term as ``TokenLoss(term, the loss's tokens)``, each
+    metric as ``TokenLoss(sum, count)``, both over every microbatch and stage."""
+    sums: dict[str, Tensor] = {}
+    at = 0
+    for k, shape in keys:
+        n = math.prod(shape)
+        sums[k] = flat[at : at + n].reshape(shape)
+        at += n
+    out: dict[str, TokenLoss] = {}
+    for k, v in sums.items():
+        if k.startswith("term:"):
+            out[k[5:]] = TokenLoss(v, count)
+        elif k.endswith(":sum"):
+            out[k[:-4]] = TokenLoss(v, sums[k[:-4] + ":count"])
+    return out
 
 
 def _wrap_like(ref: Tensor, local: Tensor) -> Tensor:

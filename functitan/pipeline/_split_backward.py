@@ -136,7 +136,13 @@ class WeightGrad:
             if len(joins) > 1:  # a joining node also reached from another one gets exactly its kept gradient
                 handles = [n.register_prehook(lambda _, kept=self.kept.get(n): kept) for n in joins]
             try:
-                dws = torch.autograd.grad(edges, [self.weights[i] for i in idx], grads, allow_unused=True)
+                # the graph is kept for the groups after this one: a group whose joins chain through the
+                # activation path (the dx branch inside one block, above) runs that path's nodes, and one of them
+                # may be another group's join (Qwen3's replicated q/k norm scales beside an FSDP bucket), whose
+                # saved tensors a freeing call would have released. The graph goes when the W pass is dropped.
+                dws = torch.autograd.grad(
+                    edges, [self.weights[i] for i in idx], grads, allow_unused=True, retain_graph=True
+                )
             finally:
                 for h in handles:
                     h.remove()

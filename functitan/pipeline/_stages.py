@@ -54,6 +54,10 @@ class StageModel:
             embeddings) is allowed only when the first and last stages share a rank.
         single_backward: the stage graph allows only one backward pass (selective activation
             checkpointing), so schedules that split backward into B and W cannot run it.
+        aux: for ``blocks`` that return ``(x, aux)`` (a MoE layer's load and balance loss): ``(aux, microbatch)
+            -> (terms, metrics)``. Each term (0-d, differentiable) joins the loss sum where its stage runs (its
+            gradient 1: ``last`` returns a ``TokenLoss``) and is reported as ``TokenLoss(term, the loss's
+            tokens)`` under its key; the metrics' ``TokenLoss`` leaves are added over microbatches and stages.
     """
 
     first: Callable[[Any, Any], Tensor]
@@ -68,6 +72,7 @@ class StageModel:
     first_keys: tuple[str, ...] = ()
     last_keys: tuple[str, ...] = ()
     single_backward: bool = False
+    aux: Callable[[Any, Any], tuple[dict[str, Tensor], dict[str, Any]]] | None = None
 
 
 # ----------------------------------------------------------------------------------------------- split
