@@ -372,14 +372,21 @@ def test_an_ep_the_experts_cannot_split_by_is_named_before_step_1():
     check_model(M, M.config("debug"), ep=4, **kw)
 
 
-def test_the_planner_offers_pipelined_moe_layouts():
+def test_the_planner_offers_expert_parallel_and_pipelined_moe_layouts_and_names_what_cannot_split():
+    from functitan.model import load_model
     from functitan.plan._candidates import enumerate_candidates
 
-    cfg = M.config("debug")
+    cfg = M.config("debug")  # 8 routed experts
     kw = dict(world=4, per_node=4, batch_size=8, seq_len=64, n_blocks=2)
     cands, pruned = enumerate_candidates(M, cfg, **kw)
     assert any(c.pp == 2 for c in cands)
+    assert {c.ep for c in cands} == {1, 2, 4} and all(c.dp_shard % c.ep == 0 for c in cands)
     assert not any("mixture-of-experts" in why for why in pruned)
+    six, pruned6 = enumerate_candidates(M, cfg, **{**kw, "world": 6, "per_node": 6, "batch_size": 12})
+    assert {c.ep for c in six} == {1, 2}  # 3 and 6 do not divide 8 experts
+    assert pruned6["ep=3: does not divide the model's 8 routed experts"] > 0
+    dense, _ = enumerate_candidates(load_model("llama"), load_model("llama").config("debug"), **kw)
+    assert {c.ep for c in dense} == {1}
 
 
 # ---- checkpoints move between expert-parallel layouts ------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["ExpertParallel", "all_to_all"]
 
@@ -38,21 +39,35 @@ class ExpertParallel:
         its local expert. Returns the result rows in the order of ``token``."""
         n = counts.shape[0] // self.size  # experts per rank
         with torch.no_grad():
-            recv = torch.empty_like(counts)
-            dist.all_to_all_single(recv, counts, group=self.group)  # (ep * n): per source rank, per local expert
-            by_src = recv.view(self.size, n)
-            send_splits = counts.view(self.size, n).sum(1).tolist()
-            recv_splits = by_src.sum(1).tolist()
-            # the arrived rows, ordered (source, expert), regrouped as (expert, source)
-            start = (by_src.flatten().cumsum(0) - by_src.flatten()).view(self.size, n)
-            lengths = by_src.t().flatten()
-            first = start.t().flatten()
-            before = lengths.cumsum(0) - lengths
-            order = torch.repeat_interleave(first - before, lengths) + torch.arange(int(lengths.sum()))
+            if is_fake(counts):  # the planner's traced step: no values to route by (``_balanced``)
+                send_splits, recv_splits, order, local_counts = self._balanced(token.shape[0], n, counts)
+            else:
+                recv = torch.empty_like(counts)
+                dist.all_to_all_single(recv, counts, group=self.group)  # (ep * n): per source rank, per local expert
+                by_src = recv.view(self.size, n)
+                send_splits = counts.view(self.size, n).sum(1).tolist()
+                recv_splits = by_src.sum(1).tolist()
+                # the arrived rows, ordered (source, expert), regrouped as (expert, source)
+                start = (by_src.flatten().cumsum(0) - by_src.flatten()).view(self.size, n)
+                lengths = by_src.t().flatten()
+                first = start.t().flatten()
+                before = lengths.cumsum(0) - lengths
+                order = torch.repeat_interleave(first - before, lengths) + torch.arange(int(lengths.sum()))
+                local_counts = by_src.sum(0)
         rows = all_to_all(x[token], send_splits, recv_splits, self.group)
-        out = compute(rows[order], by_src.sum(0))
+        out = compute(rows[order], local_counts)
         back = torch.empty_like(out).index_copy(0, order, out)  # arrival order again
         return all_to_all(back, recv_splits, send_splits, self.group)
+
+    def _balanced(self, rows: int, n: int, counts: Tensor) -> tuple[list[int], list[int], Tensor, Tensor]:
+        """``routed``'s splits, order and local counts on tensors without values (FakeTensorMode): the balanced
+        load, which the balancing terms train toward. Every rank sends each rank an equal share of its ``rows`` and
+        receives as many, its ``n`` experts take equal groups; the same exchanges and copies as a real step."""
+        splits = _even(rows, self.size)
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)  # the count exchange a real step makes
+        order = torch.arange(rows, device=counts.device)
+        return splits, splits, order, torch.tensor(_even(rows, n), device=counts.device)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -68,6 +83,12 @@ class _AllToAll(torch.autograd.Function):
         out = g.new_empty((sum(ctx.send), *g.shape[1:]))
         dist.all_to_all_single(out, g.contiguous(), ctx.send, ctx.recv, group=ctx.group)
         return out, None, None, None
+
+
+def _even(total: int, parts: int) -> list[int]:
+    """``total`` in ``parts`` sizes as equal as integers allow (the first ones one larger), as ``tensor_split``."""
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
 
 
 def all_to_all(x: Tensor, send: list[int], recv: list[int], group: Any) -> Tensor:

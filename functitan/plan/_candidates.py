@@ -27,7 +27,7 @@ from ..mesh import resolve_degrees
 from ..pipeline._generators import ScheduleName
 from ..train import local_batch
 
-__all__ = ["Candidate", "enumerate_candidates", "job_config", "SCHEDULES", "REMATS", "MIN_CP_TOKENS"]
+__all__ = ["Candidate", "enumerate_candidates", "job_config", "routed_experts", "SCHEDULES", "REMATS", "MIN_CP_TOKENS"]
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zb_v")  # gpipe: 1F1B's time with more memory, not offered
 REMATS = ("none", "selective", "full")
@@ -42,6 +42,7 @@ class Candidate:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallel: the sequence split over cp ranks (FSDP shards over dp_shard x cp)
+    ep: int = 1  # expert parallel: borrows its ranks from dp_shard (the mesh's dp_shard is dp_shard / ep)
     cp_attention: CPAttention = "allgather"  # with cp > 1
     schedule: ScheduleName = "1f1b"  # with pp > 1
     stages_per_rank: int = 1
@@ -71,6 +72,8 @@ class Candidate:
         keep = "" if self.reshard_after_forward else "(keep)"  # on FSDP's first axis
         if self.dp_shard > 1:
             parts.append(f"fsdp{self.dp_shard}" + keep)
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.cp > 1:
             algo = "" if self.cp_attention == "allgather" else f":{self.cp_attention}"
             parts.append(f"cp{self.cp}{algo}" + ("" if self.dp_shard > 1 else keep))
@@ -94,6 +97,7 @@ def job_config(base: JobConfig, c: Candidate, *, batch_size: int, seq_len: int) 
         tp=c.tp,
         pp=c.pp,
         cp=c.cp,
+        ep=c.ep,
         cp_attention=c.cp_attention if c.cp > 1 else base.parallelism.cp_attention,
         sequence_parallel=c.sequence_parallel,
         reshard_after_forward=c.reshard_after_forward,
@@ -146,6 +150,7 @@ def enumerate_candidates(
     pruned: Counter = Counter()
     out: list[Candidate] = []
     refused = {pp: pipeline_refusal(model, model_cfg, pp) for pp in _divisors(world) if pp > 1}  # the trainer's
+    experts = routed_experts(model, model_cfg)  # ep > 1 is offered where it divides them (and dp_shard)
     for tp in _divisors(world):
         if tp > per_node:
             pruned[f"tp={tp} > {per_node} devices per node: tensor-parallel collectives would cross nodes"] += 1
@@ -167,7 +172,7 @@ def enumerate_candidates(
                     out.extend(
                         _with_pp(
                             model, tp, cp, algo, pp, sp, world, batch_size, n_blocks, param_dtypes, max_microbatch_rows,
-                            pruned,
+                            experts, pruned,
                         )
                     )  # fmt: skip
     if any(c.tp > 1 for c in out):
@@ -224,7 +229,32 @@ def _check_cp(model, model_cfg, checked: dict, *, tp: int, sp: bool, cp: int, se
     return why
 
 
-def _with_pp(model, tp, cp, algo, pp, sp, world, batch_size, n_blocks, dtypes, max_rows, pruned) -> Iterator[Candidate]:
+def _ep_degrees(experts: int, shard: int, pruned: Counter) -> list[int]:
+    """1, and each expert-parallel degree that ``dp_shard=shard`` lends and the ``experts`` routed experts split
+    into (none for a dense model: ``experts`` 0)."""
+    out = [1]
+    for ep in _divisors(shard)[1:] if experts else ():
+        if experts % ep:
+            pruned[f"ep={ep}: does not divide the model's {experts} routed experts"] += 1
+        else:
+            out.append(ep)
+    return out
+
+
+def routed_experts(model: Any, model_cfg: Any) -> int:
+    """The routed experts of each MoE layer (the ``experts`` dim of the declaration), 0 for a dense model."""
+    from ..model import Param
+    from ..tree import flatten_with_names
+
+    for _, p in flatten_with_names(model.params(model_cfg), is_leaf=lambda x: isinstance(x, Param))[0]:
+        if "experts" in p.names:
+            return p.shape[p.names.index("experts")]
+    return 0
+
+
+def _with_pp(
+    model, tp, cp, algo, pp, sp, world, batch_size, n_blocks, dtypes, max_rows, experts, pruned
+) -> Iterator[Candidate]:
     if pp > 1 and (model.stages is None or n_blocks == 0):
         pruned[f"pp={pp}: model {model.name!r} declares no pipeline stages"] += 1
         return
@@ -249,7 +279,8 @@ def _with_pp(model, tp, cp, algo, pp, sp, world, batch_size, n_blocks, dtypes, m
             except ValueError as e:
                 pruned[f"dp={dp}: {_why(e)}"] += 1
                 continue
-            for mbs in (r for r in (1, 2, 4, 8, 16, 32) if r <= max_rows and rows % r == 0):
+            eps = _ep_degrees(experts, shard, pruned)
+            for ep, mbs in ((e, r) for e in eps for r in (1, 2, 4, 8, 16, 32) if r <= max_rows and rows % r == 0):
                 m = rows // mbs
                 if pp > 1 and m < pp:
                     pruned[f"pp={pp}: {m} microbatches < pp stages (the pipeline never fills)"] += 1
@@ -263,6 +294,7 @@ def _with_pp(model, tp, cp, algo, pp, sp, world, batch_size, n_blocks, dtypes, m
                             yield Candidate(
                                 dp_replicate=rep,
                                 dp_shard=shard,
+                                ep=ep,
                                 tp=tp,
                                 pp=pp,
                                 cp=cp,

@@ -67,7 +67,7 @@ __all__ = [
 TIME_TOLERANCE = 0.05
 
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 FSDP_AXES = frozenset(("dp_shard", "cp"))  # mesh.FSDP_AXES: FSDP's all-gathers and reduce-scatters, prefetched
 # the traced step's context-parallel attention traffic (``_trace``: a K/V tensor, not a flat parameter bucket),
 # and the collective each costs as
@@ -87,15 +87,27 @@ class Time(NamedTuple):
     mfu: float
 
 
+def _degrees(c: Candidate) -> dict[str, int]:
+    """The mesh's axis sizes (ep borrows from dp_shard: the mesh's dp_shard is dp_shard / ep)."""
+    return {
+        "pp": c.pp,
+        "dp_replicate": c.dp_replicate,
+        "dp_shard": c.dp_shard // c.ep,
+        "ep": c.ep,
+        "cp": c.cp,
+        "tp": c.tp,
+    }
+
+
 def axis_degree(c: Candidate, axes: tuple[str, ...]) -> int:
-    d = {"pp": c.pp, "dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "cp": c.cp, "tp": c.tp}
+    d = _degrees(c)
     return math.prod(d[a] for a in axes)
 
 
 def spans_nodes(c: Candidate, axes: tuple[str, ...], per_node: int) -> bool:
     """Does the group of rank 0 over ``axes`` reach beyond the first node? (axis order pp, dp_replicate, dp_shard,
-    cp, tp with tp innermost: a rank's stride on an axis is the product of the inner degrees)."""
-    d = {"pp": c.pp, "dp_replicate": c.dp_replicate, "dp_shard": c.dp_shard, "cp": c.cp, "tp": c.tp}
+    ep, cp, tp with tp innermost: a rank's stride on an axis is the product of the inner degrees)."""
+    d = _degrees(c)
     stride, top = 1, 0
     for a in reversed(_ORDER):
         if a in axes:
@@ -204,9 +216,11 @@ class ModelDims(NamedTuple):
     kv: int
     f: int
     vocab: int
-    block_params: int
+    block_params: int  # the largest block's (a MoE block's, where the first ones are dense)
     top_params: int  # embedding, head, final norm
     n_blocks: int
+    expert_params: int = 0  # of block_params, the routed experts' (sharded over ep and FSDP, never over tp)
+    top_k: int = 0  # experts per token (the config's ``top_k``), for the screen's all-to-all bytes under ep
 
 
 def analytic_memory(
@@ -215,7 +229,9 @@ def analytic_memory(
     """Bytes per rank by formula (module docstring); ``blocks`` on this rank."""
     cb = _BYTES[c.param_dtype]
     tops = (0.5 if first else 0) + (0.5 if last else 0)
-    p_rank = (blocks * d.block_params + tops * d.top_params) / (c.tp * c.fsdp)
+    dense_block = d.block_params - d.expert_params
+    # dense params: tp x FSDP over what ep left of dp_shard (x cp); routed experts: ep x that FSDP, not tp
+    p_rank = (blocks * dense_block + tops * d.top_params) / (c.tp * c.fsdp // c.ep) + blocks * d.expert_params / c.fsdp
     mbs = batch_size // c.dp // c.microbatches
     tok = mbs * seq_len // c.cp  # this rank's tokens of a microbatch
     sp = c.tp
@@ -243,11 +259,12 @@ def analytic_memory(
     if kv_all:
         acts += cb * (seq_len // c.cp) * seq_len
     logits = tok * d.vocab / c.tp * (cb + 8) if last else 0.0
+    gathered_block = dense_block / c.tp + d.expert_params / c.ep  # a block's params as its compute sees them
     if c.fsdp > 1:
         held = 2 if (c.reshard_after_forward or c.remat != "none") else blocks
-        gathered = cb * (held * d.block_params + tops * d.top_params) / c.tp
+        gathered = cb * (held * gathered_block + tops * d.top_params / c.tp)
     else:
-        gathered = 2 * cb * d.block_params / c.tp if cb < 4 else 0.0
+        gathered = 2 * cb * gathered_block if cb < 4 else 0.0
     out = {
         "params": 4 * p_rank,
         "grads": 4 * p_rank,
@@ -260,25 +277,27 @@ def analytic_memory(
 
 
 def _fsdp_axes(c: Candidate) -> tuple[str, ...]:
-    """The mesh axes of FSDP's group (``mesh.fsdp_group``: dp_shard x cp flattened where both are > 1)."""
-    return tuple(a for a, n in (("dp_shard", c.dp_shard), ("cp", c.cp)) if n > 1)
+    """The mesh axes of FSDP's group (``mesh.fsdp_group``: dp_shard x cp flattened where both are > 1; the mesh's
+    dp_shard is what ep left)."""
+    return tuple(a for a, n in (("dp_shard", c.dp_shard // c.ep), ("cp", c.cp)) if n > 1)
 
 
 def analytic_comm(c: Candidate, d: ModelDims, *, seq_len: int, batch_size: int, blocks: int) -> dict:
     """Collective bytes per step on each axis group by formula, in the trace's format (the screen's input)."""
     cb, m = _BYTES[c.param_dtype], c.microbatches
     mbs = batch_size // c.dp // m
-    p_stage = (blocks * d.block_params + d.top_params / max(c.pp, 1)) / c.tp
+    p_stage = (blocks * (d.block_params - d.expert_params) + d.top_params / max(c.pp, 1)) / c.tp
+    p_stage += blocks * d.expert_params / c.ep
     tok = mbs * seq_len // c.cp  # a rank's tokens of a microbatch
     out: dict = {}
-    if c.fsdp > 1:
+    if c.fsdp // c.ep > 1:
         regather = 2 if (c.reshard_after_forward or c.remat != "none") else 1
         out[_fsdp_axes(c)] = {
             "all_gather": [regather * p_stage * cb * m, regather * (blocks + 1) * m],
             "reduce_scatter": [4 * p_stage * m, (blocks + 1) * m],
         }
     if c.dp_replicate > 1:
-        out[("dp_replicate",)] = {"all_reduce": [4 * p_stage / c.fsdp * m, 9 * (blocks + 1) * m]}
+        out[("dp_replicate",)] = {"all_reduce": [4 * p_stage / (c.fsdp // c.ep) * m, 9 * (blocks + 1) * m]}
     if c.tp > 1:
         act = tok * d.h * cb
         per = 4 + (2 if c.remat == "full" else 0)
@@ -302,4 +321,8 @@ def analytic_comm(c: Candidate, d: ModelDims, *, seq_len: int, batch_size: int, 
     if c.pp > 1:
         act = tok * d.h * cb / c.tp
         out[("pp",)] = {"p2p": [4 * act * m * c.stages_per_rank, 4 * m * c.stages_per_rank]}
+    if c.ep > 1:  # each MoE block's dispatch and combine, forward and backward (and the recompute's forward)
+        rows = tok / c.tp * max(d.top_k, 1) * d.h * cb  # a rank's routed rows (its sequence piece under SP)
+        n = (4 + (2 if c.remat == "full" else 0)) * blocks * m
+        out[("ep",)] = {"all_to_all": [rows * n, 2 * n]}  # each a count exchange first
     return out

@@ -63,7 +63,10 @@ def model_dims(model: Any, model_cfg: Any, shape: ModelShape) -> ModelDims:
         for n, s in zip(p.names, p.shape):
             sizes[n] = max(sizes.get(n, 0), s)
     key = shape.stage_model.blocks_key if shape.stage_model is not None else None
-    block = count(decl[key][0], exclude=None) if key else 0
+    blocks = decl[key] if key else []
+    # the largest block (a MoE one where the first are dense, DeepSeek-V3's first_k_dense) and its routed experts
+    block = max((count(b, exclude=None) for b in blocks), default=0)
+    experts = max((_routed(b) for b in blocks), default=0)
     total = count(decl)
     n = max(shape.n_blocks, 1)
     return ModelDims(
@@ -72,9 +75,17 @@ def model_dims(model: Any, model_cfg: Any, shape: ModelShape) -> ModelDims:
         f=sizes.get("mlp", 0),
         vocab=sizes.get("vocab", 0),
         block_params=block,
-        top_params=total - block * shape.n_blocks,
+        top_params=max(total - sum(count(b, exclude=None) for b in blocks), 0) if blocks else total,
         n_blocks=n,
+        expert_params=experts,
+        top_k=int(getattr(model_cfg, "top_k", 0)) if experts else 0,  # Qwen3-MoE's and DeepSeek-V3's field
     )
+
+
+def _routed(block: Any) -> int:
+    """A block's routed-expert params (those with an ``experts`` dim)."""
+    named = flatten_with_names(block, is_leaf=lambda x: isinstance(x, Param))[0]
+    return sum(math.prod(p.shape) for _, p in named if "experts" in p.names)
 
 
 def load(name: str | None, flavor: str | None, overrides: dict) -> tuple[str, Any, Any]:

@@ -295,7 +295,7 @@ def rank_mesh(par: Any, world: int, rank: int, worlds: Worlds | None = None) -> 
 
 def _make_mesh(par: Any) -> Any:
     return make_mesh(
-        dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, cp=par.cp, device="cpu"
+        dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, device="cpu"
     )
 
 
@@ -317,7 +317,7 @@ class Worlds:
             self.close()
             self._world.enter_context(fake_world(world, rank))
             self._at = (world, rank)
-        key = (par.dp_replicate, par.dp_shard, par.tp, par.pp, par.cp)
+        key = (par.dp_replicate, par.dp_shard, par.tp, par.pp, par.cp, par.ep)
         if key not in self._meshes:
             self._meshes[key] = _make_mesh(par)
         return self._meshes[key]
