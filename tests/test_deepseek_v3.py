@@ -212,7 +212,10 @@ def test_layout_checks_name_what_does_not_split_before_step_1():
 # 2 steps of SGD at lr 1 (the second step routes with the updated router), the balance term in the loss; the
 # declaration's zero bias is drawn normal(0.1) by gradcheck, so the bias moves the choice. Measured max
 # |grad - one process| <= 1.2e-7 over every param of every layout, |loss - one process| <= 4.8e-7 (one ulp).
-LAYOUTS = {2: ("ddp", "fsdp", "ep", "cp", "tp", "tp_sp", "pp_1f1b"), 4: ("fsdp_ep", "ep4", "ep_tp_sp", "pp_ep")}
+LAYOUTS = {
+    2: ("ddp", "fsdp", "ep", "cp", "tp", "tp_sp", "pp_1f1b"),
+    4: ("fsdp_ep", "ep4", "hsdp_ep", "ep_tp_sp", "pp_ep"),
+}
 
 
 def _gradcheck_ranks(layouts):
@@ -253,3 +256,50 @@ def test_cli_gradcheck_reports_nothing_under_fsdp_ep_and_tp():
     )
     lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.split()}
     assert [lines[n].split()[1:] for n in ("fsdp", "ep", "tp")] == [["ok"]] * 3, out.stdout
+
+
+# ---- the trainer: full remat under ep, and a checkpoint that carries the biases across an ep change ------------
+
+RESUME = {"checkpoint.enable": True, "checkpoint.interval": 3, "checkpoint.keep_last": 2, "training.steps": 5}
+
+
+def _train(layout: dict, run_dir: str, name: str):
+    from support import SMALL, train_small
+
+    base = {k: v for k, v in SMALL.items() if not k.startswith("model.")}
+    over = {"model.name": "deepseek_v3", "model.flavor": "debug", **RESUME, **layout}
+    losses, params, _ = train_small({**over, "metrics.run_dir": run_dir, "metrics.run_name": name}, base)
+    return losses, params
+
+
+def _ep4_full_remat_then_ep2(root: str):
+    """fsdp 4 x ep 4 with full remat for 5 steps; the same run cut after step 3 and resumed as fsdp 4 x ep 2."""
+    import contextlib
+    import shutil
+
+    from support import Crash, crashing_at_step
+
+    ep4 = {"parallelism.dp_shard": 4, "parallelism.ep": 4, "training.remat": "full"}
+    straight = _train(ep4, root, "straight")
+    with crashing_at_step(3), contextlib.suppress(Crash):
+        _train(ep4, root, "cut")
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(f"{root}/cut", f"{root}/ep2")
+    torch.distributed.barrier()
+    return straight, _train({"parallelism.dp_shard": 4, "parallelism.ep": 2}, root, "ep2")
+
+
+def test_full_remat_under_ep4_equals_one_process_and_its_checkpoint_resumes_at_ep2_biases_included(tmp_path, gloo):
+    wait = gloo.submit(_ep4_full_remat_then_ep2, 4, str(tmp_path), timeout=280)
+    ref_losses, ref_params = _train({}, str(tmp_path), "ref")  # one process, no remat
+    (straight, resumed) = wait()[0]
+    torch.testing.assert_close(torch.tensor(straight[0]), torch.tensor(ref_losses), atol=2e-5, rtol=1e-4)
+    biases = [k for k in ref_params if k.endswith("moe.bias")]
+    assert len(biases) == 2 and all(ref_params[k].abs().max() > 0 for k in biases)  # moved by their loads
+    for k, p in straight[1].items():
+        torch.testing.assert_close(p, ref_params[k], atol=1e-4, rtol=1e-3, msg=k)
+    losses, params = resumed
+    assert len(losses) == 5  # steps 1-3 of the cut run, then 4 and 5 from its checkpoint
+    torch.testing.assert_close(torch.tensor(losses[-2:]), torch.tensor(straight[0][-2:]), atol=2e-5, rtol=1e-4)
+    for k, p in params.items():  # the biases as the straight run moved them: restored, then moved the same way
+        torch.testing.assert_close(p, straight[1][k], atol=1e-4, rtol=1e-3, msg=k)

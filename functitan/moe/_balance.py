@@ -12,7 +12,9 @@ scale (the step's ``1 / tokens``, a mean over ranks or microbatches), which the 
 takes the bias leaves out of the optimizer, the gradient norm and clipping (``LoadBalance``).
 
 Loads within ``TIE`` (relative) of the mean count as balanced: the sums above are exact integers only up to
-their scale's rounding, and a tie must not flip sign with the layout.
+their scale's rounding, and a tie must not flip sign with the layout. Under ``param_dtype=bfloat16`` a forward's
+load is carried in the bias's compute dtype before the fp32 reduction: exact up to 256 assignments per expert
+and microbatch on a rank, within 0.4% above, so an expert that close to the mean may move either way.
 """
 
 from __future__ import annotations

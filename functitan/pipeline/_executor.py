@@ -271,9 +271,9 @@ class _Run:
             if isinstance(loss, TokenLoss):  # sums: the step divides by the count over the whole step
                 h = loss.sum if term is None else loss.sum + term
                 self.loss += torch.stack([h.detach().float(), loss.count.detach().float(), self._one])
-            elif term is not None:
+            elif st.model.aux is not None:  # other stages' terms are sums over tokens too
                 raise ValueError(
-                    "the pipeline's blocks give a loss term (StageModel.aux) but its last stage returns a mean loss; "
+                    "the pipeline's blocks give loss terms (StageModel.aux) but its last stage returns a mean loss; "
                     "return a TokenLoss from StageModel.last (cross_entropy(..., reduction='tokens'))"
                 )
             else:
