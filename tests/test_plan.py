@@ -43,8 +43,7 @@ CP_LAYOUTS = [
 # beside TP + SP and full remat, and MoE stages in a pipeline. The trace routes a balanced load (a fake tensor
 # has no values to route by); the real steps route by their random router
 MOE = {"n_layers": 4}
-MOE_LAYOUTS = [
-    Candidate(dp_shard=4, remat="none", param_dtype="float32"),
+MOE_LAYOUTS = [  # (fsdp4 without ep, measured once: +0.24%, the dense families' path)
     Candidate(dp_shard=4, ep=2, remat="none", param_dtype="float32"),
     Candidate(dp_shard=4, ep=4, remat="none", param_dtype="float32"),
     Candidate(dp_shard=4, ep=2, remat="full", param_dtype="float32"),
@@ -153,7 +152,7 @@ def test_predicted_peaks_of_context_parallel_layouts_hold_the_bounds(gloo):
 
 
 def test_predicted_peaks_of_moe_layouts_hold_the_bounds(gloo):
-    """Qwen3-MoE under fsdp 4, fsdp 4 x ep 2 (with and without full remat), ep 4, ep 2 x tp 2 + SP and pp 2: within
+    """Qwen3-MoE under fsdp 4 x ep 2 (with and without full remat), ep 4, ep 2 x tp 2 + SP and pp 2: within
     5% of the worst rank's real peak (the issue's bound), never more than 1% under it."""
     rows = _errors(gloo, [("qwen3_moe", MOE, c) for c in MOE_LAYOUTS])
     assert all(-0.01 <= err <= 0.05 for *_, err in rows), rows
