@@ -19,7 +19,7 @@ from .._loss import TokenLoss
 from ._check import check_names
 from ._gradcheck import GRADCHECK_LAYOUTS, gradcheck
 from ._model import HFMap, Model, TensorKey, config_from_dict, config_to_dict, transformers_major
-from ._param import Param, constant, count, init, is_param, normal, ones, shapes, specs, uniform, zeros
+from ._param import Param, constant, count, expert_count, init, is_param, normal, ones, shapes, specs, uniform, zeros
 from ._pieces import Pieces
 from ._resolve import ENTRY_POINT_GROUP, load_model, model_for_architecture
 
@@ -36,6 +36,7 @@ __all__ = [
     "specs",
     "shapes",
     "count",
+    "expert_count",
     "Model",
     "Pieces",
     "HFMap",

@@ -24,7 +24,20 @@ from torch import Tensor
 from ..random import PRNGKey, fold_in, generator
 from ..tree import flatten_with_names, map_with_names
 
-__all__ = ["Param", "normal", "zeros", "ones", "constant", "uniform", "is_param", "init", "specs", "shapes", "count"]
+__all__ = [
+    "Param",
+    "normal",
+    "zeros",
+    "ones",
+    "constant",
+    "uniform",
+    "is_param",
+    "init",
+    "specs",
+    "shapes",
+    "count",
+    "expert_count",
+]
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,15 @@ def count(decl: Any, *, exclude: Callable[[str, Param], bool] | None = None) -> 
     ``exclude(name, param)`` picks (e.g. embedding tables)."""
     named, _ = flatten_with_names(decl, is_leaf=is_param)
     return sum(math.prod(_shape(name, p)) for name, p in named if exclude is None or not exclude(name, p))
+
+
+def expert_count(decl: Any) -> int:
+    """The routed experts of a declaration's MoE layers (the size of the first ``experts`` dim), 0 for a dense
+    one: what expert parallelism splits, and the mark of blocks that return aux outputs."""
+    for _, p in flatten_with_names(decl, is_leaf=is_param)[0]:
+        if "experts" in p.names:
+            return p.shape[p.names.index("experts")]
+    return 0
 
 
 def _shape(name: str, p: Any) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .. import _remat
 from .._loss import IGNORE_INDEX, TokenLoss
-from ._param import is_param
+from ._param import expert_count, is_param
 
 __all__ = ["Pieces", "composed"]
 
@@ -92,13 +92,6 @@ def _with_aux(ce: TokenLoss, aux: dict[str, Any], targets: Tensor) -> tuple[Toke
     return TokenLoss(total, ce.count), metrics
 
 
-def _has_experts(decl: Any) -> bool:
-    """Whether a declaration has routed experts (a param naming an ``experts`` dim): its blocks return aux."""
-    import optree
-
-    return any("experts" in p.names for p in optree.tree_leaves(decl, is_leaf=is_param))
-
-
 def composed(pieces: Pieces, declare: Callable[[Any], Any]) -> tuple[Callable, Callable, Callable]:
     """``(apply, loss, stages)`` for ``pieces``; ``declare`` is the model's ``params(cfg)`` (for the costs)."""
     key = pieces.blocks_key
@@ -145,7 +138,7 @@ def composed(pieces: Pieces, declare: Callable[[Any], Any]) -> tuple[Callable, C
             return optree.tree_map(layout.param, p)
 
         # blocks with aux (MoE): token sums, so the terms of every stage join the loss as the one-process loss's
-        moe = _has_experts(decl[key])
+        moe = expert_count(decl[key]) > 0
         reduction = "tokens" if moe else "mean"
         return StageModel(
             first=lambda p, mb: pieces.embed(gathered(p), mb["inputs"], cfg, layout),

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .. import _dtensor as _dt
+from .._autograd import hand_grad
 from ..errors import UserError
 from ..model import Param, zeros
 from ..tree import flatten_with_names
@@ -44,30 +45,10 @@ def bias_param(router: Router) -> Param:
     return Param((router.experts,), (BIAS,), zeros())
 
 
-class _CountLoad(torch.autograd.Function):
-    """Identity on ``out``; the gradient of ``bias`` is ``load``, whatever the loss."""
-
-    @staticmethod
-    def forward(out: Tensor, bias: Tensor, load: Tensor) -> Tensor:
-        return out.view_as(out)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor], output: Tensor) -> None:
-        _, bias, load = inputs
-        ctx.save_for_backward(load.to(bias.dtype))
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        (load,) = ctx.saved_tensors
-        return grad, load, None
-
-
 def count_load(out: Tensor, bias: Tensor, load: Tensor) -> Tensor:
     """``out`` unchanged; in backward, ``bias (experts,)`` gets ``load (experts,)``: this forward's assignments per
     expert. Outside autograd (evaluation, generation) nothing is recorded."""
-    if not (torch.is_grad_enabled() and bias.requires_grad):
-        return out
-    return _CountLoad.apply(out, bias, load)
+    return hand_grad(out, bias, load)
 
 
 def _move(load: Tensor, rate: float) -> Tensor:

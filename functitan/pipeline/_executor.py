@@ -32,6 +32,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from functitan import _dtensor as _dt
+from functitan._autograd import hand_grad
 from functitan._loss import TokenLoss
 from functitan.pipeline._comms import with_comms
 from functitan.pipeline._schedule import Action, Comm
@@ -281,7 +282,7 @@ class _Run:
                 h = loss / self.m
         elif term is not None:
             self.loss[0] += term.detach().float()  # the loss sum over the step, added over pp ranks
-            h = _WithTerm.apply(h, term)  # backward from h also gives the term its gradient, 1
+            h = hand_grad(h, term, torch.ones_like(term))  # backward from h also gives the term its gradient, 1
         self.slots[(s, mb)] = _Slot(inp, h)
         if not last:
             out = h.detach()
@@ -383,23 +384,6 @@ class _Run:
         if self.timeline is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
-
-
-class _WithTerm(torch.autograd.Function):
-    """``h`` unchanged; a backward from it also runs the loss ``term``'s backward, with gradient 1."""
-
-    @staticmethod
-    def forward(h: Tensor, term: Tensor) -> Tensor:
-        return h.view_as(h)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Tensor, Tensor], output: Tensor) -> None:
-        ctx.term_meta = (inputs[1].shape, inputs[1].dtype, inputs[1].device)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
-        shape, dtype, device = ctx.term_meta
-        return grad, torch.ones(shape, dtype=dtype, device=device)
 
 
 def _aux_metrics(keys: list[tuple[str, tuple[int, ...]]], flat: Tensor, count: Tensor) -> dict[str, TokenLoss]:

@@ -24,10 +24,11 @@ from .._choices import CPAttention, RematName
 from .._model_setup import check_model, pipeline_refusal
 from ..job_config import JobConfig, ParallelismConfig, ParamDType, TrainingConfig
 from ..mesh import resolve_degrees
+from ..model import expert_count
 from ..pipeline._generators import ScheduleName
 from ..train import local_batch
 
-__all__ = ["Candidate", "enumerate_candidates", "job_config", "routed_experts", "SCHEDULES", "REMATS", "MIN_CP_TOKENS"]
+__all__ = ["Candidate", "enumerate_candidates", "job_config", "SCHEDULES", "REMATS", "MIN_CP_TOKENS"]
 
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zb_v")  # gpipe: 1F1B's time with more memory, not offered
 REMATS = ("none", "selective", "full")
@@ -150,7 +151,7 @@ def enumerate_candidates(
     pruned: Counter = Counter()
     out: list[Candidate] = []
     refused = {pp: pipeline_refusal(model, model_cfg, pp) for pp in _divisors(world) if pp > 1}  # the trainer's
-    experts = routed_experts(model, model_cfg)  # ep > 1 is offered where it divides them (and dp_shard)
+    experts = expert_count(model.params(model_cfg))  # ep > 1 is offered where it divides them (and dp_shard)
     for tp in _divisors(world):
         if tp > per_node:
             pruned[f"tp={tp} > {per_node} devices per node: tensor-parallel collectives would cross nodes"] += 1
@@ -239,17 +240,6 @@ def _ep_degrees(experts: int, shard: int, pruned: Counter) -> list[int]:
         else:
             out.append(ep)
     return out
-
-
-def routed_experts(model: Any, model_cfg: Any) -> int:
-    """The routed experts of each MoE layer (the ``experts`` dim of the declaration), 0 for a dense model."""
-    from ..model import Param
-    from ..tree import flatten_with_names
-
-    for _, p in flatten_with_names(model.params(model_cfg), is_leaf=lambda x: isinstance(x, Param))[0]:
-        if "experts" in p.names:
-            return p.shape[p.names.index("experts")]
-    return 0
 
 
 def _with_pp(

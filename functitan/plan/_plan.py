@@ -66,7 +66,7 @@ def model_dims(model: Any, model_cfg: Any, shape: ModelShape) -> ModelDims:
     blocks = decl[key] if key else []
     # the largest block (a MoE one where the first are dense, DeepSeek-V3's first_k_dense) and its routed experts
     block = max((count(b, exclude=None) for b in blocks), default=0)
-    experts = max((_routed(b) for b in blocks), default=0)
+    experts = max((count(b, exclude=lambda _, p: "experts" not in p.names) for b in blocks), default=0)
     total = count(decl)
     n = max(shape.n_blocks, 1)
     return ModelDims(
@@ -80,12 +80,6 @@ def model_dims(model: Any, model_cfg: Any, shape: ModelShape) -> ModelDims:
         expert_params=experts,
         top_k=int(getattr(model_cfg, "top_k", 0)) if experts else 0,  # Qwen3-MoE's and DeepSeek-V3's field
     )
-
-
-def _routed(block: Any) -> int:
-    """A block's routed-expert params (those with an ``experts`` dim)."""
-    named = flatten_with_names(block, is_leaf=lambda x: isinstance(x, Param))[0]
-    return sum(math.prod(p.shape) for _, p in named if "experts" in p.names)
 
 
 def load(name: str | None, flavor: str | None, overrides: dict) -> tuple[str, Any, Any]:
