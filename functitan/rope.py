@@ -6,9 +6,10 @@ frequency scaling (any object with ``factor``, ``low_freq_factor``, ``high_freq_
 ``original_max_position_embeddings``: HF ``rope_type="llama3"``), or None.
 
 Models take the tables from ``cached_tables``: built once per (shape, device, dtype) in eager mode (rebuilt
-in every block they were ~4% of a small model's forward), traced inline under ``torch.compile``, and never
-cached where a cached tensor would escape its context (a FakeTensorMode, the planner's traces; a torch.func
-transform such as ``hvp`` or ``vmap``).
+in every block they were ~4% of a small model's forward), traced inline under ``torch.compile`` and inside a
+torch.func transform such as ``hvp`` or ``vmap`` (a cached tensor would escape it), and under a FakeTensorMode
+(the planner's traces) built once per mode, in a cache that dies with it (rebuilt in every block they were a
+tenth of a trace's ops, and a real step keeps them from its first block on).
 
 References: RoPE (arXiv 2104.09864); Llama 3 (arXiv 2407.21783), section 3.
 """
@@ -65,22 +66,24 @@ def _cached(
     return tables(head_dim, theta, seq_len, scaling=scaling, device=device, dtype=dtype)
 
 
-def _cacheable() -> bool:
-    """False while compiling, under a FakeTensorMode or inside a torch.func transform (see the module doc)."""
-    if torch.compiler.is_compiling():
-        return False
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
-        return False
-    return torch._C._functorch.maybe_current_level() is None
+_FAKE_CACHE = "_functitan_rope_tables"  # a FakeTensorMode's own {key: (cos, sin)}: it dies with the mode
 
 
 def cached_tables(
     head_dim: int, theta: float, seq_len: int, *, scaling: Any = None, device: torch.device, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """``tables`` through the cache when that is safe (``scaling`` must then be hashable: a frozen dataclass)."""
-    if not _cacheable():
+    """``tables`` through a cache when that is safe (``scaling`` must then be hashable: a frozen dataclass)."""
+    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
         return tables(head_dim, theta, seq_len, scaling=scaling, device=device, dtype=dtype)
-    return _cached(head_dim, theta, seq_len, scaling, torch.device(device), dtype)
+    fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if fake is None:
+        return _cached(head_dim, theta, seq_len, scaling, torch.device(device), dtype)
+    # on the mode itself: a dict keyed by the mode would keep it alive (each fake tensor refers to its mode)
+    cache = fake.__dict__.setdefault(_FAKE_CACHE, {})
+    key = (head_dim, theta, seq_len, scaling, torch.device(device), dtype)
+    if key not in cache:
+        cache[key] = tables(head_dim, theta, seq_len, scaling=scaling, device=device, dtype=dtype)
+    return cache[key]
 
 
 def clear_cache() -> None:
