@@ -520,12 +520,62 @@ def test_a_kind_traced_over_memory_is_not_traced_again(monkeypatch):
     fitting = [entry(1, "selective", 50.0), entry(2, "selective", 45.0), entry(3, "full", 60.0),
                entry(4, "selective", 30.0), entry(5, "none", 90.0)]  # fmt: skip
     pruned: Counter = Counter()
-    rows = planner._trace_best(job, fitting, 4, pruned, log=lambda *a: None)
+    rows = planner._trace_best(job, fitting, len(fitting), 4, pruned, log=lambda *a: None)
     assert traced == [1, 3, 4, 5]  # 2: 10 + 3 x 35 = 115 bytes > 1.05 x the limit; 4: 10 + 3 x 20 = 70 fits
     assert pruned == Counter(
         {"remat=selective: over memory by the formula scaled to the traced layouts of its kind (not traced)": 1}
     )
     assert [r.fits for r in rows] == [False, True, True, True]
+
+
+def test_the_screen_simulates_a_pipeline_only_when_the_tracing_reaches_it():
+    """``_fastest_first`` yields the screen by step time, as a sort would (ties in screen order), but times a
+    pipelined layout (a simulation of its schedule) only once the layouts before it by a lower bound (its time
+    without the bubble) are out: the 405B screen simulated ~90 schedules (2.5 s) for a tracing that takes a
+    dozen layouts."""
+    from types import SimpleNamespace
+
+    import functitan.plan._plan as planner
+
+    # (name, pp, time without the bubble, time with it)
+    layouts = [("a", 1, 1.0, 1.0), ("p", 2, 2.0, 4.0), ("q", 2, 2.5, 10.0), ("b", 1, 3.0, 3.0),
+               ("c", 1, 4.0, 4.0), ("r", 2, 6.0, 7.0), ("d", 1, 5.0, 5.0)]  # fmt: skip
+    screen = [(SimpleNamespace(pp=pp, name=name), {}, 1) for name, pp, _, _ in layouts]
+    times = {name: (bound, exact) for name, _, bound, exact in layouts}
+    simulated: list = []
+
+    def exact(c, mem, blocks):
+        if c.pp > 1:
+            simulated.append(c.name)
+        return c, mem, SimpleNamespace(total=times[c.name][1]), blocks
+
+    def bound(c, mem, blocks):
+        return c, mem, SimpleNamespace(total=times[c.name][0]), blocks
+
+    ordered = planner._fastest_first(screen, exact=exact, bound=bound)
+    first = [next(ordered)[0].name for _ in range(4)]
+    assert first == ["a", "b", "p", "c"] and simulated == ["p", "q"]  # r (at least 6.0) not yet
+    assert first + [e[0].name for e in ordered] == ["a", "b", "p", "c", "d", "r", "q"]
+    assert simulated == ["p", "q", "r"]
+
+
+def test_a_fake_world_makes_only_its_ranks_groups(monkeypatch):
+    """``DeviceMesh`` makes every group of every axis (``new_group`` is collective for real ranks): 8,192 for a
+    tp 2 axis at 16,384 ranks, seconds of each 405B candidate. The planner's fake world makes only the rank's
+    own, and its mesh has the groups a real rank's would."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from functitan.plan._trace import rank_mesh
+
+    made: list = []
+    real = c10d._new_group_with_tag
+    monkeypatch.setattr(c10d, "_new_group_with_tag", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    par = job_config(_base(), Candidate(dp_shard=8192, tp=2), batch_size=8192, seq_len=SEQ).parallelism
+    with rank_mesh(par, 16384, 5) as mesh:
+        assert dist.get_process_group_ranks(mesh["tp"].get_group()) == [4, 5]
+        assert dist.get_process_group_ranks(mesh["dp_shard"].get_group()) == list(range(1, 16384, 2))
+    assert 0 < len(made) < 20, len(made)  # its own group of each axis and flattened axis (73,730 before)
 
 
 def test_a_model_file_whose_loss_takes_positional_arguments_is_traced():

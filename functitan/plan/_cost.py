@@ -122,7 +122,9 @@ def _steady(pp: int, v: int, m: int) -> int:
     return min(m, 2 * pp * v)
 
 
+@functools.cache
 def _schedule(pp: int, schedule: str, v: int, m: int) -> pipeline.Schedule:
+    """Built once for its in-flight count and its timing (a 64-rank schedule takes ~20 ms to build)."""
     return build_schedule(ParallelismConfig(pp=pp, pipeline_schedule=schedule, stages_per_rank=v), m)
 
 
@@ -149,7 +151,7 @@ def pipe_bubble(pp: int, schedule: str, v: int, m: int) -> float:
     return float(idle / (idle + busy))
 
 
-def bubble(c: Candidate) -> float:
+def pipeline_bubble(c: Candidate) -> float:
     return pipe_bubble(c.pp, c.schedule, c.stages_per_rank, c.microbatches)
 
 
@@ -166,9 +168,19 @@ def _collective_s(kind: str, nbytes: float, count: float, n: int, bw: float, alp
 
 
 def step_time(
-    c: Candidate, cluster: Cluster, comm: dict, *, flops_per_token: float, tokens: int, n_blocks: int, ops: float = 0.0
+    c: Candidate,
+    cluster: Cluster,
+    comm: dict,
+    *,
+    flops_per_token: float,
+    tokens: int,
+    n_blocks: int,
+    ops: float = 0.0,
+    bubble: float | None = None,
 ) -> Time:
-    """Seconds per step (module docstring); ``ops``: the ops the busiest rank dispatches per step (traced)."""
+    """Seconds per step (module docstring); ``ops``: the ops the busiest rank dispatches per step (traced);
+    ``bubble``: the pipeline's idle fraction instead of its schedule's simulated one (0: a lower bound of the
+    time, which grows with it)."""
     dev = cluster.device
     flops = flops_per_token * tokens / cluster.world * (4 / 3 if c.remat == "full" else 1.0)
     compute = flops / (dev.peak(c.param_dtype) * dev.efficiency)
@@ -186,7 +198,7 @@ def step_time(
                 hidden += t
             else:
                 exposed += t
-    b = bubble(c)
+    b = pipeline_bubble(c) if bubble is None else bubble
     host = ops * dev.op_s
     # a GPU's host queues kernels ahead (the slower of the two paces the step); a CPU's host is the device
     work = max(compute, host) if dev.host_async else compute + host
