@@ -44,6 +44,31 @@ def test_stages_take_their_keys_and_costs_from_the_declaration(model, cfg, width
     assert sm.last_cost == 2 * cfg.vocab_size * cfg.dim + 5 * cfg.vocab_size + 4 * cfg.dim
 
 
+@pytest.mark.parametrize("model", [llama.MODEL, gpt2.MODEL, qwen3.MODEL], ids=lambda m: m.name)
+def test_a_stages_first_and_last_pieces_gather_only_the_keys_they_read(model, monkeypatch):
+    """The pipeline executor hands a stage's pieces the rank's whole param tree, blocks included. Each piece gathers
+    (``layout.param``: an FSDP all-gather per leaf and microbatch) only its own keys: gathering the whole tree in
+    every microbatch made a pp 2 x fsdp 2 step 1.3x slower than fsdp 4 on 4 CPU ranks (1.05x with this)."""
+    cfg = model.config("debug", n_layers=2)
+    params = init(model.params(cfg), 0)
+    gathered: list = []
+    real = Layout.param
+    monkeypatch.setattr(Layout, "param", lambda self, p: gathered.append(p) or real(self, p))
+    sm = model.stages(cfg, Layout(), seq_len=8)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    mb = {"inputs": tokens, "targets": tokens}
+    read = {k: {id(x) for x in _leaves(params[k])} for k in params if k != sm.blocks_key}
+
+    def keys_of(tensors):
+        return {k for k, ids in read.items() if ids & {id(t) for t in tensors}}, len(tensors)
+
+    h = sm.first(params, mb)
+    assert keys_of(gathered) == (set(sm.first_keys), sum(len(read[k]) for k in sm.first_keys))
+    gathered.clear()
+    sm.last(params, h, mb)
+    assert keys_of(gathered) == (set(sm.last_keys), sum(len(read[k]) for k in sm.last_keys))
+
+
 def _leaves(tree):
     import optree
 
