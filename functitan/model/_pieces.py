@@ -137,7 +137,7 @@ def composed(pieces: Pieces, declare: Callable[[Any], Any]) -> tuple[Callable, C
         def gathered(p: Any, keys: tuple[str, ...]) -> Any:
             # the keys the piece reads, leaf by leaf (what the planner's pipelined traces are validated with); the
             # executor hands the rank's whole tree, blocks included: gathering all of it in every microbatch's
-            # first and last piece made a pp 2 x fsdp 2 step 1.3x slower than fsdp 4 (1.0x before the pieces)
+            # first and last piece made a pp 2 x fsdp 2 step 1.3-1.6x as slow as fsdp 4 (1.0-1.05x without)
             return {k: optree.tree_map(layout.param, p[k]) for k in keys}
 
         # blocks with aux (MoE): token sums, so the terms of every stage join the loss as the one-process loss's
