@@ -10,8 +10,8 @@ The ``Layout`` composes one of these with the tensor-parallel part; a model neve
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import optree
@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _collectives, _remat
 from . import _dtensor as _dt
-from .mesh import FSDP_AXES, REPLICA_AXES
+from .mesh import REPLICA_AXES
 
 __all__ = ["FSDP", "FSDPPolicy"]
 
@@ -48,7 +48,8 @@ class FSDP:
     policy: FSDPPolicy = FSDPPolicy()
     sharded: bool = False
     tp_grad_sum: Callable[[Tensor, DTensor, torch.dtype | None], Tensor] | None = None
-    flat_group: Any = None  # dp_shard x cp flattened (functitan.mesh.fsdp_group), when both are > 1
+    # {(dp_shard or dp_shard_ep, cp): that pair flattened} where both are > 1 (functitan.mesh.fsdp_groups)
+    flat_groups: Mapping[tuple[str, str], Any] = field(default_factory=dict)
 
     # -- parameters
     def param(self, p: Tensor) -> Tensor:
@@ -183,11 +184,12 @@ class FSDP:
         equal pieces is one gather over the flattened group (bucketed and prefetched like plain FSDP); unequal
         pieces (DTensor chunks each split in turn) are gathered one axis at a time."""
         names = mesh.mesh_dim_names
-        if self.flat_group is not None and len(levels) >= 2:
+        if self.flat_groups and len(levels) >= 2:
             (mo, do, fo), (mi, di, _) = levels[-2], levels[-1]
             n = mesh.size(mo) * mesh.size(mi)
-            if (names[mo], names[mi]) == FSDP_AXES and do == di and fo % n == 0:
-                return [(self.flat_group, do, fo), *[(mesh.get_group(m), d, f) for m, d, f in reversed(levels[:-2])]]
+            flat = self.flat_groups.get((names[mo], names[mi]))
+            if flat is not None and do == di and fo % n == 0:
+                return [(flat, do, fo), *[(mesh.get_group(m), d, f) for m, d, f in reversed(levels[:-2])]]
         return [(mesh.get_group(m), d, f) for m, d, f in reversed(levels)]
 
     # -- blocks: the gathers inside remat regions, prefetch and reshard-after-forward

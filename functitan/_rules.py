@@ -49,8 +49,10 @@ def default_rules(*, sequence_parallel: bool = False) -> Rules:
     Params: vocab, heads, kv_heads and mlp go to ``tp`` (Megatron: column-parallel q/k/v/gate/up and the
     vocab-parallel embedding and head, row-parallel o/down); the ``embed`` dim goes to ``dp_shard`` and ``cp``
     (FSDP over both, torchtitan's ``fsdp = dp_shard * cp``: a cp rank keeps no extra copy of the params);
-    a MoE layer's ``experts`` go to ``ep`` (expert parallelism; the mesh's ``dp_shard`` is then what ep left of
-    it, torchtitan's efsdp); ``layers`` goes to ``pp``. Activations: ``batch`` goes to both data-parallel axes, and with sequence
+    a MoE layer's ``experts`` go to ``ep`` (expert parallelism borrows its ranks from dp_shard). ``embed`` lists
+    ``ep`` with the FSDP axes, so a dense param is sharded over the whole dp_shard degree as without ep; a routed
+    expert's ``embed`` falls to the next rule, FSDP over what ep left (torchtitan's efsdp), since its ``experts``
+    dim took ``ep``. ``layers`` goes to ``pp``. Activations: ``batch`` goes to both data-parallel axes, and with sequence
     parallelism the residual stream's ``seq`` goes to ``tp``.
     """
     rules: list[tuple[str, str | tuple[str, ...] | None]] = [
@@ -60,9 +62,10 @@ def default_rules(*, sequence_parallel: bool = False) -> Rules:
         ("kv_heads", "tp"),
         ("mlp", "tp"),
         ("experts", "ep"),
-        ("embed", ("dp_shard", "cp")),
-        ("q_lora", ("dp_shard", "cp")),  # multi-head latent attention's latents (DeepSeek-V3), sharded as embed
-        ("kv_lora", ("dp_shard", "cp")),
+        ("embed", ("dp_shard", "ep", "cp")),  # a dense param: FSDP over the whole dp_shard degree and cp
+        ("embed", ("dp_shard", "cp")),  # a routed expert's (ep taken by its experts dim): FSDP over the rest
+        ("q_lora", ("dp_shard", "ep", "cp")),  # multi-head latent attention's latents (DeepSeek-V3), as embed
+        ("kv_lora", ("dp_shard", "ep", "cp")),
         ("layers", "pp"),
     ]
     if sequence_parallel:

@@ -8,12 +8,15 @@ exists; a size-1 axis means "replicated" everywhere.
 
 Expert parallelism borrows its ranks from ``dp_shard`` (torchtitan's ``efsdp = dp_shard / ep``): with
 ``parallelism.dp_shard=4, ep=2`` the mesh's ``dp_shard`` axis has 2 ranks and ``ep`` 2. The ``ep`` ranks are
-data parallel for every param but the routed experts, whose ``experts`` dim they shard (``functitan.moe``).
+data parallel for every param but the routed experts, whose ``experts`` dim they shard (``functitan.moe``). So
+that a dense param is FSDP-sharded over the whole ``dp_shard`` degree (4 here, as without ep), it lives on a
+mesh whose ``dp_shard`` and ``ep`` axes are one, ``dp_shard_ep`` (``storage_mesh(..., dense=True)``).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -23,11 +26,12 @@ __all__ = [
     "AXES",
     "DEGREES",
     "DP_AXES",
+    "EP_DENSE",
     "FSDP_AXES",
     "REPLICA_AXES",
     "make_mesh",
     "storage_mesh",
-    "fsdp_group",
+    "fsdp_groups",
     "resolve_degrees",
     "check_ep",
     "default_device_type",
@@ -39,12 +43,15 @@ DP_AXES = ("dp_replicate", "dp_shard", "ep")  # each rank its own batch slice
 # the ranks that hold the same parameters and average their gradients: the data-parallel axes, and cp, whose
 # ranks hold the same batch's different chunks of the sequence and the same (whole-sequence) loss. A param
 # Shard-ed on ep (routed experts) is expert parallel there: each ep rank holds other experts, never gathered.
-REPLICA_AXES = ("dp_replicate", "dp_shard", "ep", "cp")
+# ``dp_shard_ep``: dp_shard and ep flattened (rank ``i * ep + j``), the axis a dense param is FSDP-sharded on under
+# ep: every rank of the dp_shard degree, ep's included (torchtitan's dense ``dp_shard_cp`` mesh).
+EP_DENSE = "dp_shard_ep"
+REPLICA_AXES = ("dp_replicate", "dp_shard", "ep", EP_DENSE, "cp")
 # the axes FSDP shards parameters over (torchtitan's ``fsdp = dp_shard * cp``): a cp rank holds no extra
 # parameter memory. Both shard the same dim, dp_shard outer, so one all-gather over the flattened group
-# (``fsdp_group``) gathers what the two axes split.
+# (``fsdp_groups``) gathers what the two axes split; under ep a dense param's dp_shard is ``dp_shard_ep``.
 FSDP_AXES = ("dp_shard", "cp")
-FSDP_FLAT = "dp_shard_cp"
+_FLAT = {("dp_shard", "cp"): "dp_shard_cp", (EP_DENSE, "cp"): "dp_shard_ep_cp"}
 
 
 def default_device_type() -> str:
@@ -119,13 +126,15 @@ def make_mesh(
     if not dist.is_initialized():
         _init_single_process(device)
     mesh = init_device_mesh(device, tuple(degrees[a] for a in AXES), mesh_dim_names=AXES)
-    fsdp_group(mesh)  # its process groups are made now, on every rank at once (a collective)
+    fsdp_groups(mesh)  # the flattened axes' process groups are made now, on every rank at once (a collective)
     return mesh
 
 
-def storage_mesh(mesh: DeviceMesh) -> DeviceMesh:
+def storage_mesh(mesh: DeviceMesh, *, dense: bool = False) -> DeviceMesh:
     """``mesh`` without its size-1 axes (its first axis alone when every axis has one rank): the mesh DTensor
-    params and activations live on.
+    params and activations live on. ``dense``: for a param whose FSDP dim ep shards with dp_shard (the default
+    rules' ``embed``), the mesh's ``dp_shard`` and ``ep`` as one axis, ``dp_shard_ep``: FSDP then gathers it over
+    the whole dp_shard degree, and ``ep`` on a param's own mesh always means its experts (``functitan._fsdp``).
 
     DTensor's sharding propagation expands an op's strategies over every mesh dim, a size-1 dim included (torch's
     O(S^N) expansion), so a pointwise op's first call on a new shape costs about 6x more per dim: on one CPU
@@ -134,20 +143,43 @@ def storage_mesh(mesh: DeviceMesh) -> DeviceMesh:
     dropping it changes no value. Slicing reuses the mesh's process groups: no collective, the same result on
     every rank."""
     names = tuple(mesh.mesh_dim_names or ())
-    kept = tuple(a for i, a in enumerate(names) if mesh.size(i) > 1) or names[:1]
+    size = _sizes(mesh) if dense else {a: mesh.size(i) for i, a in enumerate(names)}
+    if EP_DENSE in size:
+        merged = (EP_DENSE if a == "ep" else a for a in names if a != "dp_shard")
+        with warnings.catch_warnings():  # "slicing a flattened dim from root mesh will be deprecated" (torch 2.13)
+            warnings.simplefilter("ignore", UserWarning)
+            # a flattened axis is sliced from the root mesh: the same ranks for a stage's mesh
+            return mesh._get_root_mesh()[tuple(a for a in merged if size[a] > 1)]
+    kept = tuple(a for a in names if size[a] > 1) or names[:1]
     return mesh if kept == names else mesh[kept]
 
 
-def fsdp_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
-    """The process group of ``dp_shard x cp`` flattened (rank ``i * cp + j`` for dp_shard ``i``, cp ``j``: the
-    order DTensor chunks a dim sharded on both), or None unless both axes have more than one rank.
+def fsdp_groups(mesh: DeviceMesh) -> dict[tuple[str, str], dist.ProcessGroup]:
+    """The process groups of ``dp_shard x cp`` flattened (rank ``i * cp + j`` for dp_shard ``i``, cp ``j``: the
+    order DTensor chunks a dim sharded on both), and under ep of ``dp_shard_ep x cp``, by their axes: those whose
+    axes both have more than one rank. ``dp_shard_ep`` itself is made where ep > 1.
 
-    ``make_mesh`` creates it on every rank; later calls (on the mesh or any submesh holding both axes, such as a
-    pipeline stage's) find the same group in torch's cache without a collective."""
-    names = mesh.mesh_dim_names or ()
-    if not all(a in names and mesh[a].size() > 1 for a in FSDP_AXES):
-        return None
-    return mesh[FSDP_AXES]._flatten(FSDP_FLAT).get_group()
+    ``make_mesh`` creates them on every rank; later calls (on the mesh or any submesh holding the axes, such as a
+    pipeline stage's) find the same groups in torch's cache without a collective."""
+    size = _sizes(mesh)
+    both = [(axes, flat) for axes, flat in _FLAT.items() if all(size.get(a, 1) > 1 for a in axes)]
+    return {axes: _flatten(mesh, axes, flat).get_group() for axes, flat in both}
+
+
+def _sizes(mesh: DeviceMesh) -> dict[str, int]:
+    """Each axis's size by name, with ``dp_shard_ep``'s where ep > 1 (made then: a collective the first time)."""
+    size = {a: mesh.size(i) for i, a in enumerate(mesh.mesh_dim_names or ())}
+    if size.get("ep", 1) > 1:
+        _flatten(mesh, ("dp_shard", "ep"), EP_DENSE)
+        size[EP_DENSE] = size.get("dp_shard", 1) * size["ep"]
+    return size
+
+
+def _flatten(mesh: DeviceMesh, axes: tuple[str, ...], name: str) -> DeviceMesh:
+    """``axes`` of ``mesh`` as one axis ``name``, registered on the root mesh (made once: a collective)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return mesh._get_root_mesh()[axes]._flatten(name)
 
 
 def check_ep(ep: int, dp_shard: int) -> None:

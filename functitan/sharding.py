@@ -34,7 +34,7 @@ from ._names import NameTable
 from ._rules import Rules, Spec, default_rules, is_spec, logical_to_mesh_axes, spec_placements
 from ._seq import WHOLE, SequenceSplit
 from ._tp import TPContext, parse_einsum
-from .mesh import DP_AXES, fsdp_group, storage_mesh
+from .mesh import DP_AXES, EP_DENSE, fsdp_groups, storage_mesh
 from .tree import map_with_names, tree_map
 
 __all__ = [
@@ -58,19 +58,26 @@ def place(params: Any, specs: Any, rules: Rules, mesh: DeviceMesh, *, requires_g
     Every rank must hold the same full values (``init`` guarantees it); each keeps only its shard, so no
     communication happens. Floating-point leaves come back as DTensor leaves with ``requires_grad`` set, on
     ``storage_mesh(mesh)``: the mesh's axes of more than one rank (a size-1 axis carries nothing and makes every
-    DTensor op slower).
+    DTensor op slower). Under expert parallelism a dense param's dp_shard and ep are one axis there, ``dp_shard_ep``
+    (FSDP over the whole dp_shard degree; ``ep`` on a param's mesh then always shards its experts).
     """
     storage = storage_mesh(mesh)
+    dense: list[DeviceMesh] = []  # storage_mesh(mesh, dense=True), made at the first dense param under ep
 
     def one(name: str, x: Any, spec: Spec) -> Any:
         if not isinstance(x, Tensor):
             raise TypeError(f"{name}: place() takes a tree of tensors, found {type(x).__name__}")
-        pl = _on(storage, mesh, spec_placements(spec, rules, mesh, name=name, ndim=x.ndim, shape=x.shape))
+        on_mesh = spec_placements(spec, rules, mesh, name=name, ndim=x.ndim, shape=x.shape)
+        where = storage
+        if _ep_shards_data(spec, rules, mesh, on_mesh):
+            dense[:] = dense or [storage_mesh(mesh, dense=True)]
+            where = dense[0]
+        pl = _on(where, mesh, on_mesh)
         full = x.detach()
         # distribute_tensor(src_data_rank=None) cuts every rank's chunk to keep one: 8192 fake tensors per
         # leaf at FSDP 8192, most of a planner trace's time. This rank's slice, cloned, is the same DTensor.
-        local = _local_slice(full, storage, pl).clone(memory_format=torch.contiguous_format)
-        out = DTensor.from_local(local, storage, pl, run_check=False, shape=full.shape, stride=full.stride())
+        local = _local_slice(full, where, pl).clone(memory_format=torch.contiguous_format)
+        out = DTensor.from_local(local, where, pl, run_check=False, shape=full.shape, stride=full.stride())
         return out.requires_grad_(requires_grad and x.is_floating_point())
 
     return map_with_names(one, params, specs, is_leaf=is_spec, what=("params", "specs"))
@@ -98,9 +105,19 @@ def constrain(x: Tensor, spec: Spec, rules: Rules, mesh: DeviceMesh) -> DTensor:
 
 
 def _on(storage: DeviceMesh, mesh: DeviceMesh, pl: Sequence[Any]) -> tuple[Any, ...]:
-    """Placements ``pl`` (one per dim of ``mesh``) for the dims ``storage_mesh(mesh)`` keeps."""
+    """Placements ``pl`` (one per dim of ``mesh``) for the dims ``storage_mesh(mesh)`` keeps (``dp_shard_ep``:
+    ep's, which shards the same dim as dp_shard or is all of it)."""
     names = list(mesh.mesh_dim_names or ())
-    return tuple(pl[names.index(a)] for a in storage.mesh_dim_names or ())
+    return tuple(pl[names.index("ep" if a == EP_DENSE else a)] for a in storage.mesh_dim_names or ())
+
+
+def _ep_shards_data(spec: Spec, rules: Rules, mesh: DeviceMesh, pl: Sequence[Any]) -> bool:
+    """Whether ``ep`` shards this param as a data-parallel axis: its rule lists ep with other axes (the default
+    rules' ``embed``: FSDP over the whole dp_shard degree), not alone (``experts``: expert parallelism)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if "ep" not in names or not isinstance(pl[names.index("ep")], Shard):
+        return False
+    return len(logical_to_mesh_axes(spec, rules, mesh_axes=names)[pl[names.index("ep")].dim]) > 1
 
 
 def _local_slice(x: Tensor, mesh: DeviceMesh, pl: Sequence[Any]) -> Tensor:
@@ -174,9 +191,9 @@ class Layout:
         policy = FSDPPolicy(self.param_dtype, self.reduce_dtype, self.reshard_after_forward)
         fsdp = FSDP(
             policy,
-            on("dp_shard") or on("cp"),  # FSDP shards over dp_shard x cp (mesh.FSDP_AXES)
+            on("dp_shard") or on("ep") or on("cp"),  # FSDP shards over dp_shard (ep's ranks too) x cp
             tp.grad_sum if tp is not None and tp.sequence_parallel else None,
-            fsdp_group(mesh) if mesh is not None else None,
+            fsdp_groups(mesh) if mesh is not None else {},
         )
         cp = CPContext(mesh, self.cp_attention) if on("cp") and mesh is not None else None
         object.__setattr__(self, "_tp", tp)

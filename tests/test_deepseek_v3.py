@@ -214,7 +214,7 @@ def test_layout_checks_name_what_does_not_split_before_step_1():
 # |grad - one process| <= 1.2e-7 over every param of every layout, |loss - one process| <= 4.8e-7 (one ulp).
 LAYOUTS = {
     2: ("ddp", "fsdp", "ep", "cp", "tp", "tp_sp", "pp_1f1b"),
-    4: ("fsdp_ep", "ep4", "hsdp_ep", "ep_tp_sp", "pp_ep"),
+    4: ("fsdp_ep", "ep4", "hsdp_ep", "ep_tp_sp", "cp_ep", "pp_ep"),
 }
 
 

@@ -134,7 +134,7 @@ def test_column_parallel_biases_are_sharded_and_row_parallel_bias_replicated():
         n: logical_to_mesh_axes(p.names, rules)
         for n, p in flatten_with_names(decl, is_leaf=lambda x: hasattr(x, "names"))[0]
     }
-    fsdp = ("dp_shard", "cp")  # FSDP shards the embed dim over dp_shard x cp
+    fsdp = ("dp_shard", "ep", "cp")  # FSDP shards the embed dim over dp_shard x cp (ep's ranks too, under ep)
     assert axes["attn.c_attn.weight"] == ((), ("tp",), fsdp)  # q, k, v of this rank's heads
     assert axes["attn.c_attn.bias"] == ((), ("tp",))  # the column-parallel bias: sliced like its output
     assert axes["mlp.c_fc.bias"] == (("tp",),)

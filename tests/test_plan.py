@@ -158,6 +158,26 @@ def test_predicted_peaks_of_moe_layouts_hold_the_bounds(gloo):
     assert all(-0.01 <= err <= 0.05 for *_, err in rows), rows
 
 
+def test_under_ep_a_rank_holds_the_dense_params_of_fsdp_without_ep_traced_and_by_formula():
+    """Expert parallelism borrows ranks from dp_shard; the dense params stay FSDP-sharded over the whole dp_shard
+    (torchtitan's layout), so a rank's params equal fsdp 4's under ep 2 and ep 4. Before, the dense params were
+    sharded over what ep left: ep 4 held 1.9x and ep 2 1.3x fsdp 4's bytes, traced and in the screen's formula."""
+    from functitan.plan._cost import analytic_memory
+    from functitan.plan._plan import model_dims
+    from functitan.plan._trace import trace_rank
+
+    model, mcfg = _model("qwen3_moe", MOE)
+    dims = model_dims(model, mcfg, model_shape(model, mcfg, SEQ))
+    held = {}
+    for ep in (1, 2, 4):
+        c = Candidate(dp_shard=4, ep=ep, remat="none", param_dtype="float32")
+        cfg = job_config(_base("qwen3_moe", MOE), c, batch_size=BATCH, seq_len=SEQ)
+        formula = analytic_memory(c, dims, seq_len=SEQ, batch_size=BATCH, blocks=MOE["n_layers"])["params"]
+        held[ep] = (trace_rank(cfg, model, mcfg, world=4, rank=0).params, formula)
+    assert held[1][0] == held[2][0] == held[4][0]  # 281,920 bytes (ep 2: 366,720 and ep 4: 536,320 before)
+    assert all(abs(f - t) <= 0.005 * t for t, f in held.values()), held
+
+
 def test_a_tensor_parallel_steps_measured_peak_is_the_same_every_run(gloo):
     """The measured side of the bounds above: GPT-2 under fsdp2 x tp2 + SP, stepped five times per rank, peaks
     at the same bytes each time. Gloo's collectives released their tensors on a worker thread after ``wait()``

@@ -219,7 +219,7 @@ def test_the_loss_adds_the_balance_term_and_reports_each_experts_share():
 # term; measured max |grad - one process| <= 3e-8 over every param of every layout
 MOE_LAYOUTS = {
     2: ("ddp", "fsdp", "tp", "tp_sp", "cp", "ep", "pp_1f1b"),
-    4: ("hsdp", "fsdp_tp_sp", "cp_tp_sp", "fsdp_ep", "ep4", "hsdp_ep", "ep_tp_sp", "pp_ep", "pp_fsdp_zb"),
+    4: ("hsdp", "fsdp_tp_sp", "cp_tp_sp", "fsdp_ep", "ep4", "hsdp_ep", "ep_tp_sp", "cp_ep", "pp_ep", "pp_fsdp_zb"),
 }
 
 
@@ -340,8 +340,9 @@ def test_ep_ranks_hold_their_share_of_the_experts_and_fsdp_shards_the_rest(gloo)
         gloo.run(_expert_shards, 4, {"dp_shard": 4, "ep": 4})[0],
         gloo.run(_expert_shards, 4, {"dp_shard": 4, "ep": 2})[0],
     )
-    assert ep4 == {"w_gate": (2, 32, 64), "router": (8, 64), "ep": 4}  # 2 whole experts; dense: no FSDP left
-    assert ep2 == {"w_gate": (4, 32, 32), "router": (8, 32), "ep": 2}  # 4 experts, and FSDP over efsdp = 2
+    # dense params (the router) are FSDP-sharded over the whole dp_shard degree, ep's ranks included, as without ep
+    assert ep4 == {"w_gate": (2, 32, 64), "router": (8, 16), "ep": 4}  # 2 whole experts (efsdp = 1)
+    assert ep2 == {"w_gate": (4, 32, 32), "router": (8, 16), "ep": 2}  # 4 experts, and FSDP over efsdp = 2
 
 
 def test_an_ep_that_does_not_divide_dp_shard_is_one_line_before_any_process_group_forms(monkeypatch):

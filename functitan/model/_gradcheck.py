@@ -44,6 +44,7 @@ GRADCHECK_LAYOUTS: dict[str, tuple[dict[str, int], bool]] = {
     "ep4": ({"dp_shard": 4, "ep": 4}, False),
     "hsdp_ep": ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, False),
     "ep_tp_sp": ({"dp_shard": 2, "ep": 2, "tp": 2}, True),
+    "cp_ep": ({"dp_shard": 2, "ep": 2, "cp": 2}, False),  # dense params FSDP over dp_shard_ep x cp flattened
     "pp_ep": ({"pp": 2, "dp_shard": 2, "ep": 2}, False),
     "pp_fsdp_zb": ({"pp": 2, "dp_shard": 2}, False),
 }

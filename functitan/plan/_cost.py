@@ -68,7 +68,9 @@ TIME_TOLERANCE = 0.05
 
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
-FSDP_AXES = frozenset(("dp_shard", "cp"))  # mesh.FSDP_AXES: FSDP's all-gathers and reduce-scatters, prefetched
+# FSDP's all-gathers and reduce-scatters, prefetched: over dp_shard x cp (mesh.FSDP_AXES), and under ep a dense
+# param's over dp_shard x ep x cp (mesh.EP_DENSE: ep's ranks are data parallel for it)
+FSDP_AXES = frozenset(("dp_shard", "ep", "cp"))
 # the traced step's context-parallel attention traffic (``_trace``: a K/V tensor, not a flat parameter bucket),
 # and the collective each costs as
 CP_KINDS = {"cp_all_gather": "all_gather", "cp_reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all"}
@@ -242,8 +244,8 @@ def analytic_memory(
     cb = _BYTES[c.param_dtype]
     tops = (0.5 if first else 0) + (0.5 if last else 0)
     dense_block = d.block_params - d.expert_params
-    # dense params: tp x FSDP over what ep left of dp_shard (x cp); routed experts: ep x that FSDP, not tp
-    p_rank = (blocks * dense_block + tops * d.top_params) / (c.tp * c.fsdp // c.ep) + blocks * d.expert_params / c.fsdp
+    # dense params: tp x FSDP over dp_shard (ep's ranks included) x cp; routed experts: ep x FSDP over what ep left
+    p_rank = (blocks * dense_block + tops * d.top_params) / (c.tp * c.fsdp) + blocks * d.expert_params / c.fsdp
     mbs = batch_size // c.dp // c.microbatches
     tok = mbs * seq_len // c.cp  # this rank's tokens of a microbatch
     sp = c.tp
@@ -288,28 +290,37 @@ def analytic_memory(
     return out
 
 
-def _fsdp_axes(c: Candidate) -> tuple[str, ...]:
-    """The mesh axes of FSDP's group (``mesh.fsdp_group``: dp_shard x cp flattened where both are > 1; the mesh's
-    dp_shard is what ep left)."""
-    return tuple(a for a, n in (("dp_shard", c.dp_shard // c.ep), ("cp", c.cp)) if n > 1)
+def _fsdp_axes(c: Candidate, *, experts: bool = False) -> tuple[str, ...]:
+    """The mesh axes of FSDP's group for dense params (``mesh.fsdp_groups``: dp_shard x cp flattened where both are
+    > 1; under ep, dp_shard is ``dp_shard_ep``, dp_shard and ep as one) or, ``experts``, for the routed experts
+    (what ep left of dp_shard, x cp)."""
+    degrees = _degrees(c)
+    axes = ("dp_shard", "cp") if experts else ("dp_shard", "ep", "cp")
+    return tuple(a for a in axes if degrees[a] > 1)
 
 
 def analytic_comm(c: Candidate, d: ModelDims, *, seq_len: int, batch_size: int, blocks: int) -> dict:
     """Collective bytes per step on each axis group by formula, in the trace's format (the screen's input)."""
     cb, m = _BYTES[c.param_dtype], c.microbatches
     mbs = batch_size // c.dp // m
-    p_stage = (blocks * (d.block_params - d.expert_params) + d.top_params / max(c.pp, 1)) / c.tp
-    p_stage += blocks * d.expert_params / c.ep
+    p_dense = (blocks * (d.block_params - d.expert_params) + d.top_params / max(c.pp, 1)) / c.tp
+    p_experts = blocks * d.expert_params / c.ep
     tok = mbs * seq_len // c.cp  # a rank's tokens of a microbatch
     out: dict = {}
-    if c.fsdp // c.ep > 1:
-        regather = 2 if (c.reshard_after_forward or c.remat != "none") else 1
-        out[_fsdp_axes(c)] = {
-            "all_gather": [regather * p_stage * cb * m, regather * (blocks + 1) * m],
-            "reduce_scatter": [4 * p_stage * m, (blocks + 1) * m],
-        }
+    regather = 2 if (c.reshard_after_forward or c.remat != "none") else 1
+    # under ep the routed experts are gathered on their own group (what ep left of dp_shard, x cp)
+    groups = [(_fsdp_axes(c), p_dense + (p_experts if c.ep == 1 else 0.0))]
+    if c.ep > 1 and p_experts:
+        groups.append((_fsdp_axes(c, experts=True), p_experts))
+    for axes, p in groups:
+        if axes:  # a group of more than one rank
+            out[axes] = {
+                "all_gather": [regather * p * cb * m, regather * (blocks + 1) * m],
+                "reduce_scatter": [4 * p * m, (blocks + 1) * m],
+            }
     if c.dp_replicate > 1:
-        out[("dp_replicate",)] = {"all_reduce": [4 * p_stage / (c.fsdp // c.ep) * m, 9 * (blocks + 1) * m]}
+        p_rank = p_dense / c.fsdp + p_experts / (c.fsdp // c.ep)
+        out[("dp_replicate",)] = {"all_reduce": [4 * p_rank * m, 9 * (blocks + 1) * m]}
     if c.tp > 1:
         act = tok * d.h * cb
         per = 4 + (2 if c.remat == "full" else 0)
