@@ -1,7 +1,7 @@
 """The MoE layer (``functitan.moe``) against plain torch, and expert parallelism (ep 2 vs ep 1) in the trainer.
 
 ``layer``: forward + backward (fp32, CPU, one thread) of routing + routed experts, on the same inputs and params,
-three sides alternating inside each run (A B C, C B A, ...):
+three sides (four with torchtitan) alternating inside each run (A B C D, D C B A, ...):
 
 - ``functitan``: ``route`` (``Router(experts, top_k, norm_topk=True)``) on ``x @ router.T``, then
   ``functitan.moe.routed_experts`` with no expert parallelism (what ``moe(...)`` runs under ``Layout()``, less
@@ -12,10 +12,26 @@ three sides alternating inside each run (A B C, C B A, ...):
   Gate and up are separate matrices here (transformers fuses them as ``gate_up_proj``; same math).
 - ``grouped_mm``: the same sort + ``torch._grouped_mm`` + ``index_add`` written inline, no library call: the
   library's own overhead over the kernel (``functitan / grouped_mm``).
+- ``torchtitan``: torchtitan's own MoE layer (PyPI ``torchtitan`` 0.3.0, ``torchtitan.models.common.moe.MoE``),
+  built with the config helpers its Qwen3-MoE models (``debugmodel_moe``) use: ``TokenChoiceTopKRouter``
+  (a ``Linear`` gate, softmax, top-k, ``route_norm=True``, its zero ``expert_bias_E`` of the aux-loss-free
+  balancing), ``AllToAllTokenDispatcher`` (falls back to local dispatch without an ep mesh: argsort, gather,
+  ``deterministic_scatter_add``), ``GroupedExperts`` (``torch._grouped_mm``), no shared experts, dropless, at
+  this benchmark's shapes, weights copied in (its layouts are functitan's: ``w1_EFD`` = gate, ``w3_EFD`` = up,
+  ``w2_EDF`` = down, the gate ``Linear.weight`` (experts, dim) = the router). Two CPU shims (``_torchtitan``):
+  its ``minimal_async_ep.kernels`` module (Triton kernels of a CUDA-only ep dispatcher, imported
+  unconditionally) is stubbed when triton is absent, and ``GroupedExperts.forward``, which casts x and the
+  expert weights to bf16 unconditionally (CUDA's grouped GEMM wants bf16), runs the same three ``_grouped_mm``
+  calls without the casts, so the side is fp32 like the others. The unmodified bf16 path also runs on this CPU
+  (once per shape in the first run, not timed); its max abs difference from functitan is recorded
+  (``torchtitan_as_shipped_bf16``). Where torchtitan does not import, ``torchtitan_moe`` in the JSON carries
+  the error and the other three sides run as before.
 
 Before timing, outputs and the gradients of x, the router and every expert matrix are checked equal across the
-sides (``torch.testing.assert_close``, fp32 defaults). ``ratios``: functitan / hf_loop and functitan /
-grouped_mm per shape (target: functitan / hf_loop <= 1.0), wall and process-CPU time.
+sides (``torch.testing.assert_close``, fp32 defaults; torchtitan's fp32 side measured a max abs difference of
+0 at top 2 and <= 2e-6 at top 4: float rounding of a different summation order, ``scatter_add`` against
+``index_add``). ``ratios``: functitan / hf_loop, functitan / grouped_mm and functitan / torchtitan per shape
+(target: functitan / hf_loop <= 1.0), wall and process-CPU time.
 
 ``ep``: the trainer (``functitan.train.run``) on the ``debug`` Qwen3-MoE (2 layers, dim 64, 8 experts of width 32,
 top 2, balance 1e-2), global batch 8 x seq 32, AdamW, on 2 gloo processes (one thread each), ``ep1`` =
@@ -35,8 +51,8 @@ the wall ratio ep2 / ep1 is that overhead at best, not what ep buys on separate 
 expert GEMMs would shrink and the all-to-all would cross a real link). What it can show: that the ep path runs
 (the losses of ep1 and ep2 are recorded side by side; tests/test_qwen3_moe.py checks them equal), the memory
 per rank (experts / ep per rank, exact, independent of load) and the dispatch's cost on this host (its
-waits mostly measure the peer being late, not wire time). torchtitan is not installed here, so its MoE is not
-a side (``torchtitan_moe`` in the JSON says so).
+waits mostly measure the peer being late, not wire time). torchtitan is a side of ``layer`` only: its trainer
+needs CUDA (and its own model and data stack), so ``ep`` has no torchtitan reference.
 
 Run from the repository root::
 
@@ -51,11 +67,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+import types
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -158,28 +178,143 @@ SIDES: dict[str, Callable[[Tensor, dict[str, Tensor], Router], Tensor]] = {
     "grouped_mm": _grouped,
 }
 
+_TT_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
 
-def _layer_worker(shapes: list[Shape], steps: int, warmup: int) -> dict[str, Any]:
+
+@functools.cache
+def _torchtitan() -> types.SimpleNamespace:
+    """torchtitan's MoE pieces, with the two CPU shims; raises whatever the import raises.
+
+    Shim 1: ``torchtitan.models.common.moe`` imports its token dispatchers, which import the MinimalAsyncEP
+    dispatcher, whose ``kernels`` module does ``import triton`` at import time (Triton GPU kernels for an ep
+    dispatcher over CUDA symmetric memory; nothing on the ep=1 local path calls them). Without triton, that one
+    module is replaced by a stub whose every name raises if called. Not a fake ``triton``: torch probes for
+    triton itself and would take a stub for a real install.
+
+    Shim 2 (``_GroupedExpertsFp32``): ``GroupedExperts.forward`` casts x and the three expert weights to bf16
+    before ``torch._grouped_mm``, whatever their dtype. The subclass runs the same three ``self._grouped_mm``
+    calls (torchtitan's own seam) on the fp32 tensors; its DTensor branch (plain tensors here) and spmd_types
+    type-checking branch (off outside a type-checking context) are left out. Everything else (router,
+    dispatcher, combine, MoE.forward) is torchtitan's code unchanged.
+    """
+    if importlib.util.find_spec("triton") is None and _TT_KERNELS not in sys.modules:
+        stub = types.ModuleType(_TT_KERNELS)
+
+        def missing(name: str) -> Callable[..., Any]:
+            if name.startswith("__"):
+                raise AttributeError(name)
+
+            def unavailable(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError(f"{_TT_KERNELS}.{name} needs triton (stubbed by benchmarks/moe.py)")
+
+            return unavailable
+
+        stub.__getattr__ = missing  # type: ignore[method-assign]
+        sys.modules[_TT_KERNELS] = stub
+    from torchtitan.models.common.config_utils import (
+        make_moe_config,
+        make_routed_experts_config,
+        make_router_config,
+    )
+    from torchtitan.models.common.moe import GroupedExperts
+
+    class _GroupedExpertsFp32(GroupedExperts):
+        def forward(self, x_RD: Tensor, num_tokens_per_expert_E: Tensor) -> Tensor:
+            offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+            h_RF = F.silu(self._grouped_mm(A=x_RD, B_t=self.w1_EFD.transpose(-2, -1), offs=offsets_E))
+            h_RF = h_RF * self._grouped_mm(A=x_RD, B_t=self.w3_EFD.transpose(-2, -1), offs=offsets_E)
+            return self._grouped_mm(A=h_RF, B_t=self.w2_EDF.transpose(-2, -1), offs=offsets_E).type_as(x_RD)
+
+    import torchtitan
+
+    version = getattr(torchtitan, "__version__", None)
+    if version is None:
+        from importlib.metadata import version as dist_version
+
+        version = dist_version("torchtitan")
+    return types.SimpleNamespace(
+        version=version,
+        make_moe_config=make_moe_config,
+        make_router_config=make_router_config,
+        make_routed_experts_config=make_routed_experts_config,
+        fp32_experts=_GroupedExpertsFp32,
+    )
+
+
+def _torchtitan_moe(s: Shape, p: dict[str, Tensor], fp32: bool = True) -> tuple[Callable, list[Tensor]]:
+    """torchtitan's ``MoE`` at shape ``s`` holding copies of ``p``: a side for ``SIDES`` and its params, in ``p``'s
+    order (router, gate, up, down). Config as torchtitan's Qwen3-MoE layers build it (models/qwen3/__init__.py),
+    less the param init (the weights are copied in)."""
+    tt = _torchtitan()
+    cfg = tt.make_moe_config(
+        num_experts=s.experts,
+        router=tt.make_router_config(
+            dim=s.dim,
+            num_experts=s.experts,
+            gate_param_init={},
+            top_k=s.top_k,
+            score_func="softmax",
+            route_norm=True,
+        ),
+        routed_experts=tt.make_routed_experts_config(
+            dim=s.dim,
+            hidden_dim=s.ffn,
+            num_experts=s.experts,
+            top_k=s.top_k,
+            param_init={},
+            comm_backend="standard",
+        ),
+    )
+    moe = cfg.build()
+    experts = moe.routed_experts.inner_experts
+    if fp32:
+        experts.__class__ = tt.fp32_experts
+    params = [moe.router.gate.weight, experts.w1_EFD, experts.w3_EFD, experts.w2_EDF]
+    with torch.no_grad():
+        for mine, src in zip(params, (p["router"], p["w_gate"], p["w_up"], p["w_down"]), strict=True):
+            assert mine.shape == src.shape, (mine.shape, src.shape)
+            mine.copy_(src)
+
+    def side(x: Tensor, p: dict[str, Tensor], router: Router) -> Tensor:
+        return moe(x.view(1, *x.shape)).view(x.shape)  # (B, L, D) in and out; p and router are its own
+
+    return side, params
+
+
+def _layer_worker(shapes: list[Shape], steps: int, warmup: int, check_shipped: bool = False) -> dict[str, Any]:
     torch.set_num_threads(1)
+    # torchtitan's router asks for fp32 autocast around its gate; CPU autocast has no fp32 mode and says so per call
+    warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
     out: dict[str, Any] = {}
+    try:  # imported here, in the worker, so that the ep part's processes never load torchtitan
+        out["torchtitan"] = {"version": _torchtitan().version, "error": None}
+    except Exception as e:  # any import failure: recorded, and the layer runs without that side
+        out["torchtitan"] = {"version": None, "error": f"{type(e).__name__}: {e}"}
+    with_torchtitan = out["torchtitan"]["error"] is None
     for s in shapes:
         router = Router(experts=s.experts, top_k=s.top_k, norm_topk=True)
         g = torch.Generator().manual_seed(1)
         x = torch.randn(s.tokens, s.dim, generator=g).requires_grad_()
         dy = torch.randn(s.tokens, s.dim, generator=g)
         p = _params(s)
-        leaves = [x, *p.values()]
+        sides = dict(SIDES)
+        leaves = {name: [x, *p.values()] for name in sides}
+        if with_torchtitan:
+            sides["torchtitan"], tt_params = _torchtitan_moe(s, p)
+            leaves["torchtitan"] = [x, *tt_params]
 
-        def fwd_bwd(side: Callable, leaves: list[Tensor] = leaves, x: Tensor = x, p: dict = p, dy: Tensor = dy) -> Any:
-            for t in leaves:
+        def fwd_bwd(
+            name: str, x: Tensor = x, p: dict = p, dy: Tensor = dy, sides: dict = sides, leaves: dict = leaves
+        ) -> Any:
+            for t in leaves[name]:
                 t.grad = None
-            y = side(x, p, router)
+            y = sides[name](x, p, router)
             (y * dy).sum().backward()
-            return y.detach(), [t.grad for t in leaves]
+            return y.detach(), [t.grad for t in leaves[name]]
 
-        got = {name: fwd_bwd(fn) for name, fn in SIDES.items()}  # check before timing
+        got = {name: fwd_bwd(name) for name in sides}  # check before timing
         max_diff = {}
-        for name in ("hf_loop", "grouped_mm"):
+        for name in [n for n in sides if n != "functitan"]:
             torch.testing.assert_close(got["functitan"][0], got[name][0])
             for a, b in zip(got["functitan"][1], got[name][1]):
                 torch.testing.assert_close(a, b)
@@ -187,25 +322,36 @@ def _layer_worker(shapes: list[Shape], steps: int, warmup: int) -> dict[str, Any
                 float((got["functitan"][0] - got[name][0]).abs().max()),
                 *(float((a - b).abs().max()) for a, b in zip(got["functitan"][1], got[name][1])),
             )
+        shipped = None
+        if with_torchtitan and check_shipped:  # torchtitan's GroupedExperts as published: bf16 GEMMs, not timed
+            side, tt_params = _torchtitan_moe(s, p, fp32=False)
+            sides["torchtitan_as_shipped_bf16"], leaves["torchtitan_as_shipped_bf16"] = side, [x, *tt_params]
+            y, grads = fwd_bwd("torchtitan_as_shipped_bf16")
+            ref = [got["functitan"][0], *got["functitan"][1]]
+            names = ["out", "x", *p]
+            shipped = {
+                "max_abs_diff_vs_functitan": {
+                    n: float((a - b).abs().max()) for n, a, b in zip(names, ref, [y, *grads], strict=True)
+                },
+                "max_abs_functitan": {n: float(a.abs().max()) for n, a in zip(names, ref, strict=True)},
+            }
+            del sides["torchtitan_as_shipped_bf16"], leaves["torchtitan_as_shipped_bf16"], side, tt_params, y, grads
         del got
-        fns: dict[str, Callable[[], Any]] = {name: functools.partial(fwd_bwd, fn) for name, fn in SIDES.items()}
+        fns: dict[str, Callable[[], Any]] = {name: functools.partial(fwd_bwd, name) for name in sides}
         wall, cpu = _common.interleaved(fns, steps=steps, warmup=warmup, device=torch.device("cpu"))
         med = {n: _common.median(v) for n, v in wall.items()}
         med_cpu = {n: _common.median(v) for n, v in cpu.items()}
+        others = [n for n in sides if n != "functitan"]
         out[s.key] = {
             "median_ms": {n: 1e3 * v for n, v in med.items()},
             "median_cpu_ms": {n: 1e3 * v for n, v in med_cpu.items()},
-            "ratios": {
-                "functitan_vs_hf_loop": med["functitan"] / med["hf_loop"],
-                "functitan_vs_grouped_mm": med["functitan"] / med["grouped_mm"],
-            },
-            "ratios_cpu": {
-                "functitan_vs_hf_loop": med_cpu["functitan"] / med_cpu["hf_loop"],
-                "functitan_vs_grouped_mm": med_cpu["functitan"] / med_cpu["grouped_mm"],
-            },
+            "ratios": {f"functitan_vs_{n}": med["functitan"] / med[n] for n in others},
+            "ratios_cpu": {f"functitan_vs_{n}": med_cpu["functitan"] / med_cpu[n] for n in others},
             "max_abs_diff_vs_functitan": max_diff,
             "wall_ms_all": {n: [round(1e3 * t, 2) for t in v] for n, v in wall.items()},
         }
+        if shipped is not None:
+            out[s.key]["torchtitan_as_shipped_bf16"] = shipped
     out["load_average_end"] = list(os.getloadavg())
     return out
 
@@ -364,7 +510,7 @@ def main() -> None:
             },
         },
         "targets": {"functitan_vs_hf_loop": TARGET},
-        "torchtitan_moe": "not measured: torchtitan is not importable in this environment, and was not installed",
+        "torchtitan_moe": "not measured: the layer part did not run (--parts)",
         "notes": [
             "layer: fp32, CPU, 1 thread; forward + backward of routing + routed experts; the sides' outputs and "
             "gradients are asserted equal before timing. On CPU torch._grouped_mm is a loop of matmuls in C++; "
@@ -375,14 +521,27 @@ def main() -> None:
             "the dispatch's cost on this host (all_to_all_single calls timed on each rank: counts + rows, "
             "forward and backward; a wait there is mostly the peer being late, not wire time).",
             "ep memory: ep borrows its ranks from dp_shard, so ep2 at world 2 is a mesh dp_shard=1 x ep=2: each rank "
-            "holds half the experts whole and the dense params (attention, embedding, router, norms) replicated "
-            "(docs/moe.md, 'Limits today'), while ep1 (dp_shard=2) FSDP-shards everything in half. So the experts' "
-            "bytes per rank are equal (half each way) and ep2's total is larger than ep1's; against ep1_ddp "
-            "(dp_replicate=2, everything whole on each rank) ep2 halves the experts' bytes.",
+            "holds half the experts whole, and the dense params (attention, embedding, router, norms) stay "
+            "FSDP-sharded over both ranks (the dp_shard_ep axis, docs/moe.md), as ep1 (dp_shard=2) shards "
+            "everything in half. So ep2's bytes per rank equal ep1's (the experts halved either way); against "
+            "ep1_ddp (dp_replicate=2, everything whole on each rank) ep2 halves them.",
         ],
     }
     if "layer" in a.parts:
-        runs = [run_distributed(_layer_worker, 1, shapes, a.layer_steps, 1, timeout=600)[0] for _ in range(a.runs)]
+        runs = [
+            run_distributed(_layer_worker, 1, shapes, a.layer_steps, 1, i == 0, timeout=600)[0] for i in range(a.runs)
+        ]
+        tt = runs[0]["torchtitan"]
+        if tt["error"] is None:
+            result["torchtitan_moe"] = (
+                f"measured: torchtitan {tt['version']} torchtitan.models.common.moe.MoE is the 'torchtitan' side of "
+                "layer (its Qwen3-MoE config: softmax top-k router with route_norm, zero expert_bias, "
+                "AllToAllTokenDispatcher falling back to local dispatch, GroupedExperts, no shared experts, dropless), "
+                "fp32 through a GroupedExperts shim (its forward casts to bf16); the as-shipped bf16 path's "
+                "difference from functitan is under layer.runs[0][shape].torchtitan_as_shipped_bf16. Not in ep."
+            )
+        else:
+            result["torchtitan_moe"] = f"not measured: importing torchtitan's MoE failed here: {tt['error']}"
         layer: dict[str, Any] = {"runs": runs, "ratios": {}, "ratios_cpu": {}}
         for s in shapes:
             for kind in ("ratios", "ratios_cpu"):
