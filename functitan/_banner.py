@@ -60,7 +60,9 @@ def banner(
     world = 1
     for a in AXES:
         world *= degrees.get(a, 1)
-    layout = " ".join(f"{a}={degrees[a]}" for a in AXES if degrees.get(a, 1) > 1) or "one process"
+    # as configured: ep borrows its ranks from dp_shard, whose mesh axis holds what ep left of it
+    shown = {**degrees, "dp_shard": degrees.get("dp_shard", 1) * degrees.get("ep", 1)}
+    layout = " ".join(f"{a}={shown[a]}" for a in AXES if shown.get(a, 1) > 1) or "one process"
     p, o = state_bytes(params), state_bytes(opt_state)
     where = (
         "nothing is written (--dry-run)" if dry_run else f"records in {run_dir}/ (tensorboard --logdir {run_dir}/tb)"

@@ -335,6 +335,13 @@ def test_the_banner_names_each_axis_and_this_ranks_share(gloo):
         return float(value)
 
     assert held(two[0]) == pytest.approx(held(one) / 2, rel=0.05)  # FSDP: half the params on each rank
+    # ep borrows its ranks from dp_shard: the line says dp_shard as configured, and each rank holds half the params
+    # under ep 2 as under fsdp 2 (its experts whole, the dense params sharded over both ranks)
+    moe = {"model.name": "qwen3_moe", "model.flavor": "debug", "training.seq_len": "32", "training.batch_size": "2"}
+    one, fsdp = _dry_banner(moe), gloo.run(_dry_banner, 2, {**moe, "parallelism.dp_shard": 2})[0]
+    ep = gloo.run(_dry_banner, 2, {**moe, "parallelism.dp_shard": 2, "parallelism.ep": 2})[0]
+    assert next(x for x in ep.splitlines() if "layout" in x).startswith("functitan: layout dp_shard=2 ep=2 on 2 ")
+    assert held(ep) == pytest.approx(held(fsdp), rel=0.05) and held(ep) == pytest.approx(held(one) / 2, rel=0.05)
 
 
 def test_lion_and_adafactor_train_from_the_config_and_loss_avg_is_the_window_mean(tmp_path):
