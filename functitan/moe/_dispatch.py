@@ -9,6 +9,8 @@ differentiable: backward sends the gradients the other way. No token is dropped 
 
 from __future__ import annotations
 
+import contextvars
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +19,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["ExpertParallel", "all_to_all"]
+__all__ = ["ExpertParallel", "all_to_all", "TRACED_LOAD"]
+
+# The rows a traced step (functitan.plan: FakeTensorMode, no values to route by) sends to the traced rank's
+# experts, as a multiple of the balanced share. Real routing is uneven and the planner traces the worst rank: at
+# 1.0 a real step's busiest ep rank peaked up to 1.5% above the trace (Qwen3-MoE debug, ep 4).
+TRACED_LOAD: contextvars.ContextVar[float] = contextvars.ContextVar("functitan_traced_moe_load", default=1.0)
 
 
 @dataclass(frozen=True)
@@ -60,14 +67,17 @@ class ExpertParallel:
         return all_to_all(back, recv_splits, send_splits, self.group)
 
     def _balanced(self, rows: int, n: int, counts: Tensor) -> tuple[list[int], list[int], Tensor, Tensor]:
-        """``routed``'s splits, order and local counts on tensors without values (FakeTensorMode): the balanced
-        load, which the balancing terms train toward. Every rank sends each rank an equal share of its ``rows`` and
-        receives as many, its ``n`` experts take equal groups; the same exchanges and copies as a real step."""
-        splits = _even(rows, self.size)
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=self.group)  # the count exchange a real step makes
-        order = torch.arange(rows, device=counts.device)
-        return splits, splits, order, torch.tensor(_even(rows, n), device=counts.device)
+        """``routed``'s splits, order and local counts on tensors without values (FakeTensorMode): every rank sends
+        each rank an equal share of its ``rows``, and this rank receives ``TRACED_LOAD`` times its share (the
+        busiest rank: the planner bounds the worst rank's memory), its ``n`` experts taking equal groups; the same
+        exchanges and copies as a real step."""
+        send = _even(rows, self.size)
+        recv = [math.ceil(r * TRACED_LOAD.get()) for r in send]
+        exchanged = torch.empty_like(counts)
+        dist.all_to_all_single(exchanged, counts, group=self.group)  # the count exchange a real step makes
+        total = sum(recv)
+        order = torch.arange(total, device=counts.device)
+        return send, recv, order, torch.tensor(_even(total, n), device=counts.device)
 
 
 class _AllToAll(torch.autograd.Function):

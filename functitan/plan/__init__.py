@@ -11,7 +11,7 @@ See docs/autotune.md.
 from ._candidates import Candidate, enumerate_candidates, job_config
 from ._cli import main
 from ._devices import DEVICES, Cluster, Device, calibrate, device
-from ._plan import MARGIN, Plan, PlanError, Row, plan, rank
+from ._plan import MARGIN, MOE_LOAD, Plan, PlanError, Row, plan, rank
 from ._predict import Prediction, model_shape, predict
 from ._report import render_png, table, write_toml
 from ._trace import RankTrace, build_step, step_peak, trace_rank
@@ -32,6 +32,7 @@ __all__ = [
     "plan",
     "rank",
     "MARGIN",
+    "MOE_LOAD",
     "Prediction",
     "model_shape",
     "predict",

@@ -11,7 +11,7 @@ import torch
 from .._command import CommandParser, config_flag, model_flags, run
 from ..job_config import parse_model_args
 from ._devices import DEVICES, Cluster, calibrate, device
-from ._plan import MARGIN, MIN_TRACED, PlanError, plan
+from ._plan import MARGIN, MIN_TRACED, MOE_LOAD, PlanError, plan
 from ._report import render_png, table, write_toml
 
 __all__ = ["main"]
@@ -47,6 +47,13 @@ def _parser() -> CommandParser:
         type=float,
         default=MARGIN,
         help=f"fraction of usable memory a recommended layout leaves free (default {MARGIN:g}: fragmentation, spikes)",
+    )
+    p.add_argument(
+        "--moe-load",
+        type=float,
+        default=MOE_LOAD,
+        help=f"under expert parallelism, the busiest rank's routed tokens over the mean (default {MOE_LOAD:g}; "
+        "1: perfectly balanced routing)",
     )
     p.add_argument("--calibrate", action="store_true", help="measure this machine's matmul FLOP/s and gloo collectives")
     p.add_argument("--out", default=None, help="write the recommended config (functitan train --config FILE)")
@@ -109,6 +116,7 @@ def _plan_cli(argv: list[str]) -> int:
             seq_len=args.seq_len,
             top=args.top,
             margin=args.margin,
+            moe_load=args.moe_load,
             log=lambda line: print(line, flush=True),  # progress while it traces
         )
     finally:

@@ -23,11 +23,15 @@ from ._devices import Cluster
 from ._predict import ModelShape, model_shape, predict, rank_blocks
 from ._trace import Worlds, fake_worlds
 
-__all__ = ["Row", "Plan", "plan", "rank", "PlanError", "MARGIN"]
+__all__ = ["Row", "Plan", "plan", "rank", "PlanError", "MARGIN", "MOE_LOAD"]
 
 _GIB = float(1 << 30)
 MIN_TRACED = 4  # fitting candidates traced however few --top shows (a trace takes 0.5-5 s)
 MARGIN = 0.10  # of usable memory kept free: what torchtitan's users leave for fragmentation and spikes
+# under expert parallelism, the traced rank's routed rows as a multiple of the balanced share: routing is uneven
+# (real steps of the debug Qwen3-MoE sent one ep rank up to 1.56x its share in a layer) and a fake tensor has no
+# values to route by. 1.25 is the capacity factor of the MoEs that drop tokens beyond it (GShard, Switch)
+MOE_LOAD = 1.25
 
 
 class PlanError(UserError):
@@ -107,17 +111,21 @@ def plan(
     margin: float = MARGIN,
     tolerance: float = TIME_TOLERANCE,
     min_cp_tokens: int = MIN_CP_TOKENS,
+    moe_load: float = MOE_LOAD,
     log=print,
 ) -> Plan:
     """Plan ``cluster`` for the model (module docstring). A layout fits when its traced peak leaves ``margin`` of
     the usable memory free; of fitting layouts whose step times are within ``tolerance`` of the fastest, the
     one with the most headroom, counted up to twice the margin, is recommended (``rank``). Context parallelism is
-    offered while each cp rank keeps ``min_cp_tokens`` of a sequence (``enumerate_candidates``)."""
+    offered while each cp rank keeps ``min_cp_tokens`` of a sequence (``enumerate_candidates``). Under expert
+    parallelism the traced rank's experts receive ``moe_load`` times the balanced share of routed rows."""
     t0, c0 = time.perf_counter(), time.process_time()
     if top < 1:
         raise PlanError(f"--top={top}: show at least one candidate, e.g. --top {MIN_TRACED}")
     if not 0 <= margin < 1:
         raise PlanError(f"--margin={margin}: the fraction of usable memory to leave free, in [0, 1), e.g. 0.1")
+    if not moe_load >= 1:
+        raise PlanError(f"--moe-load={moe_load}: the busiest ep rank's routed rows over the mean, >= 1, e.g. 1.25")
     name, model, model_cfg = load(model_name, flavor, overrides)
     seq_len, seq_note = _seq_len(seq_len, model_cfg, name, flavor, cluster)
     global_batch_tokens = global_batch_tokens or 8 * seq_len * cluster.world
@@ -178,7 +186,7 @@ def plan(
     # how many to trace does not depend on how many are shown (``top`` up to MIN_TRACED): the recommendation
     # must not change with a display option, as it did when --top 3 traced fewer candidates than --top 8
     with _young_heap(), fake_worlds() as worlds:
-        job = _Job(base, model, model_cfg, shape, cluster, batch_size, seq_len, fpt, limit, worlds)
+        job = _Job(base, model, model_cfg, shape, cluster, batch_size, seq_len, fpt, limit, moe_load, worlds)
         ordered = _fastest_first(fitting, exact=timed, bound=functools.partial(timed, bubble=0.0))
         rows = _trace_best(job, ordered, len(fitting), max(top, MIN_TRACED), pruned, log)
         if not any(r.fits for r in rows):  # the formula was optimistic: try the layout that needs the least memory
@@ -212,6 +220,13 @@ def plan(
                 "K/V of every layer gathered over cp (synchronous), dK/dV reduce-scattered; FSDP over dp_shard x cp"
             ]
             if any(c.cp > 1 for c in cands)
+            else []
+        ),
+        *(
+            [
+                f"ep > 1: the traced rank's experts receive {moe_load:g}x the balanced share of routed tokens (--moe-load)"
+            ]
+            if any(c.ep > 1 for c in cands)
             else []
         ),
     ]
@@ -278,6 +293,7 @@ class _Job(NamedTuple):
     seq_len: int
     fpt: float  # model FLOPs per token
     limit: float  # the most bytes a fitting layout may need (usable memory less the margin)
+    moe_load: float  # under ep, the traced rank's routed rows over the balanced share
     worlds: Worlds | None = None  # the fake worlds and meshes kept from one candidate to the next
 
 
@@ -373,6 +389,7 @@ def _traced_row(job: _Job, c: Candidate, mem: dict, blocks: int) -> Row:
         seq_len=job.seq_len,
         backend=backend,
         worlds=job.worlds,
+        moe_load=job.moe_load,
     )
     tokens = job.batch_size * job.seq_len
     t = step_time(c, job.cluster, p.comm, flops_per_token=job.fpt, tokens=tokens, n_blocks=p.blocks, ops=p.ops)

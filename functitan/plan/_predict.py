@@ -122,15 +122,17 @@ def predict(
     seq_len: int,
     backend: str | None = None,
     worlds: Worlds | None = None,
+    moe_load: float = 1.0,
 ) -> Prediction:
     """Trace ``cand`` (one or two ranks, two block counts) and extrapolate to the model's real size.
 
     ``backend``: the collectives' backend whose buffers count ("gloo" for CPU ranks; see ``trace_rank``).
-    ``worlds``: the fake worlds and meshes kept between the candidates of one plan (``_trace.fake_worlds``)."""
+    ``worlds``: the fake worlds and meshes kept between the candidates of one plan (``_trace.fake_worlds``).
+    ``moe_load``: under ep, the traced rank's routed rows as a multiple of the balanced load (``trace_rank``)."""
     world, m = cand.world, cand.microbatches
     if shape.field is None:  # no block structure known: trace the whole model
         cfg = job_config(base_cfg, cand, batch_size=batch_size, seq_len=seq_len)
-        t = trace_rank(cfg, model, model_cfg, world=world, rank=0, backend=backend)
+        t = trace_rank(cfg, model, model_cfg, world=world, rank=0, backend=backend, moe_load=moe_load)
         return Prediction(t.peak, t.params, t.opt_state, t.grads, 0, t.comm, shape.n_blocks, t.ops)
     real = rank_blocks(shape, cand)
     if cand.pp == 1:
@@ -152,6 +154,7 @@ def predict(
                     rank=0,
                     mesh=mesh,
                     backend=backend,
+                    moe_load=moe_load,
                 )
                 for n in (a, a + 1)
             )
@@ -171,6 +174,7 @@ def predict(
             rank=rank,
             backend=backend,
             worlds=worlds,
+            moe_load=moe_load,
         )
         # in-flight microbatches on this rank with 1 and 2 microbatches, and in the real schedule
         i1, i2 = (pipe_in_flight(cand.pp, cand.schedule, cand.stages_per_rank, mt)[pp_rank] for mt in (1, 2))
@@ -202,6 +206,7 @@ def _pp_grid(
     rank: int,
     backend: str | None,
     worlds: Worlds | None = None,
+    moe_load: float = 1.0,
 ) -> dict:
     """``{(blocks per stage, microbatches): trace}`` of one pipeline rank at 1 and 2 of each, in one mesh."""
     stages, m, field = cand.pp * cand.stages_per_rank, cand.microbatches, str(shape.field)
@@ -215,7 +220,15 @@ def _pp_grid(
                 layers = tuple(range(s * per_stage, (s + 1) * per_stage) for s in range(stages))
                 mcfg = dataclasses.replace(model_cfg, **{field: stages * per_stage})
                 grid[per_stage, mt] = trace_rank(
-                    cfg, model, mcfg, world=cand.world, rank=rank, stage_layers=layers, mesh=mesh, backend=backend
+                    cfg,
+                    model,
+                    mcfg,
+                    world=cand.world,
+                    rank=rank,
+                    stage_layers=layers,
+                    mesh=mesh,
+                    backend=backend,
+                    moe_load=moe_load,
                 )
     return grid
 

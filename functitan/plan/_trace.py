@@ -369,23 +369,36 @@ def trace_rank(
     stage_layers=None,
     mesh=None,
     backend: str | None = None,
+    moe_load: float = 1.0,
 ) -> RankTrace:
     """Trace rank ``rank`` of ``world`` running ``cfg``'s step under FakeTensorMode (see the module docstring);
     ``mesh``: one from ``rank_mesh`` of the same degrees, world and rank (else it is built here). ``backend``:
     "gloo" (CPU ranks) counts the buffers functitan's collectives allocate on gloo (the reduce-scatter's receive
-    buffer, (world - 1) / world of a bucket); None: NCCL's, which allocate none the trace does not see."""
+    buffer, (world - 1) / world of a bucket); None: NCCL's, which allocate none the trace does not see.
+    ``moe_load``: under expert parallelism, the routed rows this rank's experts receive as a multiple of the
+    balanced share (a fake tensor has no values to route by; ``functitan.moe._dispatch.TRACED_LOAD``)."""
     from .._collectives import TRACED_BACKEND
+    from ..moe._dispatch import TRACED_LOAD
 
     par = cfg.parallelism
     if mesh is None:
         with rank_mesh(par, world, rank) as own:
             return trace_rank(
-                cfg, model, model_cfg, world=world, rank=rank, stage_layers=stage_layers, mesh=own, backend=backend
+                cfg,
+                model,
+                model_cfg,
+                world=world,
+                rank=rank,
+                stage_layers=stage_layers,
+                mesh=own,
+                backend=backend,
+                moe_load=moe_load,
             )
-    token = TRACED_BACKEND.set(backend)
+    token, load = TRACED_BACKEND.set(backend), TRACED_LOAD.set(moe_load)
     try:
         return _trace_rank(cfg, model, model_cfg, stage_layers=stage_layers, mesh=mesh)
     finally:
+        TRACED_LOAD.reset(load)
         TRACED_BACKEND.reset(token)
 
 
