@@ -3,7 +3,7 @@
     python examples/plan_then_train.py            # 2 CPU processes, a small Llama, 20 steps
 
 1. ``functitan.plan.plan`` enumerates every layout of 2 processes (FSDP, DDP, HSDP, TP+SP, PP schedules,
-   microbatches, remat), traces the trainer's own step of the best candidates under FakeTensorMode to get
+   microbatches, remat), traces the trainer's own step of the best candidates on meta tensors to get
    each rank's peak memory and collective bytes, and ranks them by predicted step time.
 2. ``write_toml`` writes the recommendation as a config; ``functitan train --config plan.toml`` runs it as is.
 """

@@ -1,7 +1,7 @@
 """What a run prints before its first step: the model, its size, the layout per mesh axis, this rank's state
 memory, and where the records go. A user reads it to catch a wrong flavor, a missed degree or a full disk
 before the first step spends minutes; ``functitan train --dry-run`` prints it, adds the planner's per-rank peak
-(``planned_peak``: the step traced under fake tensors, activations included), and stops."""
+(``planned_peak``: the step traced on meta tensors, activations included), and stops."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def banner(
 
 def planned_peak(cfg: Any, model: Any, model_cfg: Any, *, world: int) -> str:
     """The line with rank 0's peak memory in one step of ``cfg`` at ``world`` ranks, as ``functitan plan``
-    predicts it: the trainer's step traced under FakeTensorMode with a fake process group (no memory, no
+    predicts it: the trainer's step traced on meta tensors with a fake process group (no memory, no
     communication; seconds for a large model). Called with no process group in this process."""
     from .plan import trace_rank
 
@@ -91,5 +91,5 @@ def planned_peak(cfg: Any, model: Any, model_cfg: Any, *, world: int) -> str:
         return f"functitan: the planner could not trace this step ({type(e).__name__}: {why}); functitan plan shows it"
     return (
         f"functitan: planner: rank 0 peaks at {_size(peak)} in a step (params, grads, optimizer state and "
-        f"activations; the step traced under fake tensors at {world} process{'es' if world > 1 else ''})"
+        f"activations; the step traced on meta tensors at {world} process{'es' if world > 1 else ''})"
     )

@@ -110,7 +110,7 @@ class CPContext:
     def _causal(self, seq: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         if torch.compiler.is_compiling():  # a traced graph makes its own constant
             return _causal_mask(self.split.positions(seq, device), seq, dtype)
-        # a fake mask is valid only in its own FakeTensorMode (the planner traces each step in a fresh one): the
+        # a fake mask is valid only in its own FakeTensorMode (a fake trace of a step runs in a fresh one): the
         # cache is dropped when the mode changes, so the layers of one traced step share a mask as a real step does
         mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
         if mode is not self._masks_mode:

@@ -315,7 +315,7 @@ class _Regather:
         self.pending = 0
 
     def track(self, gathered: list[Tensor]) -> None:
-        # keyed by the storage object (not its address: fake tensors, which the planner traces, have none)
+        # keyed by the storage object (not its address: the meta tensors the planner traces, and fake ones, have none)
         self.where = {t.untyped_storage()._cdata: i for i, t in enumerate(gathered)}
 
     def pack(self, t: Tensor) -> Any:

@@ -8,7 +8,7 @@ frequency scaling (any object with ``factor``, ``low_freq_factor``, ``high_freq_
 Models take the tables from ``cached_tables``: built once per (shape, device, dtype) in eager mode (rebuilt
 in every block they were ~4% of a small model's forward), traced inline under ``torch.compile`` and inside a
 torch.func transform such as ``hvp`` or ``vmap`` (a cached tensor would escape it), and under a FakeTensorMode
-(the planner's traces) built once per mode, in a cache that dies with it (rebuilt in every block they were a
+(torch's fake tracing) built once per mode, in a cache that dies with it (rebuilt in every block they were a
 tenth of a trace's ops, and a real step keeps them from its first block on).
 
 References: RoPE (arXiv 2104.09864); Llama 3 (arXiv 2407.21783), section 3.

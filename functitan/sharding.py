@@ -482,7 +482,7 @@ class Layout:
         if mask is not None:
             count = mask.float().sum()  # the whole sequence's: the same on every tp rank
         else:
-            count = torch.tensor(float(values.shape[0] * values.shape[1] * self.seq_shards), device=values.device)
+            count = values.new_full((), float(values.shape[0] * values.shape[1] * self.seq_shards), dtype=torch.float32)
         return TokenLoss(total, count)
 
     # -- data parallel coordinates

@@ -298,7 +298,7 @@ def test_dry_run_builds_the_run_prints_the_banner_and_the_planners_peak_and_writ
     assert out[3] == "functitan: nothing is written (--dry-run)" and len(out) == 5
     # the planner's trace of the step: the state and the activations, more than the state alone
     assert out[4].startswith("functitan: planner: rank 0 peaks at ") and out[4].endswith(
-        "(params, grads, optimizer state and activations; the step traced under fake tensors at 1 process)"
+        "(params, grads, optimizer state and activations; the step traced on meta tensors at 1 process)"
     ), out[4]
     state = out[2].split(" = ")[1].split(" before")[0]
     peak = out[4].split("peaks at ")[1].split(" in a step")[0]

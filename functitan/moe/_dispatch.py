@@ -17,11 +17,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
+
+from .._valueless import valueless
 
 __all__ = ["ExpertParallel", "all_to_all", "TRACED_LOAD"]
 
-# The rows a traced step (functitan.plan: FakeTensorMode, no values to route by) sends to the traced rank's
+# The rows a traced step (functitan.plan: tensors without values to route by) sends to the traced rank's
 # experts, as a multiple of the balanced share. Real routing is uneven and the planner traces the worst rank: at
 # 1.0 a real step's busiest ep rank peaked up to 1.5% above the trace (Qwen3-MoE debug, ep 4).
 TRACED_LOAD: contextvars.ContextVar[float] = contextvars.ContextVar("functitan_traced_moe_load", default=1.0)
@@ -46,7 +47,7 @@ class ExpertParallel:
         its local expert. Returns the result rows in the order of ``token``."""
         n = counts.shape[0] // self.size  # experts per rank
         with torch.no_grad():
-            if is_fake(counts):  # the planner's traced step: no values to route by (``_balanced``)
+            if valueless(counts):  # the planner's traced step: no values to route by (``_balanced``)
                 send_splits, recv_splits, order, local_counts = self._balanced(token.shape[0], n, counts)
             else:
                 recv = torch.empty_like(counts)
@@ -67,7 +68,7 @@ class ExpertParallel:
         return all_to_all(back, recv_splits, send_splits, self.group)
 
     def _balanced(self, rows: int, n: int, counts: Tensor) -> tuple[list[int], list[int], Tensor, Tensor]:
-        """``routed``'s splits, order and local counts on tensors without values (FakeTensorMode): every rank sends
+        """``routed``'s splits, order and local counts on tensors without values (``valueless``): every rank sends
         each rank an equal share of its ``rows``, and this rank receives ``TRACED_LOAD`` times its share (the
         busiest rank: the planner bounds the worst rank's memory), its ``n`` experts taking equal groups; the same
         exchanges and copies as a real step."""
@@ -77,7 +78,7 @@ class ExpertParallel:
         dist.all_to_all_single(exchanged, counts, group=self.group)  # the count exchange a real step makes
         total = sum(recv)
         order = torch.arange(total, device=counts.device)
-        return send, recv, order, torch.tensor(_even(total, n), device=counts.device)
+        return send, recv, order, counts.new_empty(n)  # the local counts: no values to hold, a real step's bytes
 
 
 class _AllToAll(torch.autograd.Function):

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
 from .._loss import TokenLoss
+from .._valueless import valueless
 from ._balance import count_load
 from ._dispatch import ExpertParallel
 from ._routing import Router, balance_per_token, route
@@ -32,7 +32,7 @@ def grouped_mm(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     only); else one matmul per group (what a dtype or width the kernel refuses needs). On tensors without data (the name check's meta
     tensors, the planner's fake ones), whose grouped-GEMM rule is CUDA's (bf16 only), one group's matmul stands
     in: the same output, saved operands and gradient shapes."""
-    if x.device.type == "meta" or is_fake(x):
+    if valueless(x):
         return x @ w.select(0, 0).T
     itemsize = x.dtype.itemsize
     aligned = (x.shape[1] * itemsize) % 16 == 0 and (w.shape[1] * itemsize) % 16 == 0
@@ -103,7 +103,7 @@ def moe(x: Tensor, p: dict[str, Any], router: Router, layout: Any) -> tuple[Tens
     with torch.no_grad():
         hits = torch.zeros_like(scores).scatter_(1, experts, 1.0)  # (tokens, experts): 1 where routed
         load = hits.sum(0)  # (experts,) this forward's assignments per expert
-        aux: dict[str, Any] = {"load": TokenLoss(load, hits.new_tensor(float(hits.shape[0] * router.top_k)))}
+        aux: dict[str, Any] = {"load": TokenLoss(load, hits.new_full((), float(hits.shape[0] * router.top_k)))}
     if "bias" in p:  # the balancing bias's gradient is the load (functitan.moe._balance)
         out = count_load(out, p["bias"], load)
     if router.balance:

@@ -158,7 +158,7 @@ def _fusable_grads(
     buffers, ignoring strides: a gradient laid out otherwise (autograd gives an expanded one for a param used
     through ``.sum()``, a permuted one for some views) is copied into its param's layout. On the step's hot
     path: one pass of a few attribute reads per leaf (contiguous leaves skip the layout walk)."""
-    if not ps or ps[0].device.type not in ("cpu", "cuda"):
+    if not ps or ps[0].device.type not in ("cpu", "cuda", "meta"):  # meta: the planner's trace of a step
         return None
     dev = ps[0].device
     out = []

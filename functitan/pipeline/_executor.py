@@ -29,11 +29,11 @@ import optree
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
 from functitan import _dtensor as _dt
 from functitan._autograd import hand_grad
 from functitan._loss import TokenLoss
+from functitan._valueless import valueless
 from functitan.pipeline._comms import with_comms
 from functitan.pipeline._schedule import Action, Comm
 from functitan.pipeline._split_backward import WeightGrad, input_grad
@@ -200,7 +200,7 @@ class _Run:
         """The aux sums of every stage, in one order on every pp rank (a rank whose stages have no MoE layer
         holds none of its own): gathered once, on the first step."""
         mine = sorted((k, tuple(v.shape)) for k, v in self.aux_sums.items())
-        if is_fake(self.loss):  # the planner's traced step: a fake group exchanges no objects (nor values)
+        if valueless(self.loss):  # the planner's traced step: a fake group exchanges no objects (nor values)
             return mine
         if "all" not in self.aux_keys:
             group = self.stages.pp_group

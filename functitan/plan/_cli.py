@@ -16,8 +16,8 @@ from ._report import render_png, table, write_toml
 
 __all__ = ["main"]
 
-DESCRIPTION = """Predict per-rank peak memory (a real train step traced under FakeTensorMode with a fake process
-group at the target world size) and step time (alpha-beta collectives, FLOPs, pipeline bubble) of every valid
+DESCRIPTION = """Predict per-rank peak memory (a real train step traced on meta tensors with a fake process group
+at the target world size) and step time (alpha-beta collectives, FLOPs, pipeline bubble) of every valid
 layout, and recommend the fastest that fits. Model fields: --model.<field>=value (e.g. --model.n_layers=8)."""
 
 

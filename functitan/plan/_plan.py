@@ -29,7 +29,7 @@ _GIB = float(1 << 30)
 MIN_TRACED = 4  # fitting candidates traced however few --top shows (a trace takes 0.5-5 s)
 MARGIN = 0.10  # of usable memory kept free: what torchtitan's users leave for fragmentation and spikes
 # under expert parallelism, the traced rank's routed rows as a multiple of the balanced share: routing is uneven
-# (real steps of the debug Qwen3-MoE sent one ep rank up to 1.56x its share in a layer) and a fake tensor has no
+# (real steps of the debug Qwen3-MoE sent one ep rank up to 1.56x its share in a layer) and a meta tensor has no
 # values to route by. 1.25 is the capacity factor of the MoEs that drop tokens beyond it (GShard, Switch)
 MOE_LOAD = 1.25
 

@@ -1,29 +1,35 @@
 """Trace one real train step of one rank without memory or devices: per-rank peak memory and collective bytes.
 
-The step is the trainer's own (``train.make_layout``, ``train.place_model``, ``train.make_step``) run under
-``FakeTensorMode`` with torch's fake process group at the target world size, in this one CPU process: tensors
-carry shapes and dtypes but no storage, collectives return at once, and ``LiveBytes`` sums the storages
-alive at each instant as torch's ``MemTracker`` does in a real run (to the byte, at a third less time per op).
-The same dispatch mode (``_StepMode``, one mode rather than three stacked: each costs every op a re-dispatch) also
-answers the step's host reads (``loss.item()``: a fake tensor has no value; every read gives 1.0, a finite loss),
-counts the bytes of every c10d collective by the mesh axes its group spans, and every op dispatched (the host's
-per-op cost is a term of the step time).
+The step is the trainer's own (``train.make_layout``, ``train.place_model``, ``train.make_step``) run on meta
+tensors (``_OnMeta``) with torch's fake process group at the target world size, in this one CPU process: tensors
+carry shapes, dtypes and storage sizes but no data, collectives return at once, and ``LiveBytes`` sums the
+storages alive at each instant as torch's ``MemTracker`` does in a real run (to the byte, at a third less time per
+op). The same dispatch mode (``_StepMode``, one mode rather than three stacked: each costs every op a
+re-dispatch) also answers the step's host reads (``loss.item()``, ``tolist()``: a meta tensor has no value; every
+read gives 1.0, a finite loss), counts the bytes of every c10d collective by the mesh axes its group spans, and
+every op dispatched (the host's per-op cost is a term of the step time).
 
-Cost (405B and 8B shapes, one core): a traced step is ~1-1.5 s, nearly all of it torch's per-op dispatch
-(FakeTensorMode, DTensor, autograd); half the ops a step dispatches are device queries of the autograd engine
-(``prim.device``), which that mode answers first (still counted); the mesh of a world of 16,384 ranks
-takes 0.3 s to build (1.3 s with every rank's groups: a fake world makes only its own, ``_own_groups_only``), so
-one candidate's traces share it (``rank_mesh``), and a plan's candidates with the same degrees do (``Worlds``).
+Why meta tensors and not ``FakeTensorMode``: the same peaks, comms and collectives to the byte on every layout of
+tests/test_plan.py, at 1.8x less CPU (FakeTensorMode runs each op through Python: a cache key, a cached output
+rebuilt, a device query per autograd node; a meta op is torch's C++ shape function). What meta tensors need: SDPA
+picks its kernel by device, and on meta it takes the math path (the whole score matrix held for backward), so
+``_OnMeta`` routes it to the kernel CPU picks; the fake process group serves meta tensors too (``fake_world``).
 
-Gotchas (measured, torch 2.13): the mesh is built outside FakeTensorMode (its construction reads values).
-Context parallelism's all-gather attention shares one causal mask between layers; its cache
-(``_cp.CPContext._causal``) belongs to the FakeTensorMode it was made in, so a traced step shares it as a real step
-does (without it every layer held a mask of its own: 2 GiB a layer for Llama 3 8B at seq 131,072 and cp 16).
+Cost (405B and 8B shapes, one core): the mesh of a world of 16,384 ranks takes 0.3 s to build (1.3 s with every
+rank's groups: a fake world makes only its own, ``_own_groups_only``), so one candidate's traces share it
+(``rank_mesh``), and a plan's candidates with the same degrees do (``Worlds``).
+
+Gotchas (measured, torch 2.13): the mesh is built outside the trace's modes (its construction reads values).
+Context parallelism's all-gather attention shares one causal mask between layers (``_cp.CPContext._causal``), as
+a real step does (without it every layer held a mask of its own: 2 GiB a layer for Llama 3 8B at seq 131,072 and
+cp 16). RoPE's tables are cached per process (``rope.cached_tables``): each trace starts without them, so it
+counts them as a real step's first block does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import warnings
 from collections import defaultdict
@@ -33,7 +39,10 @@ from typing import Any, NamedTuple
 import optree
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.nn.attention
+import torch.nn.functional as F
+from torch.utils._device import DeviceContext
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..mesh import make_mesh
 from ..model import Param
@@ -54,6 +63,10 @@ __all__ = [
 ]
 
 _SCALAR = torch.ops.aten._local_scalar_dense.default
+_TO_COPY = torch.ops.aten._to_copy.default
+_SDP_CHOICE = torch.ops.aten._fused_sdp_choice.default
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
 COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "p2p", "all_to_all", "cp_all_gather", "cp_reduce_scatter")
 
 _C10D_KIND = {
@@ -109,14 +122,26 @@ def _nbytes(tree: Any) -> int:
     return total
 
 
+_NO_READ = object()
+
+
+def _host_read(func, args, kwargs) -> Any:
+    """What a host read of a meta tensor answers (``item``: 1; ``tolist``, a copy to the host: ones, finite, so
+    the step takes its normal path), or ``_NO_READ`` for any other op."""
+    if func is _SCALAR:
+        return 1.0 if args[0].is_floating_point() else 1
+    if func is _TO_COPY and args[0].device.type == "meta" and kwargs.get("device") == torch.device("cpu"):
+        return torch.ones(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+    return _NO_READ
+
+
 class _HostReads(TorchDispatchMode):
-    """Fake tensors hold no values: every host read (``item``, ``tolist``) answers 1 (finite, so the step
-    takes its normal path)."""
+    """Meta tensors hold no values: every host read answers ones (``_host_read``)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _SCALAR:
-            return 1.0 if args[0].is_floating_point() else 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        read = _host_read(func, args, kwargs)
+        return func(*args, **kwargs) if read is _NO_READ else read
 
 
 class _StepMode(LiveBytes):
@@ -160,15 +185,18 @@ class _StepMode(LiveBytes):
 
     def _call(self, func, args, kwargs):
         self.ops += 1
-        if func is _SCALAR:  # a host read: a fake tensor has no value (``_HostReads``)
-            return 1.0 if args[0].is_floating_point() else 1
+        kwargs = kwargs or {}
+        if func is _SCALAR or func is _TO_COPY:  # a host read? (``_HostReads``)
+            read = _host_read(func, args, kwargs)
+            if read is not _NO_READ:
+                return read
         kind = self._kinds.get(func, "")
         if kind == "":
             ns, name = func.namespace, func.__name__.split(".")[0]
             kind = self._kinds[func] = _C10D_KIND.get(name) if ns in ("c10d", "_c10d_functional") else None
         if kind is not None:
             self._count(kind, func.__name__.split(".")[0], args)
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
     def _count(self, kind: str, name: str, args) -> None:
         tensors = [a for a in optree.tree_leaves(list(args)) if isinstance(a, torch.Tensor)]
@@ -199,6 +227,43 @@ class _StepMode(LiveBytes):
         rec[1] += 1
 
 
+@functools.cache
+def _cpu_choice(rows: tuple, mask: tuple | None, dropout_p: float, causal: bool, scale, gqa: bool) -> int:
+    """SDPA's kernel choice on CPU for operands of these shapes (one position each) and dtypes, outside every mode."""
+    with _disable_current_modes():
+        q, k, v = (torch.empty((*r[:-2], 1, r[-2]), dtype=r[-1]) for r in rows)
+        m = None if mask is None else torch.empty((1,) * mask[0], dtype=mask[1])
+        return _SDP_CHOICE(q, k, v, m, dropout_p, causal, scale=scale, enable_gqa=gqa)
+
+
+class _OnMeta(DeviceContext):
+    """Tensors made without a device are meta tensors (shapes, dtypes and storage sizes, no data), and attention
+    takes the kernel it takes on CPU: SDPA picks its kernel by device, and on meta it takes the math path, which
+    keeps the whole (seq x seq) score matrix where the fused kernel keeps a row statistic."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("meta"))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
+            return _fused_attention(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention`` on meta tensors as CPU runs it: the fused kernel where CPU picks it
+    (heads grouped natively, a boolean mask made additive first), else the math path."""
+    rows = tuple((*t.shape[:-2], t.shape[-1], t.dtype) for t in (q, k, v))  # the choice reads no sequence length
+    mask = None if attn_mask is None else (attn_mask.dim(), attn_mask.dtype)
+    if _cpu_choice(rows, mask, dropout_p, is_causal, scale, enable_gqa) != _FLASH:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(q.dtype)
+    return _FLASH_CPU(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int):
     """A fake process group of ``world_size`` ranks in which this process is ``rank`` (no communication)."""
@@ -210,12 +275,19 @@ def fake_world(world_size: int, rank: int):
             "(this process already has a process group: call torch.distributed.destroy_process_group() first, or "
             "run `functitan plan` in its own process)"
         )
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    # the traced step's tensors are meta tensors (``_trace_rank``): the fake backend serves that device too while
+    # this world lives (a "cpu:fake,meta:fake" group works as well, but warns of an undefined backend at its end)
+    devices = dist.Backend.backend_capability[dist.Backend.FAKE]
+    dist.Backend.backend_capability[dist.Backend.FAKE] = [*devices, "meta"]
     try:
-        with _own_groups_only(rank):
-            yield
+        dist.init_process_group(dist.Backend.FAKE, rank=rank, world_size=world_size, store=FakeStore())
+        try:
+            with _own_groups_only(rank):
+                yield
+        finally:
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
+        dist.Backend.backend_capability[dist.Backend.FAKE] = devices
 
 
 @contextlib.contextmanager
@@ -276,7 +348,7 @@ def build_step(cfg, model, model_cfg, mesh, *, fake: bool, stage_layers=None):
 
 def step_peak(state, train_step, batch, *modes, warm_up: bool = True) -> tuple[int, Any]:
     """``(MemTracker peak bytes of one step, the new state)``; with ``warm_up`` a first step runs untracked, so
-    what a real step allocates once (allocator caches, lazily built tables) is not counted. A fake trace needs
+    what a real step allocates once (allocator caches, lazily built tables) is not counted. A traced step needs
     none: the tracked step starts from the same state either way, and whatever a first step builds lazily is
     counted in the tracked window instead of missed (the 9 layouts of tests/test_plan.py trace to the same peaks
     and op counts with and without it), at half the dispatches."""
@@ -371,12 +443,12 @@ def trace_rank(
     backend: str | None = None,
     moe_load: float = 1.0,
 ) -> RankTrace:
-    """Trace rank ``rank`` of ``world`` running ``cfg``'s step under FakeTensorMode (see the module docstring);
+    """Trace rank ``rank`` of ``world`` running ``cfg``'s step on meta tensors (see the module docstring);
     ``mesh``: one from ``rank_mesh`` of the same degrees, world and rank (else it is built here). ``backend``:
     "gloo" (CPU ranks) counts the buffers functitan's collectives allocate on gloo (the reduce-scatter's receive
     buffer, (world - 1) / world of a bucket); None: NCCL's, which allocate none the trace does not see.
     ``moe_load``: under expert parallelism, the routed rows this rank's experts receive as a multiple of the
-    balanced share (a fake tensor has no values to route by; ``functitan.moe._dispatch.TRACED_LOAD``)."""
+    balanced share (a meta tensor has no values to route by; ``functitan.moe._dispatch.TRACED_LOAD``)."""
     from .._collectives import TRACED_BACKEND
     from ..moe._dispatch import TRACED_LOAD
 
@@ -403,16 +475,15 @@ def trace_rank(
 
 
 def _trace_rank(cfg, model, model_cfg, *, stage_layers, mesh) -> RankTrace:
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from .. import rope
 
     par = cfg.parallelism
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        mode = _StepMode(mesh)  # outside FakeTensorMode: it reads the mesh's values
-        with FakeTensorMode():
-            state, train_step, batch = build_step(cfg, model, model_cfg, mesh, fake=True, stage_layers=stage_layers)
-            live = _live_step(state, train_step, batch, live=mode)
-            params, opt = _nbytes(state.params), _nbytes(state.opt_state)
+    mode = _StepMode(mesh)  # outside the meta context: it reads the mesh's values
+    rope.clear_cache()  # a real step builds its tables in its first block: so does each trace
+    with _OnMeta():
+        state, train_step, batch = build_step(cfg, model, model_cfg, mesh, fake=True, stage_layers=stage_layers)
+        live = _live_step(state, train_step, batch, live=mode)
+        params, opt = _nbytes(state.params), _nbytes(state.opt_state)
     after = (live.at_backward or 0) if par.pp == 1 else 0
     comm = {axes: {k: list(v) for k, v in kinds.items()} for axes, kinds in live.comm.items()}
     return RankTrace(
@@ -427,7 +498,7 @@ def _trace_rank(cfg, model, model_cfg, *, stage_layers, mesh) -> RankTrace:
 
 
 def _live_step(state, train_step, batch, *modes, live: Any = None) -> Any:
-    """One fake step under ``modes`` and ``live`` (a ``LiveBytes``: MemTracker's count of live tensor bytes, a third
+    """One traced step under ``modes`` and ``live`` (a ``LiveBytes``: MemTracker's count of live tensor bytes, a third
     faster; by default a new one), which is returned; ``step_peak``'s docstring says why no warm-up step runs and
     why garbage is collected first."""
     gc.collect()
