@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from support import PLAN_TINY
@@ -151,3 +152,24 @@ def test_a_trace_runs_on_meta_tensors_and_peaks_where_a_fake_tensor_trace_does(c
             state, step, batch = tracing.build_step(cfg, model, mcfg, mesh, fake=True)
             fake = tracing._live_step(state, step, batch, live=mode)
     assert traced.peak == fake.peak and traced.comm == fake.comm, (traced.peak, fake.peak)
+
+
+def test_a_step_that_makes_a_cpu_tensor_is_traced_under_fake_tensors_to_the_same_bytes(tmp_path):
+    """A user's model may make a tensor on an explicit device inside its step (``layout.positions`` defaults to
+    ``device="cpu"``): on meta tensors that one is a real CPU tensor, and an op that meets both fails. The trace then
+    runs under FakeTensorMode, which makes it fake too: the peak of the same model written device-agnostic."""
+    from functitan.model import load_model
+
+    src = (Path(__file__).parent / "assets" / "tiny_gpt.py").read_text()
+    ln_f = "x = F.layer_norm(x, x.shape[-1:], top"
+    assert ln_f in src
+    shift = "x = x + torch.zeros(x.shape[-1], device={})\n    "  # the same bytes and ops either way
+    peaks = []
+    for name, where in (("agnostic", "x.device"), ("on_cpu", '"cpu"')):
+        path = tmp_path / f"{name}.py"
+        path.write_text(src.replace(ln_f, shift.format(where) + ln_f))
+        model = load_model(str(path))
+        base = JobConfig(model=ModelConfig(name=str(path), flavor="debug"))
+        cfg = job_config(base, Candidate(dp_shard=2, param_dtype="float32"), batch_size=4, seq_len=16)
+        peaks.append(trace_rank(cfg, model, model.config("debug"), world=2, rank=0).peak)
+    assert peaks[0] == peaks[1] and peaks[0] > 0, peaks

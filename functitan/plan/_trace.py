@@ -10,10 +10,12 @@ read gives 1.0, a finite loss), counts the bytes of every c10d collective by the
 every op dispatched (the host's per-op cost is a term of the step time).
 
 Why meta tensors and not ``FakeTensorMode``: the same peaks, comms and collectives to the byte on every layout of
-tests/test_plan.py, at 1.8x less CPU (FakeTensorMode runs each op through Python: a cache key, a cached output
+tests/test_plan.py, at 1.8-2.7x less CPU (FakeTensorMode runs each op through Python: a cache key, a cached output
 rebuilt, a device query per autograd node; a meta op is torch's C++ shape function). What meta tensors need: SDPA
 picks its kernel by device, and on meta it takes the math path (the whole score matrix held for backward), so
-``_OnMeta`` routes it to the kernel CPU picks; the fake process group serves meta tensors too (``fake_world``).
+``_OnMeta`` routes it to the kernel CPU picks; the fake process group serves meta tensors too (``fake_world``). A
+step that makes a tensor on an explicit device (``device="cpu"``) meets meta tensors with a real one, and an op
+that takes both fails: that step is traced under FakeTensorMode instead (``_trace_rank``).
 
 Cost (405B and 8B shapes, one core): the mesh of a world of 16,384 ranks takes 0.3 s to build (1.3 s with every
 rank's groups: a fake world makes only its own, ``_own_groups_only``), so one candidate's traces share it
@@ -475,26 +477,41 @@ def trace_rank(
 
 
 def _trace_rank(cfg, model, model_cfg, *, stage_layers, mesh) -> RankTrace:
-    from .. import rope
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     par = cfg.parallelism
-    mode = _StepMode(mesh)  # outside the meta context: it reads the mesh's values
-    rope.clear_cache()  # a real step builds its tables in its first block: so does each trace
-    with _OnMeta():
-        state, train_step, batch = build_step(cfg, model, model_cfg, mesh, fake=True, stage_layers=stage_layers)
-        live = _live_step(state, train_step, batch, live=mode)
-        params, opt = _nbytes(state.params), _nbytes(state.opt_state)
+    try:
+        live, params, opt = _traced(_OnMeta(), cfg, model, model_cfg, stage_layers, mesh)
+    except RuntimeError as e:
+        if "meta" not in str(e) or "device" not in str(e):
+            raise
+        # the step made a tensor on an explicit device (``device="cpu"``) and met a meta one: FakeTensorMode
+        # makes that one fake too (the same bytes, 2-3x the CPU)
+        live, params, opt = _traced(FakeTensorMode(), cfg, model, model_cfg, stage_layers, mesh)
     after = (live.at_backward or 0) if par.pp == 1 else 0
     comm = {axes: {k: list(v) for k, v in kinds.items()} for axes, kinds in live.comm.items()}
     return RankTrace(
         peak=live.peak,
         params=params,
         opt_state=opt,
-        grads=params_grad_bytes(state.params),
+        grads=params,  # gradients mirror the params' local shards and dtype (``value_and_grad`` keeps placements)
         comm=comm,
         after_forward=after,
         ops=live.ops,
     )
+
+
+def _traced(context: Any, cfg, model, model_cfg, stage_layers, mesh) -> tuple[Any, int, int]:
+    """``(the LiveBytes of one traced step, params bytes, optimizer state bytes)`` of the step built and run in
+    ``context`` (``_OnMeta``, or a ``FakeTensorMode``)."""
+    from .. import rope
+
+    mode = _StepMode(mesh)  # outside the context: it reads the mesh's values
+    rope.clear_cache()  # a real step builds its tables in its first block: so does each trace
+    with context:
+        state, train_step, batch = build_step(cfg, model, model_cfg, mesh, fake=True, stage_layers=stage_layers)
+        live = _live_step(state, train_step, batch, live=mode)
+        return live, _nbytes(state.params), _nbytes(state.opt_state)
 
 
 def _live_step(state, train_step, batch, *modes, live: Any = None) -> Any:
@@ -512,8 +529,3 @@ def _live_step(state, train_step, batch, *modes, live: Any = None) -> Any:
         stack.enter_context(live)
         train_step(state, batch)
     return live
-
-
-def params_grad_bytes(params: Any) -> int:
-    """Gradients mirror the params' local shards and dtype (``value_and_grad`` keeps placements)."""
-    return _nbytes(params)
