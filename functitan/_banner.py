@@ -82,10 +82,10 @@ def planned_peak(cfg: Any, model: Any, model_cfg: Any, *, world: int) -> str:
     """The line with rank 0's peak memory in one step of ``cfg`` at ``world`` ranks, as ``functitan plan``
     predicts it: the trainer's step traced on meta tensors with a fake process group (no memory, no
     communication; seconds for a large model). Called with no process group in this process."""
-    from .plan import trace_rank
+    from .plan import MOE_LOAD, trace_rank
 
     try:
-        peak = trace_rank(cfg, model, model_cfg, world=world, rank=0).peak
+        peak = trace_rank(cfg, model, model_cfg, world=world, rank=0, moe_load=MOE_LOAD).peak
     except Exception as e:  # noqa: BLE001 - the line is advice: a step the planner cannot trace still trains
         why = " ".join(str(e).split())[:200]
         return f"functitan: the planner could not trace this step ({type(e).__name__}: {why}); functitan plan shows it"

@@ -252,6 +252,7 @@ def test_plan_bad_input(argv, message, capsys):
         (["--nodes", "0"], "--nodes=0 --gpus-per-node=8: both must be >= 1"),
         (["--measure", "-1", "--device", "cpu"], "--measure=-1: the steps to train each top candidate"),
         (["--moe-load", "0.5"], "--moe-load=0.5: the busiest ep rank's routed rows over the mean, >= 1, e.g. 1.25"),
+        (["--moe-load", "inf"], "--moe-load=inf: the busiest ep rank's routed rows over the mean, >= 1, e.g. 1.25"),
         # argparse took --gpus for --gpus-per-node and planned 490 lines into a self-contradicting error
         (["--gpus", "8"], "unrecognized arguments: --gpus 8"),
         (["--node=2"], "unrecognized arguments: --node=2"),
@@ -653,7 +654,8 @@ def test_llama3_8b_at_131k_tokens_on_64_h100_recommends_context_parallel():
     """Issue 27's case: Llama 3 8B at seq 131,072 on 8 x 8 H100, 16 sequences a step (32K tokens a GPU, as
     torchtitan's 8B at 262K on CP 8). No traced layout without cp fits (a whole sequence's activations per rank);
     the recommendation splits the sequence and keeps the margin (docs/autotune.md shows the table). The plan
-    takes seconds: 11 s of CPU here, 32 s before the traces ran on meta tensors (issue 30 asks 15 s for a plan)."""
+    takes seconds: 11 s of CPU here, 32 s before the traces ran on meta tensors (issue 30 asks 15 s for a plan;
+    the bound leaves room for a loaded machine)."""
     import functitan.plan._plan as planner
     from functitan.plan import Cluster, device
 
@@ -667,4 +669,4 @@ def test_llama3_8b_at_131k_tokens_on_64_h100_recommends_context_parallel():
     assert best.cand.cp > 1 and best.fits and best.peak <= device("h100").usable * (1 - planner.MARGIN), best
     assert not [r.cand.label() for r in result.rows if r.fits and r.cand.cp == 1]
     assert result.cfg.parallelism.cp == best.cand.cp
-    assert result.cpu_seconds < 20, result.cpu_seconds
+    assert result.cpu_seconds < 25, result.cpu_seconds

@@ -73,7 +73,8 @@ class ExpertParallel:
         busiest rank: the planner bounds the worst rank's memory), its ``n`` experts taking equal groups; the same
         exchanges and copies as a real step."""
         send = _even(rows, self.size)
-        recv = [math.ceil(r * TRACED_LOAD.get()) for r in send]
+        load = min(TRACED_LOAD.get(), self.size)  # at most every rank's rows
+        recv = [math.ceil(r * load) for r in send]
         exchanged = torch.empty_like(counts)
         dist.all_to_all_single(exchanged, counts, group=self.group)  # the count exchange a real step makes
         total = sum(recv)

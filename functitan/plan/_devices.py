@@ -98,9 +98,10 @@ def op_time(budget_s: float = 0.3, *, best: bool = True) -> float:
         torch.autograd.grad(h.square().mean(), ws)
 
     counter = _OpCount()
-    with counter:
-        step()
-    return _per_call(step, (), budget_s, best) / counter.ops
+    with torch.enable_grad():  # a caller's no_grad would leave nothing to differentiate
+        with counter:
+            step()
+        return _per_call(step, (), budget_s, best) / counter.ops
 
 
 class _OpCount(TorchDispatchMode):

@@ -124,7 +124,7 @@ def plan(
         raise PlanError(f"--top={top}: show at least one candidate, e.g. --top {MIN_TRACED}")
     if not 0 <= margin < 1:
         raise PlanError(f"--margin={margin}: the fraction of usable memory to leave free, in [0, 1), e.g. 0.1")
-    if not moe_load >= 1:
+    if not (math.isfinite(moe_load) and moe_load >= 1):
         raise PlanError(f"--moe-load={moe_load}: the busiest ep rank's routed rows over the mean, >= 1, e.g. 1.25")
     name, model, model_cfg = load(model_name, flavor, overrides)
     seq_len, seq_note = _seq_len(seq_len, model_cfg, name, flavor, cluster)

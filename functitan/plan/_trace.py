@@ -10,12 +10,12 @@ read gives 1.0, a finite loss), counts the bytes of every c10d collective by the
 every op dispatched (the host's per-op cost is a term of the step time).
 
 Why meta tensors and not ``FakeTensorMode``: the same peaks, comms and collectives to the byte on every layout of
-tests/test_plan.py, at 1.8-2.7x less CPU (FakeTensorMode runs each op through Python: a cache key, a cached output
+tests/test_plan.py (tests/test_plan_time.py checks two), at 1.8-2.7x less CPU (FakeTensorMode runs each op through Python: a cache key, a cached output
 rebuilt, a device query per autograd node; a meta op is torch's C++ shape function). What meta tensors need: SDPA
 picks its kernel by device, and on meta it takes the math path (the whole score matrix held for backward), so
 ``_OnMeta`` routes it to the kernel CPU picks; the fake process group serves meta tensors too (``fake_world``). A
 step that makes a tensor on an explicit device (``device="cpu"``) meets meta tensors with a real one, and an op
-that takes both fails: that step is traced under FakeTensorMode instead (``_trace_rank``).
+that takes both fails with a device error: that step is traced under FakeTensorMode instead (``_trace_rank``).
 
 Cost (405B and 8B shapes, one core): the mesh of a world of 16,384 ranks takes 0.3 s to build (1.3 s with every
 rank's groups: a fake world makes only its own, ``_own_groups_only``), so one candidate's traces share it
@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import math
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
@@ -69,6 +70,12 @@ _TO_COPY = torch.ops.aten._to_copy.default
 _SDP_CHOICE = torch.ops.aten._fused_sdp_choice.default
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+_SDP_FLAGS = (
+    torch.backends.cuda.flash_sdp_enabled,
+    torch.backends.cuda.mem_efficient_sdp_enabled,
+    torch.backends.cuda.math_sdp_enabled,
+    torch.backends.cuda.cudnn_sdp_enabled,
+)
 COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "p2p", "all_to_all", "cp_all_gather", "cp_reduce_scatter")
 
 _C10D_KIND = {
@@ -182,7 +189,8 @@ class _StepMode(LiveBytes):
         return tuple(reversed(out))
 
     def _device(self, func, args, kwargs):
-        self.ops += 1  # a device query of the autograd engine: no work below, answered here (still counted)
+        # a device query of the autograd engine, which only a fake tensor dispatches (FakeTensorMode, the
+        # fallback): answered here, not counted (a real step's and a meta trace's op counts have none)
         return args[0].device
 
     def _call(self, func, args, kwargs):
@@ -230,8 +238,9 @@ class _StepMode(LiveBytes):
 
 
 @functools.cache
-def _cpu_choice(rows: tuple, mask: tuple | None, dropout_p: float, causal: bool, scale, gqa: bool) -> int:
-    """SDPA's kernel choice on CPU for operands of these shapes (one position each) and dtypes, outside every mode."""
+def _cpu_choice(rows: tuple, mask: tuple | None, dropout_p: float, causal: bool, scale, gqa: bool, enabled) -> int:
+    """SDPA's kernel choice on CPU for operands of these shapes (one position each) and dtypes, outside every mode
+    (``enabled``: the backends' switches, part of the cache's key)."""
     with _disable_current_modes():
         q, k, v = (torch.empty((*r[:-2], 1, r[-2]), dtype=r[-1]) for r in rows)
         m = None if mask is None else torch.empty((1,) * mask[0], dtype=mask[1])
@@ -247,23 +256,32 @@ class _OnMeta(DeviceContext):
         super().__init__(torch.device("meta"))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
-            return _fused_attention(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            query = args[0] if args else kwargs.get("query")
+            if isinstance(query, torch.Tensor) and query.device.type == "meta":
+                return _fused_attention(*args, **kwargs)
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """``F.scaled_dot_product_attention`` on meta tensors as CPU runs it: the fused kernel where CPU picks it
-    (heads grouped natively, a boolean mask made additive first), else the math path."""
-    rows = tuple((*t.shape[:-2], t.shape[-1], t.dtype) for t in (q, k, v))  # the choice reads no sequence length
+def _fused_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (its signature) on meta tensors as CPU runs it: the fused kernel where
+    CPU picks it (heads grouped natively, a boolean mask made additive in the query's dtype first, as CPU's
+    ``convert_boolean_attn_mask``), else the math path."""
+    ops = (query, key, value)
+    rows = tuple((*t.shape[:-2], t.shape[-1], t.dtype) for t in ops)  # the choice reads no sequence length
     mask = None if attn_mask is None else (attn_mask.dim(), attn_mask.dtype)
-    if _cpu_choice(rows, mask, dropout_p, is_causal, scale, enable_gqa) != _FLASH:
+    enabled = tuple(f() for f in _SDP_FLAGS)  # ``sdpa_kernel`` and ``enable_*_sdp`` steer the choice
+    if _cpu_choice(rows, mask, dropout_p, is_causal, scale, enable_gqa, enabled) != _FLASH:
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+            *ops, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
     if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.where(attn_mask, 0.0, float("-inf")).to(q.dtype)
-    return _FLASH_CPU(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        zero, minus = (torch.scalar_tensor(v, dtype=query.dtype, device=query.device) for v in (0.0, -math.inf))
+        attn_mask = torch.where(attn_mask, zero, minus)
+    return _FLASH_CPU(*ops, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
 @contextlib.contextmanager
