@@ -94,32 +94,36 @@ def _measured_peaks(cases):
     import torch.distributed as dist
 
     from functitan.mesh import make_mesh
-    from functitan.plan import build_step, step_peak
+    from functitan.plan import build_step, step_peak, young_heap
 
     out = []
-    for name, overrides, c in cases:
-        model, mcfg = _model(name, overrides)
-        cfg = job_config(_base(name, overrides), c, batch_size=BATCH, seq_len=SEQ)
-        mesh = make_mesh(
-            dp_replicate=c.dp_replicate, dp_shard=c.dp_shard, tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep, device="cpu"
-        )
-        state, step, batch = build_step(cfg, model, mcfg, mesh, fake=False)
-        out.append(step_peak(state, step, batch)[0])
-        dist.barrier()
+    with young_heap():  # one full garbage collection for all the cases, not one per step
+        for name, overrides, c in cases:
+            model, mcfg = _model(name, overrides)
+            cfg = job_config(_base(name, overrides), c, batch_size=BATCH, seq_len=SEQ)
+            mesh = make_mesh(
+                dp_replicate=c.dp_replicate, dp_shard=c.dp_shard, tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep, device="cpu"
+            )
+            state, step, batch = build_step(cfg, model, mcfg, mesh, fake=False)
+            out.append(step_peak(state, step, batch)[0])
+            dist.barrier()
     return out
 
 
 def _errors(gloo, cases, moe_load: float = 1.0) -> list[tuple[str, float, float, float]]:
     """``(case, predicted, measured worst rank, signed error)`` per case: the planner's prediction for CPU ranks
     (gloo's buffers counted; ``moe_load``: its routing allowance under ep), against every rank's real peak."""
+    from functitan.plan import young_heap
+
     measuring = gloo.submit(_measured_peaks, 4, cases, timeout=900)  # the ranks measure while this predicts
     predicted = []
-    for name, overrides, c in cases:
-        model, mcfg = _model(name, overrides)
-        shape = model_shape(model, mcfg, SEQ)
-        base = _base(name, overrides)
-        p = predict(base, model, mcfg, shape, c, batch_size=BATCH, seq_len=SEQ, backend="gloo", moe_load=moe_load)
-        predicted.append(p.peak)
+    with young_heap():
+        for name, overrides, c in cases:
+            model, mcfg = _model(name, overrides)
+            shape = model_shape(model, mcfg, SEQ)
+            base = _base(name, overrides)
+            p = predict(base, model, mcfg, shape, c, batch_size=BATCH, seq_len=SEQ, backend="gloo", moe_load=moe_load)
+            predicted.append(p.peak)
     per_rank = measuring()
     rows = []
     for i, ((name, _, c), p) in enumerate(zip(cases, predicted)):
@@ -451,13 +455,13 @@ def test_live_bytes_counts_what_memtracker_counts(layout):
     """The planner's tracker (a third cheaper per op), alone and as the trace's one dispatch mode (which also
     answers host reads and counts ops and collectives), gives torch's MemTracker's peak to the byte on one traced
     step (meta tensors): FSDP with selective remat and accumulation, TP + SP (DTensor), HSDP with full remat."""
-    from functitan.plan import build_step, step_peak
+    from functitan.plan import build_step, step_peak, young_heap
     from functitan.plan._trace import _HostReads, _live_step, _OnMeta, _StepMode, rank_mesh
 
     model, mcfg = _model()
     cfg = job_config(_base(), layout, batch_size=BATCH, seq_len=SEQ)
     peaks = []
-    with rank_mesh(cfg.parallelism, 4, 0) as mesh:
+    with young_heap(), rank_mesh(cfg.parallelism, 4, 0) as mesh:
         for tracker in ("memtracker", "live", "step"):  # the planner's one mode: live bytes, host reads, counts
             step_mode = _StepMode(mesh)  # built outside the meta context (it reads the mesh)
             with _OnMeta():

@@ -14,7 +14,7 @@ from ._devices import DEVICES, Cluster, Device, calibrate, device
 from ._plan import MARGIN, MOE_LOAD, Plan, PlanError, Row, plan, rank
 from ._predict import Prediction, model_shape, predict
 from ._report import render_png, table, write_toml
-from ._trace import RankTrace, build_step, step_peak, trace_rank
+from ._trace import RankTrace, build_step, step_peak, trace_rank, young_heap
 
 __all__ = [
     "Candidate",
@@ -42,5 +42,6 @@ __all__ = [
     "RankTrace",
     "build_step",
     "step_peak",
+    "young_heap",
     "trace_rank",
 ]

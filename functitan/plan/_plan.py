@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
 import heapq
 import math
 import time
@@ -21,7 +19,7 @@ from ._candidates import MIN_CP_TOKENS, Candidate, enumerate_candidates, job_con
 from ._cost import TIME_TOLERANCE, ModelDims, Time, analytic_comm, analytic_memory, step_time
 from ._devices import Cluster
 from ._predict import ModelShape, model_shape, predict, rank_blocks
-from ._trace import Worlds, fake_worlds
+from ._trace import Worlds, fake_worlds, young_heap
 
 __all__ = ["Row", "Plan", "plan", "rank", "PlanError", "MARGIN", "MOE_LOAD"]
 
@@ -185,7 +183,7 @@ def plan(
     fitting = [s for s in screen if s[1]["total"] <= limit * 1.1]
     # how many to trace does not depend on how many are shown (``top`` up to MIN_TRACED): the recommendation
     # must not change with a display option, as it did when --top 3 traced fewer candidates than --top 8
-    with _young_heap(), fake_worlds() as worlds:
+    with young_heap(), fake_worlds() as worlds:
         job = _Job(base, model, model_cfg, shape, cluster, batch_size, seq_len, fpt, limit, moe_load, worlds)
         ordered = _fastest_first(fitting, exact=timed, bound=functools.partial(timed, bubble=0.0))
         rows = _trace_best(job, ordered, len(fitting), max(top, MIN_TRACED), pruned, log)
@@ -361,19 +359,6 @@ def _smallest_row(job: _Job, c: Candidate, mem: dict, blocks: int, log) -> Row:
         ) from None
     log(f"  traced the smallest by formula: {c.label()}: {row.peak / _GIB:.2f} GiB")
     return row
-
-
-@contextlib.contextmanager
-def _young_heap() -> Iterator[None]:
-    """Each trace collects garbage first (its peak must not depend on when a collection comes); the objects
-    alive before planning (torch's modules, the caller's) are frozen out of those collections, which then
-    take milliseconds instead of 0.2 s each."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _traced_row(job: _Job, c: Candidate, mem: dict, blocks: int) -> Row:

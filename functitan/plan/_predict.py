@@ -28,7 +28,7 @@ from ..pipeline._generators import ScheduleName
 from ..sharding import Layout
 from ._candidates import Candidate, job_config
 from ._cost import pipe_in_flight
-from ._trace import Worlds, rank_mesh, trace_rank
+from ._trace import Worlds, rank_mesh, trace_rank, young_heap
 
 __all__ = ["Prediction", "predict", "ModelShape", "model_shape"]
 
@@ -111,6 +111,7 @@ def _layers(stage_model: Any, n_stages: int) -> tuple[range, ...]:
     return pipeline.balanced_layers(stage_model, n_stages)
 
 
+@young_heap()  # its two or more traces share one full collection
 def predict(
     base_cfg: Any,
     model: Any,
