@@ -9,7 +9,7 @@ from support import PLAN_TINY, cli
 
 from functitan.config import parse_config
 from functitan.job_config import JobConfig, ModelConfig
-from functitan.plan import Candidate, job_config, model_shape, predict
+from functitan.plan import Candidate, job_config, model_shape, predict, young_heap
 from functitan.plan._cli import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,8 +113,6 @@ def _measured_peaks(cases):
 def _errors(gloo, cases, moe_load: float = 1.0) -> list[tuple[str, float, float, float]]:
     """``(case, predicted, measured worst rank, signed error)`` per case: the planner's prediction for CPU ranks
     (gloo's buffers counted; ``moe_load``: its routing allowance under ep), against every rank's real peak."""
-    from functitan.plan import young_heap
-
     measuring = gloo.submit(_measured_peaks, 4, cases, timeout=900)  # the ranks measure while this predicts
     predicted = []
     with young_heap():
@@ -205,8 +203,6 @@ def test_young_heap_collects_once_and_a_nested_block_keeps_the_outer_freeze():
     prediction inside a plan or a test's loop) must not unfreeze the outer block's heap, and the outermost block
     leaves nothing frozen."""
     import gc
-
-    from functitan.plan import young_heap
 
     assert gc.get_freeze_count() == 0
     with young_heap():
@@ -474,7 +470,7 @@ def test_live_bytes_counts_what_memtracker_counts(layout):
     """The planner's tracker (a third cheaper per op), alone and as the trace's one dispatch mode (which also
     answers host reads and counts ops and collectives), gives torch's MemTracker's peak to the byte on one traced
     step (meta tensors): FSDP with selective remat and accumulation, TP + SP (DTensor), HSDP with full remat."""
-    from functitan.plan import build_step, step_peak, young_heap
+    from functitan.plan import build_step, step_peak
     from functitan.plan._trace import _HostReads, _live_step, _OnMeta, _StepMode, rank_mesh
 
     model, mcfg = _model()
