@@ -53,15 +53,20 @@ def banner(
     opt_state: Any,
     run_dir: Path,
     dry_run: bool = False,
+    expert_span: bool = False,
 ) -> list[str]:
     """The lines (rank 0 prints them). ``degrees``: the mesh's size per axis; ``params`` / ``opt_state``: this
     rank's placed state. Gradients are counted as one more copy of the params (their dtype and sharding);
-    activations are not counted: ``functitan plan`` traces them."""
+    activations are not counted: ``functitan plan`` traces them. ``expert_span``: expert parallelism spans cp
+    and tp (``functitan.mesh.expert_axis``)."""
     world = 1
     for a in AXES:
         world *= degrees.get(a, 1)
-    # as configured: ep borrows its ranks from dp_shard, whose mesh axis holds what ep left of it
-    shown = {**degrees, "dp_shard": degrees.get("dp_shard", 1) * degrees.get("ep", 1)}
+    # as configured: ep borrows its ranks from dp_shard x cp x tp; the mesh's ep axis holds those of dp_shard,
+    # and its dp_shard axis what ep left
+    borrowed = degrees.get("ep", 1)
+    ep = borrowed * degrees.get("cp", 1) * degrees.get("tp", 1) if expert_span else borrowed
+    shown = {**degrees, "dp_shard": degrees.get("dp_shard", 1) * borrowed, "ep": ep}
     layout = " ".join(f"{a}={shown[a]}" for a in AXES if shown.get(a, 1) > 1) or "one process"
     p, o = state_bytes(params), state_bytes(opt_state)
     where = (

@@ -22,7 +22,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _collectives, _remat
 from . import _dtensor as _dt
-from .mesh import REPLICA_AXES
+from .mesh import EP_SPAN, REPLICA_AXES
+
+EXPERT_AXES = ("ep", EP_SPAN)  # the axes a routed expert's experts dim is split over (functitan.mesh.expert_axis)
 
 __all__ = ["FSDP", "FSDPPolicy"]
 
@@ -163,10 +165,11 @@ class FSDP:
                 sizes[pl.dim] = _collectives.chunk(full, mesh.size(mi), mesh.get_local_rank(mi))[1]
             if names[mi] not in REPLICA_AXES or mesh.size(mi) == 1:
                 continue
-            if names[mi] == "ep" and isinstance(pl, Shard):  # expert parallel: this rank's experts, kept local
-                # the all-to-all brought every ep rank's tokens to them, so their gradient is the group's sum;
-                # data parallelism means over ranks, as the other axes' reductions do
-                local = _GradScale.apply(local, 1.0 / mesh.size(mi))
+            if names[mi] in EXPERT_AXES and isinstance(pl, Shard):  # expert parallel: this rank's experts, local
+                # the all-to-all brought every rank's tokens of the experts' group to them, so their gradient is
+                # the group's sum; data parallelism and cp mean over ranks, as the other axes' reductions do,
+                # while tp's ranks (in the group where it spans tp) hold parts of one loss: summed
+                local = _GradScale.apply(local, _expert_grad_scale(mesh, mi))
                 continue
             if isinstance(pl, Replicate):  # before the gathers: its backward then runs after the reduce-scatter
                 local = _collectives.grad_all_reduce(local, mesh.get_group(mi), reduce_dtype=reduce_dtype)
@@ -341,6 +344,15 @@ class _Regather:
         if self.pending == 0:  # the block's backward took all it saved: free the re-gathered params
             self.cache = None
         return out
+
+
+def _expert_grad_scale(mesh: Any, mi: int) -> float:
+    """The factor on an expert's gradient, the sum over its group's ranks (mesh dim ``mi``): one over the group's
+    data-parallel and cp ranks, which is its size over tp's where the group spans tp (``ep_cp_tp``)."""
+    if mesh.mesh_dim_names[mi] != EP_SPAN:
+        return 1.0 / mesh.size(mi)
+    root = mesh._get_root_mesh()
+    return root.size(root.mesh_dim_names.index("tp")) / mesh.size(mi)
 
 
 class _GradScale(torch.autograd.Function):

@@ -169,7 +169,7 @@ def check_model(
     if any(n % ep for n in stacks):
         raise ValueError(
             f"parallelism.ep={ep} does not divide the model's {stacks[0]} routed experts; expert parallelism gives "
-            f"each ep rank an equal share: choose an ep that divides both {stacks[0]} and parallelism.dp_shard"
+            f"each ep rank an equal share: choose an ep that divides {stacks[0]}"
         )
     refused = pipeline_refusal(model, model_cfg, pp)
     if refused:

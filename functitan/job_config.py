@@ -244,8 +244,9 @@ class ParallelismConfig:
         tp: tensor-parallel ranks (the model's logical axes decide the collectives).
         pp: pipeline ranks.
         cp: context-parallel ranks: each holds two balanced chunks of every sequence (docs/parallelism.md).
-        ep: expert-parallel ranks, borrowed from dp_shard (which ep must divide): each holds experts / ep of
-            every MoE layer's routed experts and receives their tokens by all-to-all (docs/moe.md).
+        ep: expert-parallel ranks, borrowed from dp_shard x cp x tp (torchtitan's efsdp = dp_shard * cp * tp /
+            ep): 1, or a multiple of cp x tp that divides that product. Each holds experts / ep of every MoE
+            layer's routed experts and receives their tokens by all-to-all (docs/moe.md).
         cp_attention: with cp > 1, how attention reaches the other chunks' keys: allgather (takes packed
             documents), ring (K/V passed around the cp ranks, sends overlapped) or ulysses (all-to-all to heads).
         sequence_parallel: with tp > 1: shard norms and the residual stream along the sequence.

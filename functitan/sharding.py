@@ -34,7 +34,7 @@ from ._names import NameTable
 from ._rules import Rules, Spec, default_rules, is_spec, logical_to_mesh_axes, spec_placements
 from ._seq import WHOLE, SequenceSplit
 from ._tp import TPContext, parse_einsum
-from .mesh import DP_AXES, EP_DENSE, fsdp_groups, storage_mesh
+from .mesh import DP_AXES, EP_DENSE, EP_SPAN, expert_axis, fsdp_groups, storage_mesh
 from .tree import map_with_names, tree_map
 
 __all__ = [
@@ -62,17 +62,23 @@ def place(params: Any, specs: Any, rules: Rules, mesh: DeviceMesh, *, requires_g
     (FSDP over the whole dp_shard degree; ``ep`` on a param's mesh then always shards its experts).
     """
     storage = storage_mesh(mesh)
-    dense: list[DeviceMesh] = []  # storage_mesh(mesh, dense=True), made at the first dense param under ep
+    span = expert_axis(mesh) == EP_SPAN
+    made: dict[str, DeviceMesh] = {}  # storage_mesh(mesh, dense=True / experts=True), made at first use
 
     def one(name: str, x: Any, spec: Spec) -> Any:
         if not isinstance(x, Tensor):
             raise TypeError(f"{name}: place() takes a tree of tensors, found {type(x).__name__}")
         on_mesh = spec_placements(spec, rules, mesh, name=name, ndim=x.ndim, shape=x.shape)
         where = storage
-        if _ep_shards_data(spec, rules, mesh, on_mesh):
-            dense[:] = dense or [storage_mesh(mesh, dense=True)]
-            where = dense[0]
-        pl = _on(where, mesh, on_mesh)
+        experts = _experts_dim(spec, rules, mesh) if span else None
+        if experts is not None:  # a routed expert: its experts dim over ep x cp x tp, FSDP over the rest
+            where = made["experts"] = made.get("experts") or storage_mesh(mesh, experts=True)
+            names = list(mesh.mesh_dim_names or ())
+            pl = tuple(Shard(experts) if a == EP_SPAN else on_mesh[names.index(a)] for a in where.mesh_dim_names or ())
+        else:
+            if _ep_shards_data(spec, rules, mesh, on_mesh):
+                where = made["dense"] = made.get("dense") or storage_mesh(mesh, dense=True)
+            pl = _on(where, mesh, on_mesh)
         full = x.detach()
         # distribute_tensor(src_data_rank=None) cuts every rank's chunk to keep one: 8192 fake tensors per
         # leaf at FSDP 8192, most of a planner trace's time. This rank's slice, cloned, is the same DTensor.
@@ -118,6 +124,12 @@ def _ep_shards_data(spec: Spec, rules: Rules, mesh: DeviceMesh, pl: Sequence[Any
     if "ep" not in names or not isinstance(pl[names.index("ep")], Shard):
         return False
     return len(logical_to_mesh_axes(spec, rules, mesh_axes=names)[pl[names.index("ep")].dim]) > 1
+
+
+def _experts_dim(spec: Spec, rules: Rules, mesh: DeviceMesh) -> int | None:
+    """The dim the rules give ``ep`` alone (a routed expert's ``experts``), or None."""
+    axes = logical_to_mesh_axes(spec, rules, mesh_axes=tuple(mesh.mesh_dim_names or ()))
+    return next((d for d, a in enumerate(axes) if a == ("ep",)), None)
 
 
 def _local_slice(x: Tensor, mesh: DeviceMesh, pl: Sequence[Any]) -> Tensor:
@@ -199,10 +211,13 @@ class Layout:
         object.__setattr__(self, "_tp", tp)
         object.__setattr__(self, "_fsdp", fsdp)
         object.__setattr__(self, "_cp", cp)
-        if on("ep") and mesh is not None:
+        axis = expert_axis(mesh)
+        if axis is not None and mesh is not None:
             from .moe._dispatch import ExpertParallel
 
-            object.__setattr__(self, "_ep", ExpertParallel.of(mesh))
+            # tp in the experts' group without sequence parallelism: its ranks hold the same tokens
+            spans_tp = axis == EP_SPAN and tp is not None and not tp.sequence_parallel
+            object.__setattr__(self, "_ep", ExpertParallel.of(mesh, axis, tp.group if spans_tp and tp else None))
         seq = cp.split if cp is not None else WHOLE
         if tp is not None and tp.sequence_parallel:  # SP cuts what cp leaves
             by, fix = (
@@ -370,8 +385,9 @@ class Layout:
 
     @property
     def expert_parallel(self) -> Any:
-        """The ``ep`` axis (``functitan.moe``'s ExpertParallel) when it has more than one rank, else None: a MoE
-        layer's routed experts are then this rank's share, and their tokens travel by all-to-all."""
+        """The routed experts' group (``functitan.moe``'s ExpertParallel: the ``ep`` axis, or ep x cp x tp
+        flattened where expert parallelism spans them) when it has more than one rank, else None: a MoE layer's
+        routed experts are then this rank's share, and their tokens travel by all-to-all."""
         return self._ep
 
     def moe(self, x: Tensor, p: Any, router: Any) -> tuple[Tensor, dict[str, Any]]:

@@ -40,7 +40,7 @@ from .data import build_loader
 from .errors import PeersGone
 from .hostmem import keep_freed_memory
 from .job_config import DEFAULT_FLAVOR, JobConfig, build_optimizer, build_schedule, learning_rate_schedule
-from .mesh import check_ep, make_mesh, resolve_degrees
+from .mesh import EP_SPAN, check_ep, expert_axis, make_mesh, resolve_degrees
 from .model import Model, config_to_dict, count
 from .model import specs as model_specs
 from .moe import LoadBalance
@@ -169,6 +169,7 @@ def run(
             opt_state=state.opt_state,
             run_dir=run_dir,
             dry_run=dry_run,
+            expert_span=expert_axis(mesh) == EP_SPAN,
         )
         print("\n".join(lines), flush=True)
     if dry_run:
@@ -561,7 +562,7 @@ def _check_degrees_and_batch(cfg: JobConfig) -> None:
     degrees = resolve_degrees(
         world, pp=par.pp, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp, tp=par.tp
     )
-    check_ep(par.ep, degrees["dp_shard"])
+    check_ep(par.ep, degrees["dp_shard"], cp=degrees["cp"], tp=degrees["tp"])
     local_batch(cfg, degrees["dp_replicate"] * degrees["dp_shard"])
 
 

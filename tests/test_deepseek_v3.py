@@ -213,8 +213,8 @@ def test_layout_checks_name_what_does_not_split_before_step_1():
 # declaration's zero bias is drawn normal(0.1) by gradcheck, so the bias moves the choice. Measured max
 # |grad - one process| <= 1.2e-7 over every param of every layout, |loss - one process| <= 4.8e-7 (one ulp).
 LAYOUTS = {
-    2: ("ddp", "fsdp", "ep", "cp", "tp", "tp_sp", "pp_1f1b"),
-    4: ("fsdp_ep", "ep4", "hsdp_ep", "ep_tp_sp", "cp_ep", "pp_ep"),
+    2: ("ddp", "fsdp", "ep", "ep_tp", "cp", "tp", "tp_sp", "pp_1f1b"),
+    4: ("fsdp_ep", "ep4", "hsdp_ep", "ep_tp_sp", "cp_ep", "ep4_cp_tp_sp", "pp_ep"),
 }
 
 

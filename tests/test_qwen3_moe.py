@@ -218,8 +218,11 @@ def test_the_loss_adds_the_balance_term_and_reports_each_experts_share():
 # 2 steps of SGD at lr 1 (the second step routes with the updated router), gradients of the loss with the balance
 # term; measured max |grad - one process| <= 3e-8 over every param of every layout
 MOE_LAYOUTS = {
-    2: ("ddp", "fsdp", "tp", "tp_sp", "cp", "ep", "pp_1f1b"),
-    4: ("hsdp", "fsdp_tp_sp", "cp_tp_sp", "fsdp_ep", "ep4", "hsdp_ep", "ep_tp_sp", "cp_ep", "pp_ep", "pp_fsdp_zb"),
+    2: ("ddp", "fsdp", "tp", "tp_sp", "cp", "ep", "ep_tp", "pp_1f1b"),
+    4: (
+        *("hsdp", "fsdp_tp_sp", "cp_tp_sp", "fsdp_ep", "ep4", "hsdp_ep", "ep_tp_sp", "ep4_tp_sp", "cp_ep"),
+        *("ep4_cp_tp_sp", "pp_ep", "pp_fsdp_zb"),
+    ),
 }
 
 
@@ -270,9 +273,15 @@ def test_the_trainer_with_remat_equals_one_process_and_reports_the_experts_load(
         # the stages carry the aux: the balance term joins the loss on its stage, load and balance the metrics
         "pp2_mb2": {"parallelism.dp_shard": 1, "parallelism.pp": 2, "training.microbatches": 2},
     }
-    ep = {  # AdamW, 3 steps, 2 microbatches: ep 2 x efsdp 2 with full remat, and ep 4
+    ep = {  # AdamW, 3 steps, 2 microbatches: ep 2 x efsdp 2 with full remat, ep 4, and ep 2 on tp's ranks
         "fsdp4_ep2_full": {"parallelism.dp_shard": 4, "parallelism.ep": 2, "training.remat": "full"},
         "ep4_mb2": {"parallelism.dp_shard": 4, "parallelism.ep": 4, "training.microbatches": 2},
+        "fsdp2_tp2_ep2": {
+            "parallelism.dp_shard": 2,
+            "parallelism.tp": 2,
+            "parallelism.sequence_parallel": False,
+            "parallelism.ep": 2,
+        },
     }
     wait = gloo.submit(_run_layouts, 2, layouts, str(tmp_path))
     ref_losses, ref_params = _train_moe({}, str(tmp_path), "ref")
@@ -318,7 +327,7 @@ def test_pipeline_parallelism_runs_moe_built_from_pieces_and_refuses_a_model_wit
 
 
 def _expert_shards(degrees: dict) -> dict:
-    """This rank's local shapes of a MoE layer's params under ``degrees`` (ep borrows from dp_shard)."""
+    """This rank's local shapes of a MoE layer's params under ``degrees`` (ep borrows from dp_shard x cp x tp)."""
     from functitan.mesh import make_mesh
     from functitan.model import specs
     from functitan.sharding import Layout, default_rules, place
@@ -335,14 +344,38 @@ def _expert_shards(degrees: dict) -> dict:
 
 
 def test_ep_ranks_hold_their_share_of_the_experts_and_fsdp_shards_the_rest(gloo):
-    # debug: 8 experts of (32, 64), a router of (8, 64); ep borrows from dp_shard, efsdp = dp_shard / ep
-    ep4, ep2 = (
-        gloo.run(_expert_shards, 4, {"dp_shard": 4, "ep": 4})[0],
-        gloo.run(_expert_shards, 4, {"dp_shard": 4, "ep": 2})[0],
+    # debug: 8 experts of (32, 64), a router of (8, 64); ep borrows from dp_shard x cp x tp,
+    # efsdp = dp_shard * cp * tp / ep
+    ep4, ep2, tp, tp_ep4, cp_tp = (
+        gloo.run(_expert_shards, 4, degrees)[0]
+        for degrees in (
+            {"dp_shard": 4, "ep": 4},
+            {"dp_shard": 4, "ep": 2},
+            {"dp_shard": 2, "tp": 2, "ep": 2},
+            {"dp_shard": 2, "tp": 2, "ep": 4},
+            {"dp_shard": 1, "cp": 2, "tp": 2, "ep": 4},
+        )
     )
     # dense params (the router) are FSDP-sharded over the whole dp_shard degree, ep's ranks included, as without ep
     assert ep4 == {"w_gate": (2, 32, 64), "router": (8, 16), "ep": 4}  # 2 whole experts (efsdp = 1)
     assert ep2 == {"w_gate": (4, 32, 32), "router": (8, 16), "ep": 2}  # 4 experts, and FSDP over efsdp = 2
+    # ep on tp's ranks: 4 experts each, FSDP over dp_shard (efsdp 2); and ep over dp_shard x tp (efsdp 1)
+    assert tp == {"w_gate": (4, 32, 32), "router": (8, 32), "ep": 2}
+    assert tp_ep4 == {"w_gate": (2, 32, 64), "router": (8, 32), "ep": 4}
+    assert cp_tp == {"w_gate": (2, 32, 64), "router": (8, 32), "ep": 4}  # ep over cp x tp; the router FSDP over cp
+
+
+def test_ep_spans_all_of_cp_x_tp_and_takes_the_rest_from_dp_shard():
+    from functitan.mesh import check_ep
+
+    assert check_ep(4, 4) == 4 and check_ep(2, 4, cp=2) == 1 and check_ep(4, 4, tp=2) == 2 and check_ep(1, 3, tp=2) == 1
+    assert check_ep(8, 2, cp=2, tp=2) == 2
+    with pytest.raises(ValueError) as e:
+        check_ep(2, 2, tp=4)
+    assert str(e.value) == (
+        "parallelism.ep=2: expert parallelism borrows its ranks from parallelism.dp_shard=2 x cp=1 x tp=4, so ep "
+        "must be a multiple of cp x tp = 4 that divides it; choose ep among [1, 4, 8] (or raise dp_shard)"
+    )
 
 
 def test_an_ep_that_does_not_divide_dp_shard_is_one_line_before_any_process_group_forms(monkeypatch):
@@ -381,7 +414,10 @@ def test_the_planner_offers_expert_parallel_and_pipelined_moe_layouts_and_names_
     kw = dict(world=4, per_node=4, batch_size=8, seq_len=64, n_blocks=2)
     cands, pruned = enumerate_candidates(M, cfg, **kw)
     assert any(c.pp == 2 for c in cands)
-    assert {c.ep for c in cands} == {1, 2, 4} and all(c.dp_shard % c.ep == 0 for c in cands)
+    assert {c.ep for c in cands} == {1, 2, 4}
+    # ep spans all of cp x tp and a divisor of dp_shard: efsdp = dp_shard * cp * tp / ep
+    assert all(c.ep == 1 or (c.ep % (c.cp * c.tp) == 0 and c.efsdp * c.ep == c.dp_shard * c.cp * c.tp) for c in cands)
+    assert any(c.ep == 2 and c.tp == 2 and c.dp_shard == 2 for c in cands)  # ep on tp's ranks
     assert not any("mixture-of-experts" in why for why in pruned)
     six, pruned6 = enumerate_candidates(M, cfg, **{**kw, "world": 6, "per_node": 6, "batch_size": 12})
     assert {c.ep for c in six} == {1, 2}  # 3 and 6 do not divide 8 experts
@@ -397,8 +433,8 @@ EP_RESUME = {"checkpoint.enable": True, "checkpoint.interval": 3, "checkpoint.ke
 
 def _ep4_then_other_layouts(root: str):
     """fsdp 4 x ep 4 straight for 5 steps; the same run cut after step 3 (its checkpoint holds each rank's 2
-    experts and their AdamW moments) resumed as fsdp 4 x ep 2, as fsdp 4 (ep 1) and as pp 2 x fsdp 2 (rank 0:
-    the first stage's params), each in a copy of the run."""
+    experts and their AdamW moments) resumed as fsdp 4 x ep 2, as fsdp 4 (ep 1), as fsdp 2 x tp 2 x ep 4 (ep over
+    dp_shard and tp's ranks) and as pp 2 x fsdp 2 (rank 0: the first stage's params), each in a copy of the run."""
     import shutil
 
     from support import Crash, crashing_at_step
@@ -411,6 +447,7 @@ def _ep4_then_other_layouts(root: str):
     resumed = {
         "ep2": {"parallelism.dp_shard": 4, "parallelism.ep": 2},
         "ep1": {"parallelism.dp_shard": 4, "parallelism.ep": 1},
+        "tp2_ep4": {"parallelism.dp_shard": 2, "parallelism.tp": 2, "parallelism.ep": 4},
         "pp2": {"parallelism.pp": 2, "parallelism.dp_shard": 2, "training.microbatches": 2},
     }
     for name, layout in resumed.items():
@@ -421,7 +458,7 @@ def _ep4_then_other_layouts(root: str):
     return straight, out
 
 
-def test_an_ep4_checkpoint_resumes_under_ep2_ep1_and_pp2_with_its_optimizer_state(tmp_path, gloo):
+def test_an_ep4_checkpoint_resumes_under_ep2_ep1_tp_ep4_and_pp2_with_its_optimizer_state(tmp_path, gloo):
     straight, moved = gloo.run(_ep4_then_other_layouts, 4, str(tmp_path), timeout=280)[0]
     for name, (losses, params) in moved.items():
         assert len(losses) == 5  # the cut run's steps 1-3, then 4 and 5 resumed (a fresh start would log 1-5 again)

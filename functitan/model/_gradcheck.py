@@ -38,13 +38,16 @@ GRADCHECK_LAYOUTS: dict[str, tuple[dict[str, int], bool]] = {
     "pp_zb_v": ({"pp": 2, "dp_shard": 1}, False),
     "cp": ({"cp": 2, "dp_shard": 1}, False),
     "cp_tp_sp": ({"cp": 2, "tp": 2, "dp_shard": 1}, True),
-    # expert parallelism borrows its ranks from dp_shard (a MoE model's routed experts over ep)
+    # expert parallelism borrows its ranks from dp_shard x cp x tp (a MoE model's routed experts over ep)
     "ep": ({"dp_shard": 2, "ep": 2}, False),
-    "fsdp_ep": ({"dp_shard": 4, "ep": 2}, False),
+    "fsdp_ep": ({"dp_shard": 4, "ep": 2}, False),  # dense params FSDP over dp_shard_ep, experts over efsdp 2
     "ep4": ({"dp_shard": 4, "ep": 4}, False),
     "hsdp_ep": ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, False),
-    "ep_tp_sp": ({"dp_shard": 2, "ep": 2, "tp": 2}, True),
-    "cp_ep": ({"dp_shard": 2, "ep": 2, "cp": 2}, False),  # dense params FSDP over dp_shard_ep x cp flattened
+    "ep_tp": ({"dp_shard": 1, "ep": 2, "tp": 2}, False),  # ep is tp's ranks, which share their tokens out
+    "ep_tp_sp": ({"dp_shard": 2, "ep": 2, "tp": 2}, True),  # ep is tp's ranks; experts FSDP over dp_shard
+    "ep4_tp_sp": ({"dp_shard": 2, "ep": 4, "tp": 2}, True),  # ep spans dp_shard and tp
+    "cp_ep": ({"dp_shard": 2, "ep": 2, "cp": 2}, False),  # ep is cp's ranks; experts FSDP over dp_shard
+    "ep4_cp_tp_sp": ({"dp_shard": 1, "ep": 4, "cp": 2, "tp": 2}, True),  # ep spans cp and tp
     "pp_ep": ({"pp": 2, "dp_shard": 2, "ep": 2}, False),
     "pp_fsdp_zb": ({"pp": 2, "dp_shard": 2}, False),
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._collectives import _gather, chunk
 from .._valueless import valueless
 
 __all__ = ["ExpertParallel", "all_to_all", "TRACED_LOAD"]
@@ -30,16 +32,34 @@ TRACED_LOAD: contextvars.ContextVar[float] = contextvars.ContextVar("functitan_t
 
 @dataclass(frozen=True)
 class ExpertParallel:
-    """The ``ep`` axis of a mesh: its process group, size and this rank's index."""
+    """The routed experts' group (``functitan.mesh.expert_axis``): its process group, size and this rank's index.
+    ``replicas``: tp's group where it is in the experts' group and its ranks hold the same tokens (no sequence
+    parallelism): each routes its share of them (``share``) and the results are gathered (``whole``)."""
 
     group: Any
     size: int
     rank: int
+    replicas: Any = None
 
     @classmethod
-    def of(cls, mesh: Any) -> ExpertParallel:
-        group = mesh.get_group("ep")
-        return cls(group, dist.get_world_size(group), dist.get_rank(group))
+    def of(cls, mesh: Any, axis: str = "ep", replicas: Any = None) -> ExpertParallel:
+        if axis in (mesh.mesh_dim_names or ()):
+            group = mesh.get_group(axis)
+        else:  # a flattened axis (``ep_cp_tp``) is sliced from the root mesh
+            with warnings.catch_warnings():  # "slicing a flattened dim from root mesh will be deprecated"
+                warnings.simplefilter("ignore", UserWarning)
+                group = mesh._get_root_mesh()[axis].get_group()
+        return cls(group, dist.get_world_size(group), dist.get_rank(group), replicas)
+
+    def share(self, x: Tensor) -> Tensor:
+        """This tp rank's chunk of ``x``'s rows (tokens every tp rank holds alike); backward gathers the chunks'
+        gradients, so each rank again holds the whole gradient of what it holds whole."""
+        return x if self.replicas is None else _Share.apply(x, self.replicas)
+
+    def whole(self, x: Tensor, rows: int) -> Tensor:
+        """Every tp rank's ``share`` of ``rows`` rows put together (backward: this rank's rows of the gradient,
+        which every rank holds whole)."""
+        return x if self.replicas is None else _Whole.apply(x, rows, self.replicas)
 
     def routed(self, x: Tensor, token: Tensor, counts: Tensor, compute: Any) -> Tensor:
         """Rows ``x[token]`` (sorted by expert; ``counts (experts,)`` rows per expert, all of them) through the
@@ -95,6 +115,29 @@ class _AllToAll(torch.autograd.Function):
         out = g.new_empty((sum(ctx.send), *g.shape[1:]))
         dist.all_to_all_single(out, g.contiguous(), ctx.send, ctx.recv, group=ctx.group)
         return out, None, None, None
+
+
+class _Share(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        ctx.group, ctx.rows = group, x.shape[0]
+        return x.narrow(0, *chunk(x.shape[0], dist.get_world_size(group), dist.get_rank(group)))
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return _gather(g.contiguous(), 0, ctx.rows, ctx.group), None
+
+
+class _Whole(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, rows: int, group: Any) -> Tensor:
+        ctx.group = group
+        return _gather(x.contiguous(), 0, rows, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return g.narrow(0, *chunk(g.shape[0], n, r)), None, None
 
 
 def _even(total: int, parts: int) -> list[int]:

@@ -9,6 +9,7 @@ zero gradient.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -48,7 +49,11 @@ def routed_experts(
     """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` for ``x (tokens, embed)``, ``experts`` and
     ``weights (tokens, k)``; ``p``: ``w_gate``, ``w_up (experts, expert_mlp, embed)``, ``w_down (experts, embed,
     expert_mlp)``, this rank's ``experts / ep`` of them under expert parallelism (``ep``). Dropless: every
-    assignment is computed."""
+    assignment is computed. Where tp is in the experts' group without sequence parallelism, its ranks hold the
+    same tokens: each sends only its share (``ExpertParallel.share``), so no token is computed twice."""
+    if ep is not None and ep.replicas is not None:  # tp ranks hold the same tokens: each routes its share
+        mine = dataclasses.replace(ep, replicas=None)
+        return ep.whole(routed_experts(ep.share(x), ep.share(experts), ep.share(weights), p, mine), x.shape[0])
     n_experts = p["w_gate"].shape[0] * (ep.size if ep is not None else 1)
     k = experts.shape[1]
     flat = experts.reshape(-1)  # (tokens * k,)

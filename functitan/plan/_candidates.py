@@ -43,7 +43,7 @@ class Candidate:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallel: the sequence split over cp ranks (FSDP shards over dp_shard x cp)
-    ep: int = 1  # expert parallel: borrows its ranks from dp_shard (the mesh's dp_shard is dp_shard / ep)
+    ep: int = 1  # expert parallel: borrows its ranks from dp_shard x cp x tp (functitan.mesh.check_ep)
     cp_attention: CPAttention = "allgather"  # with cp > 1
     schedule: ScheduleName = "1f1b"  # with pp > 1
     stages_per_rank: int = 1
@@ -65,6 +65,12 @@ class Candidate:
     def fsdp(self) -> int:
         """The ranks FSDP shards parameters over: ``dp_shard x cp`` (``mesh.FSDP_AXES``)."""
         return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """The ranks FSDP shards a routed expert over: what ep leaves of ``dp_shard x cp x tp`` (torchtitan's
+        efsdp), ``fsdp`` without ep."""
+        return self.dp_shard * self.cp * self.tp // self.ep if self.ep > 1 else self.fsdp
 
     def label(self) -> str:
         parts = []
@@ -230,11 +236,11 @@ def _check_cp(model, model_cfg, checked: dict, *, tp: int, sp: bool, cp: int, se
     return why
 
 
-def _ep_degrees(experts: int, shard: int, pruned: Counter) -> list[int]:
-    """1, and each expert-parallel degree that ``dp_shard=shard`` lends and the ``experts`` routed experts split
-    into (none for a dense model: ``experts`` 0)."""
+def _ep_degrees(experts: int, shard: int, span: int, pruned: Counter) -> list[int]:
+    """1, and each expert-parallel degree that ``dp_shard=shard`` x cp x tp (``span`` ranks) lends and the
+    ``experts`` routed experts split into (none for a dense model: ``experts`` 0)."""
     out = [1]
-    for ep in _divisors(shard)[1:] if experts else ():
+    for ep in [span * d for d in _divisors(shard) if span * d > 1] if experts else ():
         if experts % ep:
             pruned[f"ep={ep}: does not divide the model's {experts} routed experts"] += 1
         else:
@@ -269,7 +275,7 @@ def _with_pp(
             except ValueError as e:
                 pruned[f"dp={dp}: {_why(e)}"] += 1
                 continue
-            eps = _ep_degrees(experts, shard, pruned)
+            eps = _ep_degrees(experts, shard, cp * tp, pruned)
             for ep, mbs in ((e, r) for e in eps for r in (1, 2, 4, 8, 16, 32) if r <= max_rows and rows % r == 0):
                 m = rows // mbs
                 if pp > 1 and m < pp:

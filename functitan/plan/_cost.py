@@ -90,12 +90,14 @@ class Time(NamedTuple):
 
 
 def _degrees(c: Candidate) -> dict[str, int]:
-    """The mesh's axis sizes (ep borrows from dp_shard: the mesh's dp_shard is dp_shard / ep)."""
+    """The mesh's axis sizes (ep borrows from dp_shard x cp x tp: the mesh's ep axis holds its dp_shard ranks,
+    ``functitan.mesh.check_ep``)."""
+    borrowed = c.ep // (c.cp * c.tp) if c.ep > 1 else 1
     return {
         "pp": c.pp,
         "dp_replicate": c.dp_replicate,
-        "dp_shard": c.dp_shard // c.ep,
-        "ep": c.ep,
+        "dp_shard": c.dp_shard // borrowed,
+        "ep": borrowed,
         "cp": c.cp,
         "tp": c.tp,
     }
@@ -245,7 +247,7 @@ def analytic_memory(
     tops = (0.5 if first else 0) + (0.5 if last else 0)
     dense_block = d.block_params - d.expert_params
     # dense params: tp x FSDP over dp_shard (ep's ranks included) x cp; routed experts: ep x FSDP over what ep left
-    p_rank = (blocks * dense_block + tops * d.top_params) / (c.tp * c.fsdp) + blocks * d.expert_params / c.fsdp
+    p_rank = (blocks * dense_block + tops * d.top_params) / (c.tp * c.fsdp) + blocks * d.expert_params / c.ep / c.efsdp
     mbs = batch_size // c.dp // c.microbatches
     tok = mbs * seq_len // c.cp  # this rank's tokens of a microbatch
     sp = c.tp
@@ -293,9 +295,10 @@ def analytic_memory(
 def _fsdp_axes(c: Candidate, *, experts: bool = False) -> tuple[str, ...]:
     """The mesh axes of FSDP's group for dense params (``mesh.fsdp_groups``: dp_shard x cp flattened where both are
     > 1; under ep, dp_shard is ``dp_shard_ep``, dp_shard and ep as one) or, ``experts``, for the routed experts
-    (what ep left of dp_shard, x cp)."""
+    (what ep left of dp_shard: ep > 1 spans all of cp)."""
     degrees = _degrees(c)
     axes = ("dp_shard", "cp") if experts else ("dp_shard", "ep", "cp")
+    axes = ("dp_shard",) if experts and c.ep > 1 else axes
     return tuple(a for a in axes if degrees[a] > 1)
 
 
@@ -308,7 +311,7 @@ def analytic_comm(c: Candidate, d: ModelDims, *, seq_len: int, batch_size: int, 
     tok = mbs * seq_len // c.cp  # a rank's tokens of a microbatch
     out: dict = {}
     regather = 2 if (c.reshard_after_forward or c.remat != "none") else 1
-    # under ep the routed experts are gathered on their own group (what ep left of dp_shard, x cp)
+    # under ep the routed experts are gathered on their own group (what ep left of dp_shard)
     groups = [(_fsdp_axes(c), p_dense + (p_experts if c.ep == 1 else 0.0))]
     if c.ep > 1 and p_experts:
         groups.append((_fsdp_axes(c, experts=True), p_experts))
@@ -319,7 +322,7 @@ def analytic_comm(c: Candidate, d: ModelDims, *, seq_len: int, batch_size: int, 
                 "reduce_scatter": [4 * p * m, (blocks + 1) * m],
             }
     if c.dp_replicate > 1:
-        p_rank = p_dense / c.fsdp + p_experts / (c.fsdp // c.ep)
+        p_rank = p_dense / c.fsdp + p_experts / c.efsdp
         out[("dp_replicate",)] = {"all_reduce": [4 * p_rank * m, 9 * (blocks + 1) * m]}
     if c.tp > 1:
         act = tok * d.h * cb
@@ -345,7 +348,9 @@ def analytic_comm(c: Candidate, d: ModelDims, *, seq_len: int, batch_size: int, 
         act = tok * d.h * cb / c.tp
         out[("pp",)] = {"p2p": [4 * act * m * c.stages_per_rank, 4 * m * c.stages_per_rank]}
     if c.ep > 1:  # each MoE block's dispatch and combine, forward and backward (and the recompute's forward)
-        rows = tok / c.tp * max(d.top_k, 1) * d.h * cb  # a rank's routed rows (its sequence piece under SP)
+        # a rank's routed rows: its sequence piece under SP, its share of the tokens where the group spans tp
+        rows = tok / c.tp * max(d.top_k, 1) * d.h * cb
         n = (4 + (2 if c.remat == "full" else 0)) * blocks * m
-        out[("ep",)] = {"all_to_all": [rows * n, 2 * n]}  # each a count exchange first
+        group = tuple(a for a in ("ep", "cp", "tp") if _degrees(c)[a] > 1)  # the experts' group: ep x cp x tp
+        out[group] = {"all_to_all": [rows * n, 2 * n]}  # each a count exchange first
     return out
