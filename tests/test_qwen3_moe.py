@@ -4,7 +4,10 @@ grouped experts against plain loops, active-parameter FLOPs, and the balance ter
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -324,6 +327,35 @@ def test_pipeline_parallelism_runs_moe_built_from_pieces_and_refuses_a_model_wit
         ValueError, match=r"parallelism.pp=2: model 'qwen3_moe' has mixture-of-experts layers .* gives its own stages"
     ):
         check_model(own, cfg, tp=1, pp=2, seq_len=16, sequence_parallel=False)
+
+
+CLI_RUN = {"model.name": "qwen3_moe", "model.flavor": "debug", "training.steps": 3, "training.seq_len": 32,
+           "training.batch_size": 4, "data.max_corpus_bytes": 200_000, "optimizer.eps": 1e-6,
+           "metrics.log_every": 1}  # fmt: skip
+
+
+def test_train_cli_as_typed_with_ep_on_the_tp_ranks_equals_one_process(tmp_path, gloo):
+    """``functitan train --nproc 2 --parallelism.tp=2 --parallelism.ep=2`` (SP on by default; dp_shard has one
+    rank, so the experts' group is tp's two ranks): each step's loss equals the trainer's on one process."""
+    from support import train_small
+
+    ref, *_ = gloo.run(
+        train_small, 1, {**CLI_RUN, "metrics.run_dir": str(tmp_path), "metrics.run_name": "one"}, base={}
+    )[0]
+    flags = [f"--{k}={v}" for k, v in CLI_RUN.items()]
+    layout = ["--parallelism.tp=2", "--parallelism.ep=2"]
+    out = subprocess.run(
+        [sys.executable, "-m", "functitan.cli", "train", "--nproc", "2", *layout, *flags]
+        + [f"--metrics.run_dir={tmp_path}", "--metrics.run_name=ep"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "layout ep=2 tp=2 on 2 processes" in out.stdout  # ep as configured
+    got = [json.loads(line)["loss"] for line in (tmp_path / "ep" / "metrics.jsonl").read_text().splitlines()]
+    assert len(got) == len(ref) == 3 and got[-1] < got[0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=2e-5, rtol=1e-4)
 
 
 def _expert_shards(degrees: dict) -> dict:
