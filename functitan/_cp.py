@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -231,10 +232,8 @@ class _Ring(torch.autograd.Function):
         out = torch.zeros_like(q, dtype=torch.float32)
         lse = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)
         for step in range(n):
-            box, nxt = _Shift(plan.group, plan.rank, n), None
-            if step + 1 < n:
-                nxt = torch.empty_like(kv)
-                box.works = box.exchange(kv, nxt, forward=True)  # in flight during this step's blocks
+            box = _Shift(plan.group, plan.rank, n)
+            nxt = box.start(kv) if step + 1 < n else None  # in flight during this step's blocks
             for qt, kt, masked in plan.blocks((plan.rank - step) % n):
                 s = plan.scores(_rows(q, qt), _expand(_rows(kv[0], kt), rep), qt, kt, masked)
                 b_lse = torch.logsumexp(s, -1, keepdim=True)  # -inf where a query sees no key of the block
@@ -263,10 +262,8 @@ class _Ring(torch.autograd.Function):
         kv = torch.stack([k, v])
         dkv = torch.zeros_like(kv, dtype=torch.float32)  # travels with kv: the gradient of the chunks it holds
         for step in range(n):
-            box, nxt = _Shift(plan.group, plan.rank, n), None
-            if step + 1 < n:
-                nxt = torch.empty_like(kv)
-                box.works = box.exchange(kv, nxt, forward=True)  # the next K/V in flight during this step
+            box = _Shift(plan.group, plan.rank, n)
+            nxt = box.start(kv) if step + 1 < n else None  # the next K/V in flight during this step
             for qt, kt, masked in plan.blocks((plan.rank - step) % n):
                 qq, gg = _rows(q, qt).float(), _rows(g, qt)
                 kk, vv = _expand(_rows(kv[0], kt), rep).float(), _expand(_rows(kv[1], kt), rep).float()
@@ -277,9 +274,8 @@ class _Ring(torch.autograd.Function):
                 _rows(dkv[1], kt).add_(_fold(torch.matmul(p.transpose(-1, -2), gg), rep))
             if nxt is not None:
                 box.wait()
-            moved = torch.empty_like(dkv)  # the accumulator follows its chunks (the last send: home)
-            back = _Shift(plan.group, plan.rank, n)
-            back.works = back.exchange(dkv, moved, forward=True)
+            back = _Shift(plan.group, plan.rank, n)  # the accumulator follows its chunks (the last send: home)
+            moved = back.start(dkv)
             back.wait()
             dkv = moved
             if nxt is not None:
@@ -333,23 +329,36 @@ def _all_to_all(x: Tensor, group: Any, split_dim: int, cat_dim: int) -> Tensor:
 
 
 class _Shift:
-    """One ring exchange in flight: ``exchange`` starts it, ``wait`` finishes it."""
+    """One ring exchange in flight: ``start`` sends a tensor to the next rank and returns what the previous one
+    sends, ``wait`` finishes it."""
 
     def __init__(self, group: Any, rank: int, n: int) -> None:
         self.group, self.rank, self.n = group, rank, n
         self.works: list[Any] = []
         self.sent: Tensor | None = None
 
-    def exchange(self, send: Tensor, recv: Tensor, *, forward: bool) -> list[Any]:
-        """Send ``send`` on (to the next rank forward, the previous one backward) and receive into ``recv``."""
+    def start(self, send: Tensor) -> Tensor:
+        """The tensor that receives the previous rank's ``send`` (``wait`` before reading it), while ``send`` goes
+        to the next. Compiled, one functional all-to-all instead: a graph traces no p2p work handle (dynamo
+        breaks the graph there), so a compiled step's ring exchanges are not overlapped with its blocks."""
         ahead, behind = (self.rank + 1) % self.n, (self.rank - 1) % self.n
-        to, frm = (ahead, behind) if forward else (behind, ahead)
+        if torch.compiler.is_compiling():
+            n = send.numel()
+            flat = funcol.all_to_all_single(
+                send.contiguous().flatten(),
+                [n if r == behind else 0 for r in range(self.n)],
+                [n if r == ahead else 0 for r in range(self.n)],
+                self.group,
+            )
+            return funcol.wait_tensor(flat).view_as(send)
+        recv = torch.empty_like(send)
         self.sent = send.contiguous()  # alive until the send completes
         ops = [
-            dist.P2POp(dist.isend, self.sent, group=self.group, group_peer=to),
-            dist.P2POp(dist.irecv, recv, group=self.group, group_peer=frm),
+            dist.P2POp(dist.isend, self.sent, group=self.group, group_peer=ahead),
+            dist.P2POp(dist.irecv, recv, group=self.group, group_peer=behind),
         ]
-        return dist.batch_isend_irecv(ops)
+        self.works = dist.batch_isend_irecv(ops)
+        return recv
 
     def wait(self) -> None:
         for w in self.works:

@@ -150,10 +150,10 @@ def _fsdp_run(layout_name):
     )
 
 
-# cp: params sharded over cp, K/V all-gathered (the default), one graph with the step. (Ulysses traced as one graph
-# too, 18 s more here. The ring's send/receive does not trace into a whole-step graph: dynamo fails rebuilding a
-# DTensor after it, torch 2.13; the trainer's per-block compile, training.compile, runs it.)
-@pytest.mark.parametrize("layout_name", ["fsdp", "tp_sp", "cp_allgather"])
+# cp: params sharded over cp, K/V all-gathered (the default) or passed around the ring, one graph with the step.
+# The ring's send/receive traces as one functional all-to-all per exchange (its p2p work handles broke the graph,
+# and dynamo then failed rebuilding a DTensor, torch 2.13). (Ulysses traced as one graph too, 18 s more here.)
+@pytest.mark.parametrize("layout_name", ["fsdp", "tp_sp", "cp_allgather", "cp_ring"])
 def test_compiled_sharded_step_has_no_graph_breaks_and_trains_like_eager_and_one_process(layout_name, gloo):
 
     opt = _fsdp_opt()
