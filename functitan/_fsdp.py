@@ -22,9 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _collectives, _remat
 from . import _dtensor as _dt
-from .mesh import EP_SPAN, REPLICA_AXES
-
-EXPERT_AXES = ("ep", EP_SPAN)  # the axes a routed expert's experts dim is split over (functitan.mesh.expert_axis)
+from .mesh import EP_SPAN, EXPERT_AXES, REPLICA_AXES
 
 __all__ = ["FSDP", "FSDPPolicy"]
 

@@ -32,6 +32,7 @@ __all__ = [
     "DP_AXES",
     "EP_DENSE",
     "EP_SPAN",
+    "EXPERT_AXES",
     "FSDP_AXES",
     "REPLICA_AXES",
     "make_mesh",
@@ -48,14 +49,16 @@ DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # whose product is the
 DP_AXES = ("dp_replicate", "dp_shard", "ep")  # each rank its own batch slice
 # the ranks that hold the same parameters and average their gradients: the data-parallel axes, and cp, whose
 # ranks hold the same batch's different chunks of the sequence and the same (whole-sequence) loss. A param
-# Shard-ed on ep or ep_cp_tp (routed experts) is expert parallel there: each rank holds other experts, never
-# gathered. ``dp_shard_ep``: dp_shard and ep flattened (rank ``i * ep + j``), the axis a dense param is FSDP-sharded on under
-# ep: every rank of the dp_shard degree, ep's included (torchtitan's dense ``dp_shard_cp`` mesh).
+# Shard-ed on an EXPERT_AXES axis (routed experts) is expert parallel there: each rank holds other experts,
+# never gathered. ``dp_shard_ep``: dp_shard and ep flattened (rank ``i * ep + j``), the axis a dense param is
+# FSDP-sharded on under ep: every rank of the dp_shard degree, ep's included (torchtitan's dense ``dp_shard_cp``
+# mesh).
 EP_DENSE = "dp_shard_ep"
 # ``ep_cp_tp``: ep, cp and tp flattened (rank ``(i * cp + j) * tp + k``), the routed experts' group when expert
 # parallelism spans cp or tp (``make_mesh`` registers it then; ``expert_axis``)
 EP_SPAN = "ep_cp_tp"
 _SPANNED = ("ep", "cp", "tp")
+EXPERT_AXES = ("ep", EP_SPAN)  # the axes a routed expert's experts dim is split over (``expert_axis``)
 REPLICA_AXES = ("dp_replicate", "dp_shard", "ep", EP_DENSE, EP_SPAN, "cp")
 # the axes FSDP shards parameters over (torchtitan's ``fsdp = dp_shard * cp``): a cp rank holds no extra
 # parameter memory. Both shard the same dim, dp_shard outer, so one all-gather over the flattened group
